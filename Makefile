@@ -1,0 +1,40 @@
+# The two commands a fresh machine needs: `make demo` and `make test`.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+INSTALLED := $(VENV)/.installed
+
+.PHONY: install test lint protos demo bench clean
+
+$(INSTALLED): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and exact: this machine has the CPU wheel on disk; anything looser can
+	# pull a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(INSTALLED)
+
+install: $(INSTALLED)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/buf lint
+	if git rev-parse --verify --quiet main >/dev/null; then \
+		$(VENV)/bin/buf breaking --against '.git#branch=main'; fi
+
+test: lint
+	$(PY) -m pytest
+
+protos: install
+	$(PY) protos/generate.py
+
+demo: install
+	PATH="$(abspath $(VENV))/bin:$$PATH" ./scripts/demo.sh
+
+bench: install
+	$(PY) -m loadtest.mesh_overhead --out docs/benchmarks.md
+
+clean:
+	rm -rf $(VENV) var

@@ -1,0 +1,158 @@
+"""The `aimesh` command: serve one service, bring the whole mesh up, check its health."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from mesh import logs, supervisor, tracing
+from mesh.config import MeshSettings
+from mesh.health import probe
+from mesh.metrics import serve_metrics
+from mesh.registry import ServiceSpec, discover
+from mesh.server import MeshServer
+
+app = typer.Typer(help="aimesh: a gRPC mesh for AI serving.", no_args_is_help=True)
+console = Console()
+log = logging.getLogger("aimesh")
+
+
+def _spec(name: str) -> ServiceSpec:
+    specs = discover()
+    if name not in specs:
+        known = ", ".join(specs) or "none installed"
+        raise typer.BadParameter(f"unknown service {name!r} (known: {known})")
+    return specs[name]
+
+
+def _specs(only: list[str] | None) -> list[ServiceSpec]:
+    return [_spec(name) for name in only] if only else list(discover().values())
+
+
+@app.command()
+def serve(
+    name: Annotated[str, typer.Argument(help="service name, e.g. decode")],
+    port: Annotated[int | None, typer.Option(help="override the configured port")] = None,
+) -> None:
+    """Run one service in this process until SIGTERM, then drain."""
+    spec = _spec(name)
+    settings = MeshSettings()
+    logs.configure(name)
+    tracing.configure(f"aimesh-{name}")
+    chosen_port = settings.port_of(name, spec.default_port) if port is None else port
+    metrics_port = settings.metrics_port_of(name, chosen_port)
+
+    async def run() -> None:
+        server = MeshServer(
+            name,
+            settings,
+            port=chosen_port,
+            host=settings.service(name).host,
+            exempt_methods=spec.exempt_methods,
+        )
+        await spec.load_setup()(server)
+        if metrics_port:
+            serve_metrics(metrics_port, settings.service(name).host)
+        await server.serve_until_signal()
+
+    asyncio.run(run())
+
+
+@app.command()
+def up(
+    only: Annotated[
+        list[str] | None, typer.Option("--only", help="start just these services")
+    ] = None,
+    ready_timeout: Annotated[float, typer.Option(help="seconds to wait for readiness")] = 300,
+    log_dir: Annotated[
+        Path | None, typer.Option(help="write each service's log to DIR/NAME.log")
+    ] = None,
+) -> None:
+    """Start every service as its own process, wait until all are ready, run until Ctrl-C."""
+    settings = MeshSettings()
+    specs = _specs(only)
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    async def run() -> int:
+        children = [
+            await supervisor.start(spec, settings, log_dir and log_dir / f"{spec.name}.log")
+            for spec in specs
+        ]
+        try:
+            not_ready = await supervisor.wait_ready(children, ready_timeout)
+            _print_endpoints(children, settings, not_ready)
+            if not_ready:
+                console.print(f"[red]not ready: {', '.join(not_ready)}[/red]")
+                return 1
+            console.print("[green]mesh is up[/green]; Ctrl-C drains and stops it")
+            await supervisor.until_signal_or_exit(children)
+            return 0
+        finally:
+            grace = max(settings.service(s.name).grace_s for s in specs) + 5
+            await supervisor.stop(children, grace)
+
+    raise typer.Exit(asyncio.run(run()))
+
+
+def _print_endpoints(
+    children: list[supervisor.Child], settings: MeshSettings, not_ready: list[str]
+) -> None:
+    table = Table(title="aimesh services")
+    for column in ("service", "address", "metrics", "pid", "state"):
+        table.add_column(column)
+    for child in children:
+        name = child.spec.name
+        port = settings.port_of(name, child.spec.default_port)
+        metrics_port = settings.metrics_port_of(name, port)
+        table.add_row(
+            name,
+            child.target,
+            f"http://{settings.service(name).host}:{metrics_port}/metrics" if metrics_port else "-",
+            str(child.process.pid),
+            "[red]not ready[/red]" if name in not_ready else "[green]ready[/green]",
+        )
+    console.print(table)
+
+
+@app.command()
+def health(
+    only: Annotated[
+        list[str] | None, typer.Option("--only", help="check just these services")
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="seconds per probe")] = 1.0,
+) -> None:
+    """Liveness and readiness of every configured service; exit 0 only if all are ready."""
+    settings = MeshSettings()
+    specs = _specs(only)
+
+    async def run() -> list[tuple[str, str, str, str]]:
+        async def one(spec: ServiceSpec) -> tuple[str, str, str, str]:
+            target = settings.target_of(spec.name, spec.default_port)
+            live, ready = await asyncio.gather(
+                probe(target, "", timeout), probe(target, spec.name, timeout)
+            )
+            return spec.name, target, live, ready
+
+        return list(await asyncio.gather(*(one(spec) for spec in specs)))
+
+    rows = asyncio.run(run())
+    table = Table(title="aimesh health")
+    for column in ("service", "address", "live", "ready"):
+        table.add_column(column)
+    for name, target, live, ready in rows:
+        colour = "green" if ready == "SERVING" else "red"
+        table.add_row(name, target, live, f"[{colour}]{ready}[/{colour}]")
+    console.print(table)
+    all_ready = bool(rows) and all(ready == "SERVING" for *_, ready in rows)
+    raise typer.Exit(0 if all_ready else 1)
+
+
+if __name__ == "__main__":
+    app()

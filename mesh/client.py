@@ -1,0 +1,123 @@
+"""Channels to other services: one factory, so every call gets the same guarantees.
+
+Every channel carries, outermost first: tracing (W3C traceparent), the request id, the
+deadline budget, and a per-target circuit breaker. Its service config retries only
+methods the proto marks idempotent (`option idempotency_level`), only on UNAVAILABLE,
+under retryThrottling, and balances round_robin over every address a `dns:///` name
+resolves to.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+import grpc
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.descriptor_pb2 import MethodOptions
+
+from mesh import tracing
+from mesh.breaker import BreakerClientInterceptor, CircuitBreaker
+from mesh.config import ClientSettings, MeshSettings, TransportSettings
+from mesh.deadline import DeadlineClientInterceptor
+from mesh.request_id import RequestIdClientInterceptor
+
+_IDEMPOTENT_LEVELS = frozenset({MethodOptions.NO_SIDE_EFFECTS, MethodOptions.IDEMPOTENT})
+
+
+def idempotent_methods(services: Iterable[ServiceDescriptor]) -> list[tuple[str, str]]:
+    """(service, method) pairs the protos declare safe to retry; client streams never are."""
+    safe = []
+    for service in services:
+        for method in service.methods:
+            level = method.GetOptions().idempotency_level
+            if level in _IDEMPOTENT_LEVELS and not method.client_streaming:
+                safe.append((service.full_name, method.name))
+    return safe
+
+
+def service_config(services: Iterable[ServiceDescriptor], client: ClientSettings) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "retryThrottling": {"maxTokens": 10, "tokenRatio": 0.1},
+    }
+    retryable = idempotent_methods(services)
+    if retryable:
+        config["methodConfig"] = [
+            {
+                "name": [{"service": service, "method": method} for service, method in retryable],
+                "retryPolicy": {
+                    "maxAttempts": client.retry_max_attempts,
+                    "initialBackoff": f"{client.retry_initial_backoff_s}s",
+                    "maxBackoff": f"{client.retry_max_backoff_s}s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    return config
+
+
+def transport_options(transport: TransportSettings) -> list[tuple[str, Any]]:
+    """Message-size and keepalive options shared by channels and servers."""
+    return [
+        ("grpc.max_send_message_length", transport.max_message_bytes),
+        ("grpc.max_receive_message_length", transport.max_message_bytes),
+        ("grpc.keepalive_time_ms", int(transport.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(transport.keepalive_timeout_s * 1000)),
+    ]
+
+
+def create_channel(
+    target: str,
+    settings: MeshSettings,
+    *,
+    services: Iterable[ServiceDescriptor] = (),
+    breaker: CircuitBreaker | None = None,
+) -> grpc.aio.Channel:
+    client = settings.client
+    breaker = breaker or CircuitBreaker(target, client.breaker)
+    interceptors = [
+        *tracing.client_interceptors(),
+        *RequestIdClientInterceptor().client_interceptors(),
+        *DeadlineClientInterceptor(
+            margin_s=client.deadline_margin_s,
+            margin_ratio=client.deadline_margin_ratio,
+            default_unary_s=client.default_unary_deadline_s,
+            default_stream_s=client.default_stream_deadline_s,
+            per_method_s=client.method_deadlines_s,
+        ).client_interceptors(),
+        *BreakerClientInterceptor(breaker).client_interceptors(),
+    ]
+    options = [
+        *transport_options(settings.transport),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.enable_retries", 1),
+        ("grpc.service_config", json.dumps(service_config(services, client))),
+    ]
+    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+
+
+class ChannelPool:
+    """One channel (and so one breaker) per target, shared by every stub in a process."""
+
+    def __init__(self, settings: MeshSettings) -> None:
+        self.settings = settings
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.breakers: dict[str, CircuitBreaker] = {}
+
+    def get(self, target: str, *services: ServiceDescriptor) -> grpc.aio.Channel:
+        channel = self._channels.get(target)
+        if channel is None:
+            breaker = CircuitBreaker(target, self.settings.client.breaker)
+            channel = create_channel(target, self.settings, services=services, breaker=breaker)
+            self._channels[target] = channel
+            self.breakers[target] = breaker
+        return channel
+
+    async def close(self) -> None:
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            await channel.close()

@@ -1,0 +1,127 @@
+"""Typed settings for the whole mesh: one TOML file plus environment overrides.
+
+Precedence: explicit arguments > environment (AIMESH_*, nested with `__`, e.g.
+AIMESH_SERVICES__DECODE__PORT=50163) > the TOML file named by AIMESH_CONFIG > defaults.
+Each service's default port comes from its ServiceSpec; this file only holds overrides,
+so mesh/ stays ignorant of which services exist.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pydantic import BaseModel, Field
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+LOOPBACK = "127.0.0.1"
+
+
+class ServiceSettings(BaseModel):
+    """Where one service listens, how it is reached, and its compute budget."""
+
+    host: str = LOOPBACK
+    port: int | None = Field(default=None, ge=0, le=65535, description="None: the spec's port")
+    target: str | None = Field(
+        default=None,
+        description="What clients dial, e.g. dns:///decode.aimesh.svc:50063; None: host:port",
+    )
+    metrics_port: int | None = Field(
+        default=None, ge=0, le=65535, description="None: port + 1000; 0: no exposition"
+    )
+    max_concurrency: int = Field(default=4, ge=1)
+    max_queue: int = Field(default=64, ge=0)
+    grace_s: float = Field(default=15.0, ge=0, description="SIGTERM drain period")
+    options: dict[str, Any] = Field(default_factory=dict, description="engine-specific settings")
+
+
+class BreakerSettings(BaseModel, frozen=True):
+    window_size: int = Field(default=20, ge=1)
+    minimum_calls: int = Field(default=10, ge=1)
+    failure_rate: float = Field(default=0.5, gt=0, le=1)
+    slow_call_rate: float = Field(default=0.8, gt=0, le=1)
+    slow_call_s: float = Field(default=5.0, gt=0)
+    open_wait_s: float = Field(default=5.0, ge=0)
+    half_open_calls: int = Field(default=3, ge=1)
+    sane_deadline_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="DEADLINE_EXCEEDED trips the breaker only if the call had this long",
+    )
+
+
+class ClientSettings(BaseModel):
+    deadline_margin_s: float = Field(default=0.01, ge=0)
+    # grpc-timeout is rounded up on the wire (to about 3 significant digits, up to ~0.5%),
+    # so a fixed margin alone can vanish on long budgets; this share of the remaining budget
+    # keeps every hop's deadline strictly earlier than its caller's.
+    deadline_margin_ratio: float = Field(default=0.01, ge=0, lt=0.5)
+    default_unary_deadline_s: float = Field(default=10.0, gt=0)
+    default_stream_deadline_s: float = Field(default=300.0, gt=0)
+    method_deadlines_s: dict[str, float] = Field(
+        default_factory=dict, description="'/pkg.Service/Method' -> default deadline"
+    )
+    retry_max_attempts: int = Field(default=3, ge=2, le=5)
+    retry_initial_backoff_s: float = Field(default=0.1, gt=0)
+    retry_max_backoff_s: float = Field(default=2.0, gt=0)
+    breaker: BreakerSettings = Field(default_factory=BreakerSettings)
+
+
+class TransportSettings(BaseModel):
+    """Options both ends must agree on; set explicitly, never left to grpc's defaults."""
+
+    max_message_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    keepalive_time_s: float = Field(default=30.0, gt=0)
+    keepalive_timeout_s: float = Field(default=10.0, gt=0)
+    max_concurrent_streams: int = Field(default=1024, ge=1)
+    max_connection_age_s: float | None = Field(
+        default=None, description="Set in Kubernetes so round_robin clients see new pods"
+    )
+    max_connection_age_grace_s: float = Field(default=30.0, ge=0)
+
+
+class MeshSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="AIMESH_", env_nested_delimiter="__")
+
+    services: dict[str, ServiceSettings] = Field(default_factory=dict)
+    client: ClientSettings = Field(default_factory=ClientSettings)
+    transport: TransportSettings = Field(default_factory=TransportSettings)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        config_file = os.environ.get("AIMESH_CONFIG")
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if config_file:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=config_file))
+        return tuple(sources)
+
+    def service(self, name: str) -> ServiceSettings:
+        return self.services.get(name) or ServiceSettings()
+
+    def port_of(self, name: str, default_port: int) -> int:
+        port = self.service(name).port
+        return default_port if port is None else port
+
+    def target_of(self, name: str, default_port: int) -> str:
+        """The address a client dials for service `name`."""
+        service = self.service(name)
+        return service.target or f"{service.host}:{self.port_of(name, default_port)}"
+
+    def metrics_port_of(self, name: str, default_port: int) -> int:
+        metrics_port = self.service(name).metrics_port
+        if metrics_port is None:
+            port = self.port_of(name, default_port)
+            return 0 if port == 0 else port + 1000
+        return metrics_port

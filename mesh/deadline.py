@@ -1,0 +1,134 @@
+"""Deadline propagation: the caller's budget travels with the request and shrinks per hop.
+
+grpcio does not propagate deadlines (its OSS hook returns None). The server interceptor
+records when the incoming call expires in a contextvar; the client interceptor gives every
+outgoing call min(explicit timeout, remaining budget - margin), or the method's default
+when there is no budget at all, so no call ever leaves without a deadline. Downstream
+calls are made from the handler's own task, so when the handler is cancelled (deadline or
+client cancel) grpc cancels the calls below it too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import grpc
+
+from mesh.errors import local_error, status
+from mesh.rpc import (
+    BehaviorInterceptor,
+    ClientInterceptor,
+    StreamBehavior,
+    UnaryBehavior,
+    method_name,
+)
+
+# Absolute expiry on the time.monotonic() clock; None means "no budget known".
+_expires_at: ContextVar[float | None] = ContextVar("aimesh_deadline", default=None)
+
+
+def remaining() -> float | None:
+    """Seconds left in the current request's budget, or None when it has none."""
+    expires_at = _expires_at.get()
+    return None if expires_at is None else expires_at - time.monotonic()
+
+
+@contextmanager
+def budget(seconds: float) -> Iterator[None]:
+    """Starts (or narrows) a budget for calls made inside the block, e.g. at a CLI edge."""
+    current = _expires_at.get()
+    expires_at = time.monotonic() + seconds
+    token = _expires_at.set(expires_at if current is None else min(current, expires_at))
+    try:
+        yield
+    finally:
+        _expires_at.reset(token)
+
+
+class DeadlineServerInterceptor(BehaviorInterceptor):
+    """Records the incoming deadline where handlers and outgoing calls can read it.
+
+    Each RPC runs in its own task with its own context, so the value never leaks between
+    calls and needs no reset.
+    """
+
+    def wrap_unary(self, behavior: UnaryBehavior, method: str) -> UnaryBehavior:
+        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            _record(context)
+            return await behavior(request, context)
+
+        return handle
+
+    def wrap_stream(self, behavior: StreamBehavior, method: str) -> StreamBehavior:
+        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            _record(context)
+            async for response in behavior(request, context):
+                yield response
+
+        return handle
+
+
+def _record(context: grpc.aio.ServicerContext) -> None:
+    left = context.time_remaining()
+    _expires_at.set(None if left is None else time.monotonic() + left)
+
+
+class DeadlineClientInterceptor(ClientInterceptor):
+    """Gives every outgoing call a deadline derived from the budget it was made under."""
+
+    def __init__(
+        self,
+        *,
+        margin_s: float,
+        margin_ratio: float,
+        default_unary_s: float,
+        default_stream_s: float,
+        per_method_s: Mapping[str, float] | None = None,
+    ) -> None:
+        self.margin_s = margin_s
+        self.margin_ratio = margin_ratio
+        self.default_unary_s = default_unary_s
+        self.default_stream_s = default_stream_s
+        self.per_method_s = dict(per_method_s or {})
+
+    def timeout_for(self, details: grpc.aio.ClientCallDetails, *, streaming: bool) -> float:
+        method = method_name(details)
+        left = remaining()
+        candidates = [] if details.timeout is None else [details.timeout]
+        if left is not None:
+            candidates.append(left * (1 - self.margin_ratio) - self.margin_s)
+        if candidates:
+            timeout = min(candidates)
+        else:
+            fallback = self.default_stream_s if streaming else self.default_unary_s
+            timeout = self.per_method_s.get(method, fallback)
+        if timeout <= 0:
+            raise local_error(
+                status(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"deadline budget spent before calling {method}",
+                    reason="BUDGET_SPENT",
+                    metadata={"method": method},
+                )
+            )
+        return timeout
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        details = details._replace(timeout=self.timeout_for(details, streaming=False))
+        return await continuation(details, request)
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        details = details._replace(timeout=self.timeout_for(details, streaming=True))
+        return await continuation(details, request)
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        details = details._replace(timeout=self.timeout_for(details, streaming=True))
+        return await continuation(details, requests)
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        details = details._replace(timeout=self.timeout_for(details, streaming=True))
+        return await continuation(details, requests)

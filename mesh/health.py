@@ -1,0 +1,38 @@
+"""Client-side health probes, as Kubernetes and `aimesh health` ask them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+UNREACHABLE = "UNREACHABLE"
+
+
+async def probe(target: str, service: str = "", timeout_s: float = 1.0) -> str:
+    """The ServingStatus name for `service` at `target`, or UNREACHABLE / NOT_FOUND."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            response = await stub.Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.NOT_FOUND:
+                return "NOT_FOUND"
+            return UNREACHABLE
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+async def wait_until_serving(
+    target: str, service: str, timeout_s: float, interval_s: float = 0.2
+) -> bool:
+    """Polls readiness until SERVING or the timeout passes."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + timeout_s
+    while loop.time() < give_up:
+        if await probe(target, service) == "SERVING":
+            return True
+        await asyncio.sleep(interval_s)
+    return False

@@ -1,0 +1,42 @@
+"""How services plug into the mesh without the mesh knowing them.
+
+Each service package declares a ServiceSpec and registers it under the `aimesh.services`
+entry-point group in pyproject.toml. The spec module must stay cheap to import: `aimesh up`
+and `aimesh health` read every spec, and only `aimesh serve NAME` imports the setup
+function (and with it torch, models and so on).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mesh.server import MeshServer
+
+ENTRY_POINT_GROUP = "aimesh.services"
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    name: str
+    default_port: int
+    description: str
+    # "package.module:function"; the function registers servicers on the server (before it
+    # starts) and may add warm-ups that run before readiness flips to SERVING.
+    setup: str
+    # Full method names ('/pkg.Service/Method') that bypass admission: cheap control calls.
+    exempt_methods: tuple[str, ...] = field(default=())
+
+    def load_setup(self) -> Callable[[MeshServer], Awaitable[None]]:
+        module_name, _, function = self.setup.partition(":")
+        return getattr(importlib.import_module(module_name), function)
+
+
+def discover() -> dict[str, ServiceSpec]:
+    """Every installed service, by name, in port order (the order `aimesh up` starts them)."""
+    specs = [entry.load() for entry in entry_points(group=ENTRY_POINT_GROUP)]
+    return {spec.name: spec for spec in sorted(specs, key=lambda s: s.default_port)}

@@ -1,0 +1,150 @@
+"""Small helpers every server interceptor shares: method names and handler wrapping.
+
+grpc.aio server interceptors only see the method name and metadata; anything that needs
+the ServicerContext (deadline, status code, abort) has to wrap the handler's behaviour.
+These helpers do that once, for all four RPC arities.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+# Infrastructure services are never queued, counted as traffic or traced: a readiness
+# probe must answer even when every compute slot is busy.
+INFRASTRUCTURE_SERVICES = frozenset(
+    {
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+        "grpc.reflection.v1.ServerReflection",
+    }
+)
+
+UnaryBehavior = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+StreamBehavior = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+
+
+def split_method(full_method: str) -> tuple[str, str]:
+    """'/aimesh.echo.v1.EchoService/Echo' -> ('aimesh.echo.v1.EchoService', 'Echo')."""
+    service, _, method = full_method.lstrip("/").partition("/")
+    return service, method
+
+
+def is_infrastructure(full_method: str) -> bool:
+    return split_method(full_method)[0] in INFRASTRUCTURE_SERVICES
+
+
+class BehaviorInterceptor(grpc.aio.ServerInterceptor):
+    """Base for interceptors that wrap handler behaviour; infrastructure RPCs pass through.
+
+    Subclasses implement `wrap_unary` (the handler returns one response, whatever the
+    request arity) and `wrap_stream` (the handler is an async generator). Handlers must
+    be written in async-generator style, not `context.write`: that is also what the
+    OpenTelemetry aio server interceptor requires (opentelemetry-python-contrib #3066).
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or is_infrastructure(method):
+            return handler
+        return self._wrap(handler, method)
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        codecs = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                self.wrap_unary(handler.unary_unary, method), **codecs
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                self.wrap_stream(handler.unary_stream, method), **codecs
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                self.wrap_unary(handler.stream_unary, method), **codecs
+            )
+        return grpc.stream_stream_rpc_method_handler(
+            self.wrap_stream(handler.stream_stream, method), **codecs
+        )
+
+    def wrap_unary(self, behavior: UnaryBehavior, method: str) -> UnaryBehavior:
+        raise NotImplementedError
+
+    def wrap_stream(self, behavior: StreamBehavior, method: str) -> StreamBehavior:
+        raise NotImplementedError
+
+
+class ClientInterceptor:
+    """One concern applied to every arity; `client_interceptors()` registers it four times.
+
+    grpc.aio files each interceptor object under the first arity it subclasses (an elif
+    chain in Channel.__init__), so one object cannot serve all four; these adapters do.
+    """
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(details, request)
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(details, request)
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(details, requests)
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(details, requests)
+
+    def client_interceptors(self) -> list[grpc.aio.ClientInterceptor]:
+        return [
+            _UnaryUnary(self),
+            _UnaryStream(self),
+            _StreamUnary(self),
+            _StreamStream(self),
+        ]
+
+
+class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, concern: ClientInterceptor) -> None:
+        self.intercept = concern.intercept_unary_unary
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await self.intercept(continuation, details, request)
+
+
+class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, concern: ClientInterceptor) -> None:
+        self.intercept = concern.intercept_unary_stream
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await self.intercept(continuation, details, request)
+
+
+class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, concern: ClientInterceptor) -> None:
+        self.intercept = concern.intercept_stream_unary
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await self.intercept(continuation, details, requests)
+
+
+class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, concern: ClientInterceptor) -> None:
+        self.intercept = concern.intercept_stream_stream
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await self.intercept(continuation, details, requests)
+
+
+def method_name(details: grpc.aio.ClientCallDetails) -> str:
+    """grpc.aio hands interceptors the method as bytes (grpc/grpc#31092); normalise it."""
+    method = details.method
+    return method.decode() if isinstance(method, bytes) else method

@@ -1,0 +1,10 @@
+"""echo: the mesh's conformance and demo service (no model)."""
+
+from mesh.registry import ServiceSpec
+
+SPEC = ServiceSpec(
+    name="echo",
+    default_port=50100,
+    description="conformance and demo service for the mesh runtime",
+    setup="services.echo.servicer:setup",
+)

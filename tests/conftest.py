@@ -1,0 +1,141 @@
+"""Shared fixtures: real echo servers on 127.0.0.1 with the full mesh stack, tracing on."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+# grpc core logs every GOAWAY of a server stopping at teardown; keep test output readable.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import REGISTRY
+
+from aimesh.echo.v1 import echo_pb2_grpc
+from mesh import tracing
+from mesh.client import create_channel
+from mesh.config import MeshSettings, ServiceSettings
+from mesh.health import wait_until_serving
+from mesh.server import MeshServer
+from services.echo.servicer import SERVICE as ECHO_SERVICE
+from services.echo.servicer import setup as echo_setup
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+
+# Instrumentation is ON in every test: the aio bugs it has must not break cancellation.
+SPANS = InMemorySpanExporter()
+tracing.configure("aimesh-tests", processor=SimpleSpanProcessor(SPANS))
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    SPANS.clear()
+    yield SPANS
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+EchoFactory = Callable[..., Awaitable[MeshServer]]
+
+
+@pytest.fixture
+async def echo_server() -> AsyncIterator[EchoFactory]:
+    """Starts echo servers on ephemeral ports; `settings` overrides the service's limits."""
+    servers: list[MeshServer] = []
+
+    async def start(**service_settings: object) -> MeshServer:
+        settings = MeshSettings(services={"echo": ServiceSettings(**service_settings)})
+        server = MeshServer("echo", settings, port=0)
+        await echo_setup(server)
+        await server.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        await server.drain(0)
+
+
+def target(server: MeshServer) -> str:
+    return f"127.0.0.1:{server.port}"
+
+
+def echo_stub(server: MeshServer, settings: MeshSettings | None = None):
+    """A stub over a mesh channel: tracing, request id, deadline and breaker interceptors."""
+    channel = create_channel(target(server), settings or MeshSettings(), services=[ECHO_SERVICE])
+    return echo_pb2_grpc.EchoServiceStub(channel), channel
+
+
+async def eventually(
+    condition: Callable[[], bool], timeout_s: float = 5.0, interval_s: float = 0.01
+) -> float:
+    """Waits until `condition()` holds; returns how long it took. Fails after timeout_s."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(interval_s)
+    return time.monotonic() - started
+
+
+def metric(name: str, **labels: str) -> float:
+    """A sample from this process's Prometheus registry (0 when never observed)."""
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.update(extra)
+    return env
+
+
+class ServiceProcess:
+    """`aimesh serve NAME` as a real child process, as `aimesh up` and Kubernetes run it."""
+
+    def __init__(self, process: asyncio.subprocess.Process, port: int) -> None:
+        self.process = process
+        self.port = port
+        self.target = f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def serve_process() -> AsyncIterator[Callable[..., Awaitable[ServiceProcess]]]:
+    children: list[ServiceProcess] = []
+
+    async def start(name: str = "echo", **settings: str) -> ServiceProcess:
+        port = free_port()
+        prefix = f"AIMESH_SERVICES__{name.upper()}__"
+        env = subprocess_env(
+            **{f"{prefix}PORT": str(port), f"{prefix}METRICS_PORT": "0"},
+            **{prefix + key.upper(): value for key, value in settings.items()},
+        )
+        process = await asyncio.create_subprocess_exec(
+            str(VENV_BIN / "aimesh"),
+            "serve",
+            name,
+            env=env,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        child = ServiceProcess(process, port)
+        children.append(child)
+        if not await wait_until_serving(child.target, name, timeout_s=60):
+            raise AssertionError(f"{name} did not become ready on {child.target}")
+        return child
+
+    yield start
+    for child in children:
+        if child.process.returncode is None:
+            child.process.kill()
+            await child.process.wait()

@@ -1,0 +1,209 @@
+"""Circuit breaker: the state machine on a fake clock, then against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from aimesh.echo.v1 import echo_pb2
+from mesh.breaker import CircuitBreaker, Outcome, State, classify
+from mesh.config import BreakerSettings, ClientSettings, MeshSettings
+from mesh.errors import error_info, retry_delay_s
+from tests.conftest import echo_stub, metric, target
+
+SETTINGS = BreakerSettings(
+    window_size=4,
+    minimum_calls=4,
+    failure_rate=0.5,
+    slow_call_s=1.0,
+    open_wait_s=0.3,
+    half_open_calls=2,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def breaker(settings: BreakerSettings = SETTINGS) -> tuple[CircuitBreaker, Clock]:
+    clock = Clock()
+    return CircuitBreaker("test-target", settings, clock=clock), clock
+
+
+@pytest.mark.parametrize(
+    ("code", "timeout", "expected"),
+    [
+        (grpc.StatusCode.OK, None, Outcome.SUCCESS),
+        (grpc.StatusCode.UNAVAILABLE, None, Outcome.FAILURE),
+        (grpc.StatusCode.INTERNAL, None, Outcome.FAILURE),
+        (grpc.StatusCode.UNKNOWN, None, Outcome.FAILURE),
+        (grpc.StatusCode.DATA_LOSS, None, Outcome.FAILURE),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 5.0, Outcome.FAILURE),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 0.05, Outcome.IGNORED),
+        (grpc.StatusCode.INVALID_ARGUMENT, None, Outcome.IGNORED),
+        (grpc.StatusCode.NOT_FOUND, None, Outcome.IGNORED),
+        (grpc.StatusCode.CANCELLED, None, Outcome.IGNORED),
+        (grpc.StatusCode.UNAUTHENTICATED, None, Outcome.IGNORED),
+        (grpc.StatusCode.PERMISSION_DENIED, None, Outcome.IGNORED),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, None, Outcome.IGNORED),
+    ],
+)
+def test_classification(code, timeout, expected):
+    assert classify(code, timeout, SETTINGS) is expected
+
+
+def test_trips_on_failure_rate_and_fails_fast_while_open():
+    b, _ = breaker()
+    for outcome in (Outcome.SUCCESS, Outcome.FAILURE, Outcome.SUCCESS):
+        assert b.before_call("m") is None
+        b.record(outcome, 0.01)
+    assert b.state is State.CLOSED  # 3 calls < minimum_calls
+    b.record(Outcome.FAILURE, 0.01)  # 2 of 4 failed = 50%
+    assert b.state is State.OPEN
+    refusal = b.before_call("m")
+    assert refusal is not None and refusal.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_ignored_outcomes_never_trip():
+    b, _ = breaker()
+    for _ in range(50):
+        b.record(Outcome.IGNORED, 0.01)
+    assert b.state is State.CLOSED
+
+
+def test_slow_calls_trip_but_slow_streams_do_not():
+    b, _ = breaker()
+    for _ in range(4):
+        b.record(Outcome.SUCCESS, 30.0, streaming=True)
+    assert b.state is State.CLOSED
+    for _ in range(4):
+        b.record(Outcome.SUCCESS, 2.0)
+    assert b.state is State.OPEN
+
+
+def test_half_open_after_wait_then_closes_on_success():
+    b, clock = breaker()
+    for _ in range(4):
+        b.record(Outcome.FAILURE, 0.01)
+    assert b.state is State.OPEN
+    clock.now += 0.31
+    assert b.state is State.HALF_OPEN
+    assert b.before_call("m") is None and b.before_call("m") is None
+    assert b.before_call("m") is not None  # only half_open_calls trial calls at once
+    b.record(Outcome.SUCCESS, 0.01)
+    b.record(Outcome.SUCCESS, 0.01)
+    assert b.state is State.CLOSED
+
+
+def test_half_open_reopens_on_failures():
+    b, clock = breaker()
+    for _ in range(4):
+        b.record(Outcome.FAILURE, 0.01)
+    clock.now += 0.31
+    assert b.before_call("m") is None and b.before_call("m") is None
+    b.record(Outcome.FAILURE, 0.01)
+    b.record(Outcome.SUCCESS, 0.01)
+    assert b.state is State.OPEN
+
+
+def test_backpressure_holds_calls_without_tripping():
+    b, clock = breaker()
+    b.push_back(0.5)
+    refusal = b.before_call("m")
+    assert refusal is not None and refusal.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert b.state is State.CLOSED
+    clock.now += 0.51
+    assert b.before_call("m") is None
+
+
+def _client_settings() -> MeshSettings:
+    return MeshSettings(client=ClientSettings(breaker=SETTINGS))
+
+
+def _handled(code: str) -> float:
+    return metric(
+        "aimesh_rpc_server_handled_total",
+        grpc_service="aimesh.echo.v1.EchoService",
+        grpc_method="Echo",
+        grpc_code=code,
+    )
+
+
+def _state(server) -> float:
+    return metric("aimesh_breaker_state", target=target(server))
+
+
+async def test_real_server_trips_fails_fast_half_opens_and_closes(echo_server):
+    server = await echo_server()
+    stub, channel = echo_stub(server, _client_settings())
+    internal = echo_pb2.EchoRequest(response_status=echo_pb2.EchoStatus(code=13, message="boom"))
+    async with channel:
+        # INVALID_ARGUMENT is the caller's fault: ten of them leave the breaker closed.
+        for _ in range(10):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Echo(echo_pb2.EchoRequest(delay_ms=-1), timeout=5)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        for _ in range(4):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.Echo(internal, timeout=5)
+            assert caught.value.code() == grpc.StatusCode.INTERNAL
+
+        served_before = _handled("OK")
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Echo(echo_pb2.EchoRequest(), timeout=5)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        info = error_info(caught.value)
+        assert info.reason == "CIRCUIT_OPEN" and info.domain == "aimesh"
+        assert retry_delay_s(caught.value) <= SETTINGS.open_wait_s
+        assert _handled("OK") == served_before  # failed locally: the server never saw it
+        assert _state(server) == State.OPEN
+
+        await asyncio.sleep(SETTINGS.open_wait_s + 0.05)
+        for _ in range(SETTINGS.half_open_calls):
+            await stub.Echo(echo_pb2.EchoRequest(), timeout=5)
+        assert _handled("OK") == served_before + SETTINGS.half_open_calls
+        assert _state(server) == State.CLOSED
+        for _ in range(5):
+            await stub.Echo(echo_pb2.EchoRequest(), timeout=5)
+
+
+async def test_streams_that_fail_trip_the_breaker(echo_server):
+    server = await echo_server()
+    stub, channel = echo_stub(server, _client_settings())
+    failing = echo_pb2.EchoStreamRequest(
+        count=2, response_status=echo_pb2.EchoStatus(code=14, message="going away")
+    )
+    async with channel:
+        for _ in range(4):
+            call = stub.EchoStream(failing, timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError):
+                async for _ in call:
+                    pass
+        # The outcome of a stream is recorded from its done callback, a moment later.
+        for _ in range(100):
+            try:
+                await stub.Echo(echo_pb2.EchoRequest(), timeout=5)
+            except grpc.aio.AioRpcError as error:
+                assert error_info(error).reason == "CIRCUIT_OPEN"
+                break
+            await asyncio.sleep(0.01)
+        else:
+            pytest.fail("breaker did not open after failing streams")
+
+
+async def test_unavailable_is_retried_only_for_idempotent_methods(echo_server):
+    server = await echo_server()
+    stub, channel = echo_stub(server)
+    unavailable = echo_pb2.EchoStatus(code=14, message="try again")
+    async with channel:
+        before = _handled("UNAVAILABLE")
+        with pytest.raises(grpc.aio.AioRpcError):
+            await stub.Echo(echo_pb2.EchoRequest(response_status=unavailable), timeout=10)
+        # Echo is NO_SIDE_EFFECTS in the proto: the service config retries it 3 times.
+        assert _handled("UNAVAILABLE") == before + 3

@@ -1,0 +1,59 @@
+"""`aimesh up` starts every service as its own process; `aimesh health` reports them."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from tests.conftest import VENV_BIN, free_port, subprocess_env
+
+
+async def run(*args: str, env: dict[str, str]) -> tuple[int, str]:
+    process = await asyncio.create_subprocess_exec(
+        str(VENV_BIN / "aimesh"),
+        *args,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    output, _ = await asyncio.wait_for(process.communicate(), timeout=60)
+    return process.returncode, output.decode()
+
+
+async def test_up_health_and_drain_on_sigterm(tmp_path):
+    port = free_port()
+    env = subprocess_env(
+        AIMESH_SERVICES__ECHO__PORT=str(port),
+        AIMESH_SERVICES__ECHO__METRICS_PORT=str(free_port()),
+        COLUMNS="200",
+    )
+    # Nothing is running yet: health says so and fails.
+    code, output = await run("health", "--only", "echo", env=env)
+    assert code == 1 and "UNREACHABLE" in output
+
+    up = await asyncio.create_subprocess_exec(
+        str(VENV_BIN / "aimesh"),
+        "up",
+        "--log-dir",
+        str(tmp_path),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    banner = b""
+    while b"mesh is up" not in banner:
+        line = await asyncio.wait_for(up.stdout.readline(), timeout=60)
+        assert line, f"aimesh up exited early: {banner.decode()}"
+        banner += line
+    assert f"127.0.0.1:{port}".encode() in banner
+
+    code, output = await run("health", "--only", "echo", env=env)
+    assert code == 0, output
+    assert output.count("SERVING") == 2  # live and ready
+
+    up.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(up.wait(), timeout=30) == 0
+    code, output = await run("health", "--only", "echo", env=env)
+    assert code == 1  # every child drained and exited
+    log = (tmp_path / "echo.log").read_text()
+    assert '"message": "draining"' in log and '"message": "stopped"' in log

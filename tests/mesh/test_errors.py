@@ -1,0 +1,108 @@
+"""The one failure -> status table and the rich details every status carries."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from mesh import errors
+from mesh.failures import (
+    Conflict,
+    FieldViolation,
+    InvalidInput,
+    NotFound,
+    NotReady,
+    OutOfMemory,
+    Overloaded,
+)
+from mesh.validation import Violations
+
+
+def _as_error(status: grpc.Status) -> grpc.aio.AioRpcError:
+    return errors.local_error(status)
+
+
+@pytest.mark.parametrize(
+    ("failure", "code", "reason"),
+    [
+        (
+            InvalidInput([FieldViolation("prompt", "must not be empty")]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "INVALID_INPUT",
+        ),
+        (Overloaded("busy", retry_after_s=0.25), grpc.StatusCode.RESOURCE_EXHAUSTED, "OVERLOADED"),
+        (OutOfMemory("batch too large"), grpc.StatusCode.RESOURCE_EXHAUSTED, "OUT_OF_MEMORY"),
+        (NotReady("model loading"), grpc.StatusCode.UNAVAILABLE, "NOT_READY"),
+        (
+            NotFound("no such model", resource_type="model", resource_name="x"),
+            grpc.StatusCode.NOT_FOUND,
+            "NOT_FOUND",
+        ),
+        (Conflict("job already finished"), grpc.StatusCode.FAILED_PRECONDITION, "CONFLICT"),
+    ],
+)
+def test_every_failure_maps_to_one_code_with_error_info(failure, code, reason):
+    error = _as_error(errors.status_for_failure(failure))
+    assert error.code() == code
+    assert error.details() == failure.message
+    info = errors.error_info(error)
+    assert (info.reason, info.domain) == (reason, "aimesh")
+
+
+def test_invalid_input_carries_field_violations():
+    violations = Violations()
+    violations.in_range(float("nan"), "sampling.temperature", 0, 2)
+    violations.in_range(-1, "stopping.max_new_tokens", 1, 4096)
+    violations.max_length("x" * 10, "prompt", 5)
+    with pytest.raises(InvalidInput) as caught:
+        violations.raise_if_any()
+    error = _as_error(errors.status_for_failure(caught.value))
+    assert [v.field for v in errors.field_violations(error)] == [
+        "sampling.temperature",
+        "stopping.max_new_tokens",
+        "prompt",
+    ]
+    assert "finite" in errors.field_violations(error)[0].description
+
+
+def test_no_violations_raise_nothing():
+    violations = Violations()
+    violations.in_range(1.0, "x", 0, 2)
+    violations.raise_if_any()
+    assert not violations
+
+
+def test_overload_and_oom_say_when_to_retry():
+    assert errors.retry_delay_s(
+        _as_error(errors.status_for_failure(Overloaded("busy", retry_after_s=0.25)))
+    ) == pytest.approx(0.25)
+    assert errors.retry_delay_s(_as_error(errors.status_for_failure(OutOfMemory("oom")))) > 0
+
+
+def test_not_found_names_the_resource():
+    error = _as_error(
+        errors.status_for_failure(
+            NotFound("unknown collection", resource_type="collection", resource_name="docs")
+        )
+    )
+    assert errors.rich_status(error).details[1].type_url.endswith("google.rpc.ResourceInfo")
+
+
+def test_dependency_failures_pass_through_or_become_internal():
+    unavailable = _as_error(errors.status_for_failure(NotReady("loading")))
+    passed = errors.status_for_dependency(unavailable)
+    assert passed.code == grpc.StatusCode.UNAVAILABLE
+    assert errors.error_info(_as_error(passed)).reason == "NOT_READY"
+
+    bad = _as_error(errors.status_for_failure(InvalidInput([FieldViolation("x", "bad")])))
+    hidden = errors.status_for_dependency(bad)
+    assert hidden.code == grpc.StatusCode.INTERNAL
+    info = errors.error_info(_as_error(hidden))
+    assert info.reason == "DEPENDENCY_FAILED"
+    assert info.metadata["dependency_code"] == "INVALID_ARGUMENT"
+
+
+def test_unexpected_exceptions_become_internal_without_leaking_details():
+    error = _as_error(errors.internal_status(KeyError("secret-path/token")))
+    assert error.code() == grpc.StatusCode.INTERNAL
+    assert "secret" not in error.details()
