@@ -34,7 +34,7 @@ demo: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" ./scripts/demo.sh
 
 bench: install
-	$(PY) -m loadtest.mesh_overhead --out docs/benchmarks.md
+	$(PY) -m loadtest.mesh_overhead --seconds 5 --rounds 3 --out docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) var

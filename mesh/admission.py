@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
-from typing import Any
 
-import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from mesh import deadline
 from mesh.failures import Overloaded
-from mesh.rpc import BehaviorInterceptor, StreamBehavior, UnaryBehavior
 
 IN_FLIGHT = Gauge("aimesh_admission_in_flight", "Calls holding a compute slot.", ["service"])
 QUEUED = Gauge("aimesh_admission_queue_depth", "Calls waiting for a compute slot.", ["service"])
@@ -55,6 +51,9 @@ class Admission:
         self._in_flight = 0
         self._hold_s: dict[str, float] = {}
         self._observations: dict[str, int] = {}
+        self._in_flight_gauge = IN_FLIGHT.labels(service)
+        self._queued_gauge = QUEUED.labels(service)
+        self._queue_wait = QUEUE_WAIT.labels(service)
 
     @property
     def waiting(self) -> int:
@@ -101,76 +100,38 @@ class Admission:
 
     async def enter(self, method: str, *, streaming: bool) -> float:
         """Takes a slot, waiting in the queue if needed; returns the time spent queued."""
-        if self._slots.locked() and self._waiting >= self.max_queue:
-            raise self._refuse(
-                "QUEUE_FULL",
-                f"{self.service} is at capacity ({self.max_concurrency} running, "
-                f"{self._waiting} queued)",
-            )
-        self._check_budget(method, streaming=streaming)
-        started = time.monotonic()
-        self._waiting += 1
-        QUEUED.labels(self.service).set(self._waiting)
-        try:
-            await self._slots.acquire()
-        finally:
-            self._waiting -= 1
-            QUEUED.labels(self.service).set(self._waiting)
+        waited = 0.0
+        if self._slots.locked():
+            if self._waiting >= self.max_queue:
+                raise self._refuse(
+                    "QUEUE_FULL",
+                    f"{self.service} is at capacity ({self.max_concurrency} running, "
+                    f"{self._waiting} queued)",
+                )
+            self._check_budget(method, streaming=streaming)
+            started = time.monotonic()
+            self._waiting += 1
+            self._queued_gauge.set(self._waiting)
+            try:
+                await self._slots.acquire()
+            finally:
+                self._waiting -= 1
+                self._queued_gauge.set(self._waiting)
+            waited = time.monotonic() - started
+        else:
+            self._check_budget(method, streaming=streaming)
+            await self._slots.acquire()  # a free slot: returns without suspending
         self._in_flight += 1
-        IN_FLIGHT.labels(self.service).set(self._in_flight)
-        waited = time.monotonic() - started
-        QUEUE_WAIT.labels(self.service).observe(waited)
+        self._in_flight_gauge.set(self._in_flight)
+        self._queue_wait.observe(waited)
         return waited
 
     def leave(self, method: str, held_s: float) -> None:
         self._in_flight -= 1
-        IN_FLIGHT.labels(self.service).set(self._in_flight)
+        self._in_flight_gauge.set(self._in_flight)
         self._slots.release()
         previous = self._hold_s.get(method)
         self._hold_s[method] = (
             held_s if previous is None else (_EWMA_WEIGHT * held_s + (1 - _EWMA_WEIGHT) * previous)
         )
         self._observations[method] = self._observations.get(method, 0) + 1
-
-
-class AdmissionInterceptor(BehaviorInterceptor):
-    """Runs every non-exempt call of the server under one Admission.
-
-    Cheap control calls (GetLoad, Cancel, ListModels...) are listed in `exempt_methods`
-    (full names, '/pkg.Service/Method') so that they answer even when compute is saturated.
-    """
-
-    def __init__(self, admission: Admission, exempt_methods: Iterable[str] = ()) -> None:
-        self.admission = admission
-        self.exempt_methods = frozenset(exempt_methods)
-
-    def wrap_unary(self, behavior: UnaryBehavior, method: str) -> UnaryBehavior:
-        if method in self.exempt_methods:
-            return behavior
-        admission = self.admission
-
-        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await admission.enter(method, streaming=False)
-            started = time.monotonic()
-            try:
-                return await behavior(request, context)
-            finally:
-                admission.leave(method, time.monotonic() - started)
-
-        return handle
-
-    def wrap_stream(self, behavior: StreamBehavior, method: str) -> StreamBehavior:
-        if method in self.exempt_methods:
-            return behavior
-        admission = self.admission
-
-        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await admission.enter(method, streaming=True)
-            started = time.monotonic()
-            try:
-                async for response in behavior(request, context):
-                    yield response
-            finally:
-                admission.leave(method, time.monotonic() - started)
-
-        return handle

@@ -11,19 +11,16 @@ window of failure and slow-call rates, CLOSED -> OPEN -> HALF_OPEN -> CLOSED.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import grpc
 from prometheus_client import Counter, Gauge
 
 from mesh.config import BreakerSettings
-from mesh.errors import error_info, local_error, retry_delay_s, status
-from mesh.rpc import ClientInterceptor, method_name
+from mesh.errors import error_info, retry_delay_s, status
 
 
 class State(enum.IntEnum):
@@ -155,6 +152,24 @@ class CircuitBreaker:
         if len(self._window) >= self.settings.minimum_calls and self._tripped(self._window):
             self._transition(State.OPEN)
 
+    def record_status(
+        self,
+        code: grpc.StatusCode,
+        error: grpc.aio.AioRpcError | None,
+        duration_s: float,
+        timeout_s: float | None,
+        *,
+        streaming: bool,
+    ) -> None:
+        """Feeds a finished call by its status; RESOURCE_EXHAUSTED + RetryInfo holds calls."""
+        self.record(classify(code, timeout_s, self.settings), duration_s, streaming=streaming)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and error is not None:
+            delay = retry_delay_s(error)
+            info = error_info(error)
+            # A local refusal from this breaker must not extend its own pushback.
+            if delay and (info is None or info.reason != "BACKPRESSURE"):
+                self.push_back(delay)
+
     def push_back(self, delay_s: float) -> None:
         """The target answered RESOURCE_EXHAUSTED with RetryInfo: hold calls for that long."""
         self._pushback_until = max(self._pushback_until, self._clock() + delay_s)
@@ -173,77 +188,3 @@ class CircuitBreaker:
             self._opened_at = self._clock()
         STATE.labels(self.target).set(to)
         TRANSITIONS.labels(self.target, to.name.lower()).inc()
-
-
-class BreakerClientInterceptor(ClientInterceptor):
-    """Applies one CircuitBreaker to every call on a channel.
-
-    Unary calls are awaited here, inside the interceptor task. Awaiting the call itself (not
-    its code(), as the upstream tracing interceptor does, contrib #3271) is what lets grpc
-    cancel the RPC when the caller's task is cancelled. Streams are observed through a
-    done callback, so a long stream costs nothing per message.
-    """
-
-    def __init__(self, breaker: CircuitBreaker) -> None:
-        self.breaker = breaker
-        self._observers: set[asyncio.Task[None]] = set()
-
-    def _admit(self, details: grpc.aio.ClientCallDetails) -> None:
-        refusal = self.breaker.before_call(method_name(details))
-        if refusal is not None:
-            raise local_error(refusal)
-
-    def _finish(
-        self, code: grpc.StatusCode, error: Any, started: float, timeout: Any, *, streaming: bool
-    ) -> None:
-        breaker = self.breaker
-        outcome = classify(code, timeout, breaker.settings)
-        breaker.record(outcome, time.monotonic() - started, streaming=streaming)
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and error is not None:
-            delay = retry_delay_s(error)
-            info = error_info(error)
-            # A local refusal from this breaker must not extend its own pushback.
-            if delay and (info is None or info.reason != "BACKPRESSURE"):
-                breaker.push_back(delay)
-
-    async def _unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        self._admit(details)
-        started = time.monotonic()
-        call = await continuation(details, request)
-        try:
-            await call
-        except grpc.aio.AioRpcError as error:
-            self._finish(error.code(), error, started, details.timeout, streaming=False)
-            return call
-        except asyncio.CancelledError:
-            self._finish(grpc.StatusCode.CANCELLED, None, started, details.timeout, streaming=False)
-            raise
-        self._finish(grpc.StatusCode.OK, None, started, details.timeout, streaming=False)
-        return call
-
-    async def _stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        self._admit(details)
-        started = time.monotonic()
-        call = await continuation(details, request)
-
-        def observe(done: Any) -> None:
-            task = asyncio.ensure_future(self._observe(done, started, details.timeout))
-            self._observers.add(task)
-            task.add_done_callback(self._observers.discard)
-
-        call.add_done_callback(observe)
-        return call
-
-    async def _observe(self, call: Any, started: float, timeout_s: Any) -> None:
-        code = await call.code()
-        error = None
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            error = grpc.aio.AioRpcError(
-                code, grpc.aio.Metadata(), await call.trailing_metadata(), await call.details()
-            )
-        self._finish(code, error, started, timeout_s, streaming=True)
-
-    intercept_unary_unary = _unary
-    intercept_stream_unary = _unary
-    intercept_unary_stream = _stream
-    intercept_stream_stream = _stream

@@ -1,10 +1,10 @@
 """Channels to other services: one factory, so every call gets the same guarantees.
 
-Every channel carries, outermost first: tracing (W3C traceparent), the request id, the
-deadline budget, and a per-target circuit breaker. Its service config retries only
-methods the proto marks idempotent (`option idempotency_level`), only on UNAVAILABLE,
-under retryThrottling, and balances round_robin over every address a `dns:///` name
-resolves to.
+Every channel carries, outermost first: tracing (W3C traceparent), then one mesh layer
+with the request id, the deadline budget and a per-target circuit breaker. Its service
+config retries only methods the proto marks idempotent (`option idempotency_level`),
+only on UNAVAILABLE, under retryThrottling, and balances round_robin over every address
+a `dns:///` name resolves to.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.descriptor_pb2 import MethodOptions
 
 from mesh import tracing
-from mesh.breaker import BreakerClientInterceptor, CircuitBreaker
+from mesh.breaker import CircuitBreaker
 from mesh.config import ClientSettings, MeshSettings, TransportSettings
-from mesh.deadline import DeadlineClientInterceptor
-from mesh.request_id import RequestIdClientInterceptor
+from mesh.deadline import DeadlinePolicy
+from mesh.interceptors import MeshClientInterceptor
 
 _IDEMPOTENT_LEVELS = frozenset({MethodOptions.NO_SIDE_EFFECTS, MethodOptions.IDEMPOTENT})
 
@@ -78,17 +78,16 @@ def create_channel(
 ) -> grpc.aio.Channel:
     client = settings.client
     breaker = breaker or CircuitBreaker(target, client.breaker)
+    deadlines = DeadlinePolicy(
+        margin_s=client.deadline_margin_s,
+        margin_ratio=client.deadline_margin_ratio,
+        default_unary_s=client.default_unary_deadline_s,
+        default_stream_s=client.default_stream_deadline_s,
+        per_method_s=client.method_deadlines_s,
+    )
     interceptors = [
         *tracing.client_interceptors(),
-        *RequestIdClientInterceptor().client_interceptors(),
-        *DeadlineClientInterceptor(
-            margin_s=client.deadline_margin_s,
-            margin_ratio=client.deadline_margin_ratio,
-            default_unary_s=client.default_unary_deadline_s,
-            default_stream_s=client.default_stream_deadline_s,
-            per_method_s=client.method_deadlines_s,
-        ).client_interceptors(),
-        *BreakerClientInterceptor(breaker).client_interceptors(),
+        *MeshClientInterceptor(deadlines, breaker).client_interceptors(),
     ]
     options = [
         *transport_options(settings.transport),

@@ -1,11 +1,11 @@
 """Deadline propagation: the caller's budget travels with the request and shrinks per hop.
 
-grpcio does not propagate deadlines (its OSS hook returns None). The server interceptor
-records when the incoming call expires in a contextvar; the client interceptor gives every
-outgoing call min(explicit timeout, remaining budget - margin), or the method's default
-when there is no budget at all, so no call ever leaves without a deadline. Downstream
-calls are made from the handler's own task, so when the handler is cancelled (deadline or
-client cancel) grpc cancels the calls below it too.
+grpcio does not propagate deadlines (its OSS hook returns None). The server side
+records when the incoming call expires in a contextvar (`record`); the client side
+(`DeadlinePolicy`) gives every outgoing call min(explicit timeout, remaining budget -
+margin), or the method's default when there is no budget at all, so no call ever leaves
+without a deadline. Downstream calls are made from the handler's own task, so when the
+handler is cancelled (deadline or client cancel) grpc cancels the calls below it too.
 """
 
 from __future__ import annotations
@@ -14,18 +14,11 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
 
 import grpc
 
 from mesh.errors import local_error, status
-from mesh.rpc import (
-    BehaviorInterceptor,
-    ClientInterceptor,
-    StreamBehavior,
-    UnaryBehavior,
-    method_name,
-)
+from mesh.rpc import method_name
 
 # Absolute expiry on the time.monotonic() clock; None means "no budget known".
 _expires_at: ContextVar[float | None] = ContextVar("aimesh_deadline", default=None)
@@ -49,35 +42,17 @@ def budget(seconds: float) -> Iterator[None]:
         _expires_at.reset(token)
 
 
-class DeadlineServerInterceptor(BehaviorInterceptor):
-    """Records the incoming deadline where handlers and outgoing calls can read it.
+def record(context: grpc.aio.ServicerContext) -> None:
+    """Stores the incoming call's deadline for handlers and the calls they make.
 
     Each RPC runs in its own task with its own context, so the value never leaks between
     calls and needs no reset.
     """
-
-    def wrap_unary(self, behavior: UnaryBehavior, method: str) -> UnaryBehavior:
-        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            _record(context)
-            return await behavior(request, context)
-
-        return handle
-
-    def wrap_stream(self, behavior: StreamBehavior, method: str) -> StreamBehavior:
-        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            _record(context)
-            async for response in behavior(request, context):
-                yield response
-
-        return handle
-
-
-def _record(context: grpc.aio.ServicerContext) -> None:
     left = context.time_remaining()
     _expires_at.set(None if left is None else time.monotonic() + left)
 
 
-class DeadlineClientInterceptor(ClientInterceptor):
+class DeadlinePolicy:
     """Gives every outgoing call a deadline derived from the budget it was made under."""
 
     def __init__(
@@ -116,19 +91,3 @@ class DeadlineClientInterceptor(ClientInterceptor):
                 )
             )
         return timeout
-
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        details = details._replace(timeout=self.timeout_for(details, streaming=False))
-        return await continuation(details, request)
-
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        details = details._replace(timeout=self.timeout_for(details, streaming=True))
-        return await continuation(details, request)
-
-    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        details = details._replace(timeout=self.timeout_for(details, streaming=True))
-        return await continuation(details, requests)
-
-    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        details = details._replace(timeout=self.timeout_for(details, streaming=True))
-        return await continuation(details, requests)

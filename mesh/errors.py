@@ -7,7 +7,6 @@ INVALID_ARGUMENT, RetryInfo whenever retrying later can help, ResourceInfo for N
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
@@ -27,7 +26,6 @@ from mesh.failures import (
     OutOfMemory,
     Overloaded,
 )
-from mesh.rpc import BehaviorInterceptor, StreamBehavior, UnaryBehavior
 
 DOMAIN = "aimesh"
 DETAILS_KEY = "grpc-status-details-bin"
@@ -143,40 +141,14 @@ def internal_status(exc: BaseException) -> grpc.Status:
     )
 
 
-async def _fail(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> NoReturn:
+async def fail(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> NoReturn:
+    """Ends the call with the status the table gives `exc`; logs what is a bug."""
     if isinstance(exc, Failure):
         await abort(context, status_for_failure(exc))
     if isinstance(exc, grpc.aio.AioRpcError):
         await abort(context, status_for_dependency(exc))
     log.exception("unhandled error in %s", method)
     await abort(context, internal_status(exc))
-
-
-class ErrorInterceptor(BehaviorInterceptor):
-    """Turns what a handler raises into a status, for unary calls and mid-stream alike."""
-
-    def wrap_unary(self, behavior: UnaryBehavior, method: str) -> UnaryBehavior:
-        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                return await behavior(request, context)
-            except (grpc.aio.AbortError, asyncio.CancelledError):
-                raise
-            except Exception as exc:
-                await _fail(context, exc, method)
-
-        return handle
-
-    def wrap_stream(self, behavior: StreamBehavior, method: str) -> StreamBehavior:
-        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                async for response in behavior(request, context):
-                    yield response
-            except (grpc.aio.AbortError, asyncio.CancelledError):
-                raise
-            except Exception as exc:
-                await _fail(context, exc, method)
-
-        return handle
 
 
 # ---- client side: reading rich statuses and failing locally ----

@@ -19,7 +19,7 @@ from prometheus_client import (
     start_http_server,
 )
 
-from mesh.rpc import BehaviorInterceptor, StreamBehavior, UnaryBehavior, split_method
+from mesh.rpc import split_method
 
 # The *_created series double every counter's cardinality and no dashboard reads them.
 disable_created_metrics()
@@ -79,59 +79,30 @@ def _code_of(context: grpc.aio.ServicerContext, exc: BaseException | None) -> gr
     return grpc.StatusCode.OK
 
 
-class _MethodMetrics:
-    """Label children resolved once per handler, not once per call."""
+class MethodMetrics:
+    """One method's series, with label children resolved once, not once per call."""
 
     def __init__(self, full_method: str) -> None:
         self.service, self.method = split_method(full_method)
         self.handling = HANDLING.labels(self.service, self.method)
         self.in_flight = IN_FLIGHT.labels(self.service, self.method)
         self.sent = MESSAGES_SENT.labels(self.service, self.method)
+        self._handled: dict[grpc.StatusCode, Any] = {}
 
-    def done(
+    def started(self) -> float:
+        self.in_flight.inc()
+        return time.perf_counter()
+
+    def finished(
         self, context: grpc.aio.ServicerContext, exc: BaseException | None, started: float
     ) -> None:
         self.in_flight.dec()
         self.handling.observe(time.perf_counter() - started)
-        HANDLED.labels(self.service, self.method, _code_of(context, exc).name).inc()
-
-
-class MetricsInterceptor(BehaviorInterceptor):
-    def wrap_unary(self, behavior: UnaryBehavior, method: str) -> UnaryBehavior:
-        metrics = _MethodMetrics(method)
-
-        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            metrics.in_flight.inc()
-            started = time.perf_counter()
-            error: BaseException | None = None
-            try:
-                return await behavior(request, context)
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                metrics.done(context, error, started)
-
-        return handle
-
-    def wrap_stream(self, behavior: StreamBehavior, method: str) -> StreamBehavior:
-        metrics = _MethodMetrics(method)
-
-        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            metrics.in_flight.inc()
-            started = time.perf_counter()
-            error: BaseException | None = None
-            try:
-                async for response in behavior(request, context):
-                    metrics.sent.inc()
-                    yield response
-            except BaseException as exc:
-                error = exc
-                raise
-            finally:
-                metrics.done(context, error, started)
-
-        return handle
+        code = _code_of(context, exc)
+        handled = self._handled.get(code)
+        if handled is None:
+            handled = self._handled[code] = HANDLED.labels(self.service, self.method, code.name)
+        handled.inc()
 
 
 def serve_metrics(port: int, host: str = "127.0.0.1") -> None:

@@ -1,4 +1,4 @@
-"""Small helpers every server interceptor shares: method names and handler wrapping.
+"""Small helpers interceptors share: method names, handler wrapping, arity adapters.
 
 grpc.aio server interceptors only see the method name and metadata; anything that needs
 the ServicerContext (deadline, status code, abort) has to wrap the handler's behaviour.
@@ -36,52 +36,29 @@ def is_infrastructure(full_method: str) -> bool:
     return split_method(full_method)[0] in INFRASTRUCTURE_SERVICES
 
 
-class BehaviorInterceptor(grpc.aio.ServerInterceptor):
-    """Base for interceptors that wrap handler behaviour; infrastructure RPCs pass through.
+def wrap_handler(
+    handler: grpc.RpcMethodHandler,
+    wrap_unary: Callable[[UnaryBehavior], UnaryBehavior],
+    wrap_stream: Callable[[StreamBehavior], StreamBehavior],
+) -> grpc.RpcMethodHandler:
+    """A copy of `handler` whose behaviour is wrapped: `wrap_unary` when the handler returns
+    one response (whatever the request arity), `wrap_stream` when it is an async generator.
 
-    Subclasses implement `wrap_unary` (the handler returns one response, whatever the
-    request arity) and `wrap_stream` (the handler is an async generator). Handlers must
-    be written in async-generator style, not `context.write`: that is also what the
-    OpenTelemetry aio server interceptor requires (opentelemetry-python-contrib #3066).
+    Handlers must be written in async-generator style, not `context.write`: that is also
+    what the OpenTelemetry aio server interceptor requires (opentelemetry-python-contrib
+    #3066).
     """
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or is_infrastructure(method):
-            return handler
-        return self._wrap(handler, method)
-
-    def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        codecs = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                self.wrap_unary(handler.unary_unary, method), **codecs
-            )
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                self.wrap_stream(handler.unary_stream, method), **codecs
-            )
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                self.wrap_unary(handler.stream_unary, method), **codecs
-            )
-        return grpc.stream_stream_rpc_method_handler(
-            self.wrap_stream(handler.stream_stream, method), **codecs
-        )
-
-    def wrap_unary(self, behavior: UnaryBehavior, method: str) -> UnaryBehavior:
-        raise NotImplementedError
-
-    def wrap_stream(self, behavior: StreamBehavior, method: str) -> StreamBehavior:
-        raise NotImplementedError
+    codecs = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), **codecs)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream), **codecs)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary), **codecs)
+    return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream), **codecs)
 
 
 class ClientInterceptor:

@@ -22,13 +22,10 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from mesh import tracing
-from mesh.admission import Admission, AdmissionInterceptor
+from mesh.admission import Admission
 from mesh.client import ChannelPool, transport_options
 from mesh.config import MeshSettings
-from mesh.deadline import DeadlineServerInterceptor
-from mesh.errors import ErrorInterceptor
-from mesh.metrics import MetricsInterceptor
-from mesh.request_id import RequestIdServerInterceptor
+from mesh.interceptors import MeshServerInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +63,8 @@ class MeshServer:
         self._shutdown_hooks: list[Hook] = []
         self.grpc_server = grpc.aio.server(
             interceptors=[
-                tracing.server_interceptor(),
-                RequestIdServerInterceptor(),
-                DeadlineServerInterceptor(),
-                MetricsInterceptor(),
-                ErrorInterceptor(),
-                AdmissionInterceptor(self.admission, exempt_methods),
+                *tracing.server_interceptors(),
+                MeshServerInterceptor(self.admission, exempt_methods),
             ],
             options=self._server_options(),
         )

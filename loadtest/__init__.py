@@ -1,0 +1,1 @@
+"""Load generators and benchmarks; results go to docs/benchmarks.md."""
