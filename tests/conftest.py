@@ -130,7 +130,12 @@ async def serve_process() -> AsyncIterator[Callable[..., Awaitable[ServiceProces
         )
         child = ServiceProcess(process, port)
         children.append(child)
-        if not await wait_until_serving(child.target, name, timeout_s=60):
+        ready = asyncio.create_task(wait_until_serving(child.target, name, timeout_s=60))
+        exited = asyncio.create_task(process.wait())
+        await asyncio.wait({ready, exited}, return_when=asyncio.FIRST_COMPLETED)
+        exited.cancel()
+        if not ready.done() or not ready.result():
+            ready.cancel()
             raise AssertionError(f"{name} did not become ready on {child.target}")
         return child
 
