@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TextIO
 
 from opentelemetry import trace
 from pythonjsonlogger.json import JsonFormatter
@@ -30,9 +31,9 @@ class _CorrelationFilter(logging.Filter):
         return True
 
 
-def configure(service: str, level: str | None = None) -> None:
+def configure(service: str, level: str | None = None, stream: TextIO | None = None) -> None:
     """Routes the root logger to stderr as JSON lines; AIMESH_LOG_LEVEL sets the level."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(stream or sys.stderr)
     handler.addFilter(_CorrelationFilter(service))
     handler.setFormatter(
         JsonFormatter(

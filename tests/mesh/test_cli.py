@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import urllib.request
 
+import grpc
+
+from aimesh.echo.v1 import echo_pb2, echo_pb2_grpc
 from tests.conftest import VENV_BIN, free_port, subprocess_env
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.read().decode()
 
 
 async def run(*args: str, env: dict[str, str]) -> tuple[int, str]:
@@ -20,11 +29,11 @@ async def run(*args: str, env: dict[str, str]) -> tuple[int, str]:
     return process.returncode, output.decode()
 
 
-async def test_up_health_and_drain_on_sigterm(tmp_path):
-    port = free_port()
+async def test_up_health_metrics_and_drain_on_sigterm(tmp_path):
+    port, metrics_port = free_port(), free_port()
     env = subprocess_env(
         AIMESH_SERVICES__ECHO__PORT=str(port),
-        AIMESH_SERVICES__ECHO__METRICS_PORT=str(free_port()),
+        AIMESH_SERVICES__ECHO__METRICS_PORT=str(metrics_port),
         COLUMNS="200",
     )
     # Nothing is running yet: health says so and fails.
@@ -50,6 +59,14 @@ async def test_up_health_and_drain_on_sigterm(tmp_path):
     code, output = await run("health", "--only", "echo", env=env)
     assert code == 0, output
     assert output.count("SERVING") == 2  # live and ready
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        await echo_pb2_grpc.EchoServiceStub(channel).Echo(echo_pb2.EchoRequest(), timeout=5)
+    exposition = await asyncio.to_thread(_get, f"http://127.0.0.1:{metrics_port}/metrics")
+    assert (
+        'aimesh_rpc_server_handled_total{grpc_code="OK",grpc_method="Echo",'
+        'grpc_service="aimesh.echo.v1.EchoService"} 1.0'
+    ) in exposition
 
     up.send_signal(signal.SIGTERM)
     assert await asyncio.wait_for(up.wait(), timeout=30) == 0

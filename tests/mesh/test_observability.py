@@ -1,0 +1,71 @@
+"""Request ids across hops, JSON logs with trace ids, message-size limits."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import io
+import json
+import logging
+
+import grpc
+import pytest
+from opentelemetry import trace
+
+from aimesh.echo.v1 import echo_pb2
+from mesh import logs, request_id
+from tests.conftest import echo_stub, target
+
+
+async def test_callers_request_id_reaches_every_hop(echo_server):
+    a, b, c = await asyncio.gather(echo_server(), echo_server(), echo_server())
+    stub, channel = echo_stub(a)
+    async with channel:
+        response = await stub.RelayUnary(
+            echo_pb2.RelayUnaryRequest(hops=[target(b), target(c)]),
+            metadata=(("x-request-id", "req-42"),),
+            timeout=5,
+        )
+        generated = await stub.RelayUnary(echo_pb2.RelayUnaryRequest(hops=[target(b)]), timeout=5)
+    assert [hop.request_id for hop in response.hops] == ["req-42"] * 3
+    # Without one, the first hop makes one up and the next hop sees the same.
+    (made_up,) = {hop.request_id for hop in generated.hops}
+    assert len(made_up) == 32
+
+
+def test_log_lines_are_json_with_trace_span_and_request_ids():
+    stream = io.StringIO()
+
+    def log_inside_a_request() -> trace.SpanContext:
+        request_id.ensure("req-7")
+        with trace.get_tracer("test").start_as_current_span("work") as span:
+            logging.getLogger("aimesh.test").info("inside", extra={"tokens": 3})
+            return span.get_span_context()
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        logs.configure("test-service", level="INFO", stream=stream)
+        # A fresh context, so the request id does not leak into later tests.
+        context = contextvars.copy_context().run(log_inside_a_request)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    line = json.loads(stream.getvalue().strip().splitlines()[-1])
+    assert line["message"] == "inside" and line["level"] == "INFO"
+    assert line["service"] == "test-service" and line["tokens"] == 3
+    assert line["trace_id"] == format(context.trace_id, "032x")
+    assert line["span_id"] == format(context.span_id, "016x")
+    assert line["request_id"] == "req-7"
+
+
+async def test_message_size_limit_is_the_configured_one(echo_server):
+    server = await echo_server()
+    stub, channel = echo_stub(server)
+    async with channel:
+        # 16 MiB: four times grpc's 4 MiB default, inside the configured 32 MiB.
+        big = await stub.Echo(echo_pb2.EchoRequest(response_size=16 * 1024 * 1024), timeout=30)
+        assert len(big.payload) == 16 * 1024 * 1024
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Echo(echo_pb2.EchoRequest(payload=bytes(40 * 1024 * 1024)), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
