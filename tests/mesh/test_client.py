@@ -1,0 +1,46 @@
+"""The channel factory: round_robin over every address, retries only where the proto allows."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aimesh.echo.v1 import echo_pb2, echo_pb2_grpc
+from aimesh.llm.v1 import decode_pb2, kv_cache_pb2
+from aimesh.retrieval.v1 import retrieval_pb2
+from mesh.client import create_channel, idempotent_methods, service_config
+from mesh.config import ClientSettings, MeshSettings
+from services.echo.servicer import SERVICE as ECHO_SERVICE
+
+
+def test_retries_come_from_the_protos_idempotency_levels():
+    services = [
+        decode_pb2.DESCRIPTOR.services_by_name["DecodeService"],
+        kv_cache_pb2.DESCRIPTOR.services_by_name["KvCacheService"],
+        retrieval_pb2.DESCRIPTOR.services_by_name["RetrievalService"],
+    ]
+    safe = set(idempotent_methods(services))
+    assert ("aimesh.llm.v1.KvCacheService", "Pull") in safe
+    assert ("aimesh.llm.v1.DecodeService", "GetLoad") in safe
+    # Decode has side effects (it takes a batch slot); Upsert is a client stream.
+    assert ("aimesh.llm.v1.DecodeService", "Decode") not in safe
+    assert ("aimesh.retrieval.v1.RetrievalService", "Upsert") not in safe
+
+    config = service_config(services, ClientSettings())
+    (method_config,) = config["methodConfig"]
+    assert method_config["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
+    assert config["retryThrottling"] == {"maxTokens": 10, "tokenRatio": 0.1}
+    assert config["loadBalancingConfig"] == [{"round_robin": {}}]
+
+
+async def test_round_robin_spreads_calls_over_every_address(echo_server):
+    a, b = await asyncio.gather(echo_server(), echo_server())
+    target = f"ipv4:127.0.0.1:{a.port},127.0.0.1:{b.port}"
+    channel = create_channel(target, MeshSettings(), services=[ECHO_SERVICE])
+    async with channel:
+        stub = echo_pb2_grpc.EchoServiceStub(channel)
+        await channel.channel_ready()
+        served = set()
+        for _ in range(20):
+            response = await stub.RelayUnary(echo_pb2.RelayUnaryRequest(), timeout=5)
+            served.add(response.hops[0].server)
+    assert served == {f"echo@127.0.0.1:{a.port}", f"echo@127.0.0.1:{b.port}"}
