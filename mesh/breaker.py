@@ -20,7 +20,7 @@ import grpc
 from prometheus_client import Counter, Gauge
 
 from mesh.config import BreakerSettings
-from mesh.errors import error_info, retry_delay_s, status
+from mesh.errors import retry_delay_s, status
 
 
 class State(enum.IntEnum):
@@ -165,9 +165,7 @@ class CircuitBreaker:
         self.record(classify(code, timeout_s, self.settings), duration_s, streaming=streaming)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and error is not None:
             delay = retry_delay_s(error)
-            info = error_info(error)
-            # A local refusal from this breaker must not extend its own pushback.
-            if delay and (info is None or info.reason != "BACKPRESSURE"):
+            if delay:
                 self.push_back(delay)
 
     def push_back(self, delay_s: float) -> None:
