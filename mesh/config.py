@@ -9,6 +9,7 @@ so mesh/ stays ignorant of which services exist.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -89,6 +90,13 @@ class MeshSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="AIMESH_", env_nested_delimiter="__")
 
     services: dict[str, ServiceSettings] = Field(default_factory=dict)
+    # Settings several services share, by engine name (e.g. [engines.llm] model = "...",
+    # read by tokenizer, prefill and decode alike); each engine validates its own section.
+    engines: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    cache_dir: Path = Field(
+        default_factory=lambda: Path.home() / ".cache" / "aimesh",
+        description="Converted models, indexes and other artifacts built once and reused",
+    )
     client: ClientSettings = Field(default_factory=ClientSettings)
     transport: TransportSettings = Field(default_factory=TransportSettings)
 

@@ -58,8 +58,8 @@ class DecodeServiceServicer:
     """
 
     def Decode(self, request, context):
-        """Decode streams the tokens that follow first_token_id until a stopping criterion is
-        met, then one complete message. Cancelling the call removes the request from the
+        """Decode streams the completion, first_token_id included, until a stopping criterion
+        is met, then one complete message. Cancelling the call removes the request from the
         batch at the next step and frees its KV. RESOURCE_EXHAUSTED when the batch and the
         queue are full; NOT_FOUND or UNAVAILABLE when the KV cannot be pulled.
         """

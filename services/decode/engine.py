@@ -1,0 +1,214 @@
+"""Continuous batching: sequences join and leave a running batch at step boundaries and
+one forward pass serves every running sequence.
+
+The scheduler runs on the event loop and only touches Python state between steps; every
+tensor operation (inserting a pulled KV into a slot, compacting slots, the forward pass,
+sampling) runs inside one call on the model thread, so the cache never sees two writers.
+A sequence cancelled by its caller is dropped at the next boundary: its slot is free
+again within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from mesh.failures import OutOfMemory
+from services.llm import metrics
+from services.llm.llama import LayerKV, Llama, SlotCache
+from services.llm.sampling import SamplingParams, sample
+from services.llm.stopping import Finish, StopChecker
+
+log = logging.getLogger(__name__)
+
+BLOCK_TOKENS = 16  # reporting unit for GetLoad's kv_blocks, as vLLM counts its cache
+
+
+@dataclass
+class Emission:
+    """What the scheduler hands a sequence's stream after a step."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    finish: Finish | None = None
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt: list[int]
+    kv: list[LayerKV] | None
+    first_token: int
+    params: SamplingParams
+    stop: StopChecker
+    max_seq_len: int
+    history: list[int] = field(default_factory=list)
+    outbox: asyncio.Queue[Emission] = field(default_factory=asyncio.Queue)
+    cancelled: bool = False
+    submitted_at: float = 0.0
+    joined_at: float | None = None
+    slot: int = -1
+
+    def __post_init__(self) -> None:
+        self.history = [*self.prompt, self.first_token]
+
+    @property
+    def position(self) -> int:
+        """Where the last sampled token will sit in the cache."""
+        return len(self.history) - 1
+
+    @property
+    def done(self) -> bool:
+        return self.cancelled or self.stop.finish is not None
+
+
+@dataclass
+class _Plan:
+    """Work for one model-thread call: drops, joins, then a step over `running`."""
+
+    keep: list[Sequence]
+    joins: list[Sequence]
+
+
+class DecodeEngine:
+    def __init__(self, model: Llama, max_batch_size: int, max_seq_len: int) -> None:
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.cache = SlotCache(model.config, max_batch_size, max_seq_len, model.dtype)
+        self.running: list[Sequence] = []
+        self.waiting: deque[Sequence] = deque()
+        self.steps = 0
+        self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="decode-model")
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- called from servicers (event loop) ----
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="decode-scheduler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.model_thread.shutdown(wait=False, cancel_futures=True)
+
+    def submit(self, sequence: Sequence) -> None:
+        sequence.submitted_at = time.perf_counter()
+        self.waiting.append(sequence)
+        self._wake.set()
+
+    def cancel(self, sequence: Sequence) -> None:
+        """Called when the caller is gone; the slot is freed at the next step boundary."""
+        sequence.cancelled = True
+        if sequence in self.waiting:
+            self.waiting.remove(sequence)
+            sequence.kv = None
+        self._wake.set()
+
+    @property
+    def used_positions(self) -> int:
+        return sum(s.position + 1 for s in self.running)
+
+    # ---- the scheduler ----
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            keep = [s for s in self.running if not s.done]
+            joins = []
+            while self.waiting and len(keep) + len(joins) < self.max_batch_size:
+                joins.append(self.waiting.popleft())
+            if not keep and not joins:
+                if self.running:  # the last sequences left: compact to empty
+                    self.running = []
+                    self._report()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            plan = _Plan(keep, joins)
+            try:
+                sampled = await loop.run_in_executor(self.model_thread, self._step, plan)
+            except Exception as error:  # a failed step fails its batch, not the worker
+                self._fail(plan, error)
+                continue
+            self.running = plan.keep + plan.joins
+            self.steps += 1
+            now = time.perf_counter()
+            for sequence in plan.joins:
+                sequence.joined_at = now
+                metrics.REQUEST_QUEUE_TIME.observe(now - sequence.submitted_at)
+            self._report()
+            for sequence, (token, logprob) in zip(self.running, sampled, strict=True):
+                self._deliver(sequence, token, logprob)
+            await asyncio.sleep(0)  # let streams send before the next step
+
+    def _report(self) -> None:
+        metrics.NUM_REQUESTS_RUNNING.set(len(self.running))
+        metrics.NUM_REQUESTS_WAITING.set(len(self.waiting))
+        metrics.KV_CACHE_USAGE.set(self.used_positions / (self.max_batch_size * self.max_seq_len))
+
+    def _step(self, plan: _Plan) -> list[tuple[int, float]]:
+        """Model thread: compact the kept sequences, load the joining ones, run one step."""
+        for slot, sequence in enumerate(plan.keep):
+            if sequence.slot != slot:
+                self.cache.move(sequence.slot, slot, sequence.position)
+                sequence.slot = slot
+        for offset, sequence in enumerate(plan.joins):
+            sequence.slot = len(plan.keep) + offset
+            assert sequence.kv is not None
+            self.cache.load(sequence.slot, sequence.kv)
+            sequence.kv = None
+        batch = plan.keep + plan.joins
+        logits = self.model.decode(
+            [s.history[-1] for s in batch], [s.position for s in batch], self.cache
+        )
+        return [
+            sample(row, s.params, s.history, index=len(s.history) - len(s.prompt))
+            for row, s in zip(logits, batch, strict=True)
+        ]
+
+    def _deliver(self, sequence: Sequence, token: int, logprob: float) -> None:
+        if sequence.cancelled:
+            return
+        sequence.history.append(token)
+        room_left = sequence.position + 1 < self.max_seq_len
+        tokens = sequence.stop.feed(token, room_left=room_left)
+        if tokens or sequence.stop.finish is not None:
+            sequence.outbox.put_nowait(
+                Emission(tokens, [logprob] * len(tokens), finish=sequence.stop.finish)
+            )
+
+    def _fail(self, plan: _Plan, error: Exception) -> None:
+        if isinstance(error, RuntimeError) and "memory" in str(error).lower():
+            failure: BaseException = OutOfMemory(f"decode step ran out of memory: {error}")
+        else:
+            log.exception("decode step failed", exc_info=error)
+            failure = error
+        for sequence in plan.keep + plan.joins:
+            sequence.cancelled = True
+            sequence.kv = None
+            sequence.outbox.put_nowait(Emission([], [], error=failure))
+        self.running = []
+
+    # ---- warm-up ----
+
+    def warm_up(self) -> None:
+        """Model thread: one real step in slot 0, so the first request pays no first-call cost."""
+        config = self.model.config
+        kv = [
+            (
+                torch.zeros(config.num_kv_heads, 4, config.head_dim, dtype=self.model.dtype),
+                torch.zeros(config.num_kv_heads, 4, config.head_dim, dtype=self.model.dtype),
+            )
+            for _ in range(config.num_layers)
+        ]
+        self.cache.load(0, kv)
+        self.model.decode([0], [4], self.cache)

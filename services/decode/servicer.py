@@ -1,0 +1,263 @@
+"""The decode worker's gRPC surface: pull the KV a prefill worker leased, join the running
+batch, stream tokens; and GetLoad for routers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from aimesh.common.v1 import common_pb2
+from aimesh.llm.v1 import decode_pb2, decode_pb2_grpc, kv_cache_pb2, kv_cache_pb2_grpc, sampling_pb2
+from mesh.failures import NotFound, NotReady
+from mesh.server import MeshServer
+from mesh.validation import Violations
+from services.decode.engine import BLOCK_TOKENS, DecodeEngine, Sequence
+from services.llm import kv_codec
+from services.llm.artifacts import resolve_model
+from services.llm.detokenize import IncrementalDetokenizer
+from services.llm.llama import LayerKV, Llama
+from services.llm.requests import check_prompt, sampling_params, stopping
+from services.llm.settings import LlmSettings, llm_settings
+from services.llm.stopping import Finish, StopChecker
+
+DECODE = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"]
+KV_CACHE = kv_cache_pb2.DESCRIPTOR.services_by_name["KvCacheService"]
+PULL_CHUNK_BYTES = 4 * 1024 * 1024 - 64 * 1024
+
+FINISH_REASONS = {
+    Finish.LENGTH: sampling_pb2.FINISH_REASON_LENGTH,
+    Finish.EOS: sampling_pb2.FINISH_REASON_EOS,
+    Finish.STOP_SEQUENCE: sampling_pb2.FINISH_REASON_STOP_SEQUENCE,
+}
+
+
+def _stage(name: str, seconds: float, kind: int) -> common_pb2.Stage:
+    return common_pb2.Stage(name=name, kind=kind, duration_ns=int(max(seconds, 0.0) * 1e9))
+
+
+class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, server: MeshServer, settings: LlmSettings) -> None:
+        self.server = server
+        self.settings = settings
+        self.engine: DecodeEngine | None = None
+        self.tokenizer = None
+        self._releases: set[asyncio.Task[None]] = set()
+
+    def _engine(self) -> DecodeEngine:
+        if self.engine is None:
+            raise NotReady("decode model is still loading")
+        return self.engine
+
+    def _validate(self, request: decode_pb2.DecodeRequest, engine: DecodeEngine):
+        config = engine.model.config
+        violations = Violations()
+        handle = request.kv_handle
+        prompt = list(request.prompt_token_ids)
+        check_prompt(prompt, config.vocab_size, self.settings, violations, "prompt_token_ids")
+        if violations.check(request.HasField("kv_handle"), "kv_handle", "is required"):
+            violations.check(bool(handle.id), "kv_handle.id", "must not be empty")
+            violations.check(bool(handle.address), "kv_handle.address", "must not be empty")
+            violations.check(
+                handle.num_tokens == len(prompt),
+                "kv_handle.num_tokens",
+                f"is {handle.num_tokens} but the prompt has {len(prompt)} tokens",
+            )
+            expected = (config.num_layers, config.num_kv_heads, config.head_dim)
+            got = (handle.num_layers, handle.num_kv_heads, handle.head_dim)
+            violations.check(
+                got == expected,
+                "kv_handle",
+                f"KV of shape {got} does not fit this model's {expected}",
+            )
+            ours = kv_codec.dtype_name(engine.model.dtype)
+            violations.check(
+                handle.dtype == ours,
+                "kv_handle.dtype",
+                f"{handle.dtype!r} is not this worker's {ours!r}",
+            )
+        violations.check(
+            request.first_token_id < config.vocab_size,
+            "first_token_id",
+            "is outside the vocabulary",
+        )
+        params = sampling_params(request.sampling, config.vocab_size, violations)
+        stop = stopping(request.stopping, len(prompt), self.settings, violations)
+        violations.raise_if_any()
+        return prompt, params, stop
+
+    async def Decode(
+        self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
+        received = time.perf_counter()
+        engine = self._engine()
+        prompt, params, stop = self._validate(request, engine)
+        handle = request.kv_handle
+        detokenizer = IncrementalDetokenizer(self.tokenizer) if stop.stop_sequences else None
+        checker = StopChecker(
+            max_new_tokens=stop.max_new_tokens,
+            eos_ids=frozenset(engine.model.config.eos_token_ids),
+            stop_sequences=stop.stop_sequences,
+            ignore_eos=stop.ignore_eos,
+            token_text=(lambda token: detokenizer.add([token])) if detokenizer else (lambda _: ""),
+        )
+        logprobs = [request.first_token_logprob]
+        emitted = 0
+
+        def chunk(tokens: list[int]) -> decode_pb2.DecodeResponse:
+            nonlocal emitted
+            response = decode_pb2.DecodeResponse(
+                chunk=decode_pb2.TokenChunk(
+                    token_ids=tokens, logprobs=logprobs[emitted : emitted + len(tokens)]
+                )
+            )
+            emitted += len(tokens)
+            return response
+
+        # The first token streams at once, before any KV moves: that is the caller's TTFT.
+        first = checker.feed(request.first_token_id, room_left=len(prompt) + 1 < engine.max_seq_len)
+        if first:
+            yield chunk(first)
+        if checker.finish is not None:
+            self._release_later(handle)
+            yield self._complete(checker, received, 0.0, 0.0)
+            return
+
+        pulled_at = time.perf_counter()
+        try:
+            kv = await self._pull(handle, len(prompt))
+        finally:
+            self._release_later(handle)
+        transfer_s = time.perf_counter() - pulled_at
+
+        sequence = Sequence(
+            prompt=prompt,
+            kv=kv,
+            first_token=request.first_token_id,
+            params=params,
+            stop=checker,
+            max_seq_len=engine.max_seq_len,
+        )
+        engine.submit(sequence)
+        try:
+            while True:
+                emissions = [await sequence.outbox.get()]
+                while not sequence.outbox.empty():  # coalesce when the reader fell behind
+                    emissions.append(sequence.outbox.get_nowait())
+                tokens = [t for e in emissions for t in e.tokens]
+                logprobs.extend(p for e in emissions for p in e.logprobs)
+                if error := next((e.error for e in emissions if e.error), None):
+                    raise error
+                if tokens:
+                    yield chunk(tokens)
+                if any(e.finish for e in emissions):
+                    break
+        finally:
+            engine.cancel(sequence)
+        queue_s = (sequence.joined_at or time.perf_counter()) - sequence.submitted_at
+        yield self._complete(checker, received, transfer_s, queue_s)
+
+    def _complete(
+        self, checker: StopChecker, received: float, transfer_s: float, queue_s: float
+    ) -> decode_pb2.DecodeResponse:
+        total = time.perf_counter() - received
+        return decode_pb2.DecodeResponse(
+            complete=decode_pb2.DecodeComplete(
+                finish_reason=FINISH_REASONS[checker.finish],
+                generated_tokens=checker.generated,
+                timing=common_pb2.Timing(
+                    stages=[
+                        _stage("kv_transfer", transfer_s, common_pb2.STAGE_KIND_TRANSFER),
+                        _stage("queue", queue_s, common_pb2.STAGE_KIND_QUEUE),
+                        _stage(
+                            "decode", total - transfer_s - queue_s, common_pb2.STAGE_KIND_COMPUTE
+                        ),
+                    ],
+                    total_ns=int(total * 1e9),
+                ),
+            )
+        )
+
+    async def _pull(self, handle: kv_cache_pb2.KvHandle, num_tokens: int) -> list[LayerKV]:
+        stub = kv_cache_pb2_grpc.KvCacheServiceStub(
+            self.server.channels.get(handle.address, KV_CACHE)
+        )
+        assembler = kv_codec.KvAssembler(
+            handle.num_layers, (handle.num_kv_heads, num_tokens, handle.head_dim), handle.dtype
+        )
+        call = stub.Pull(
+            kv_cache_pb2.PullRequest(handle_id=handle.id, max_chunk_bytes=PULL_CHUNK_BYTES)
+        )
+        try:
+            async for response in call:
+                if response.HasField("complete"):
+                    return assembler.finish(response.complete)
+                assembler.add(response.chunk)
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.NOT_FOUND:
+                raise NotFound(
+                    f"KV handle {handle.id!r} is unknown or expired at {handle.address}",
+                    resource_type="kv_handle",
+                    resource_name=handle.id,
+                ) from error
+            raise
+        raise ValueError("KV stream ended without PullComplete")
+
+    def _release_later(self, handle: kv_cache_pb2.KvHandle) -> None:
+        """Release in a task of its own: it must happen even when this call is cancelled."""
+
+        async def release() -> None:
+            stub = kv_cache_pb2_grpc.KvCacheServiceStub(
+                self.server.channels.get(handle.address, KV_CACHE)
+            )
+            with contextlib.suppress(grpc.aio.AioRpcError):  # else the lease expires
+                await stub.Release(kv_cache_pb2.ReleaseRequest(handle_id=handle.id), timeout=5)
+
+        task = asyncio.create_task(release())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def GetLoad(
+        self, request: decode_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> decode_pb2.GetLoadResponse:
+        engine = self._engine()
+        total_blocks = engine.max_batch_size * engine.max_seq_len // BLOCK_TOKENS
+        used_blocks = sum(-(-(s.position + 1) // BLOCK_TOKENS) for s in engine.running)
+        return decode_pb2.GetLoadResponse(
+            running=len(engine.running),
+            waiting=len(engine.waiting) + self.server.admission.waiting,
+            kv_cache_usage=used_blocks / total_blocks,
+            max_batch_size=engine.max_batch_size,
+            kv_blocks_total=total_blocks,
+            kv_blocks_free=total_blocks - used_blocks,
+        )
+
+
+async def setup(server: MeshServer) -> None:
+    settings = llm_settings(server.settings)
+    worker = DecodeWorker(server, settings)
+    server.add_service(decode_pb2_grpc.add_DecodeServiceServicer_to_server, worker, DECODE)
+
+    def load() -> DecodeEngine:
+        from transformers import AutoTokenizer
+
+        directory = resolve_model(settings.model, server.settings.cache_dir)
+        worker.tokenizer = AutoTokenizer.from_pretrained(directory)
+        model = Llama.load(directory, kv_codec.torch_dtype(settings.dtype))
+        return DecodeEngine(model, settings.max_batch_size, settings.max_seq_len)
+
+    async def warm_up() -> None:
+        engine = await asyncio.to_thread(load)
+        await asyncio.get_running_loop().run_in_executor(engine.model_thread, engine.warm_up)
+        engine.start()
+        worker.engine = engine
+
+    async def shut_down() -> None:
+        if worker.engine is not None:
+            await worker.engine.stop()
+
+    server.add_warmup(warm_up)
+    server.add_shutdown(shut_down)

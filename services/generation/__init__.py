@@ -1,0 +1,10 @@
+"""generation: the router that turns text into a disaggregated prefill/decode run."""
+
+from mesh.registry import ServiceSpec
+
+SPEC = ServiceSpec(
+    name="generation",
+    default_port=50060,
+    description="Generate and Chat: tokenize -> prefill -> decode -> detokenize, streamed",
+    setup="services.generation.servicer:setup",
+)

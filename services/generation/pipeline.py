@@ -1,0 +1,202 @@
+"""One generation, hop by hop: tokenize -> prefill -> decode (which pulls the KV) ->
+detokenize, with text deltas streamed back as decode produces tokens.
+
+Every call runs in the caller's task, so the caller's deadline and cancellation reach
+each hop. The KV a prefill worker leased is released here if the request ends before
+decode took it over (decode releases it once pulled); the lease covers a router crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from aimesh.common.v1 import common_pb2
+from aimesh.llm.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    kv_cache_pb2,
+    kv_cache_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    sampling_pb2,
+)
+from aimesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from mesh.client import ChannelPool
+from services.generation.workers import DecodePicker, PrefillPicker
+
+TOKENIZER = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"]
+PREFILL = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"]
+DECODE = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"]
+KV_CACHE = kv_cache_pb2.DESCRIPTOR.services_by_name["KvCacheService"]
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Outcome:
+    finish_reason: int
+    prompt_tokens: int
+    completion_tokens: int
+    prefill_worker: str
+    decode_worker: str
+    stages: dict[str, float] = field(default_factory=dict)
+
+
+def _stage_seconds(timing: common_pb2.Timing, name: str) -> float:
+    return sum(s.duration_ns for s in timing.stages if s.name == name) / 1e9
+
+
+class Pipeline:
+    def __init__(
+        self,
+        channels: ChannelPool,
+        tokenizer_target: str,
+        prefill: PrefillPicker,
+        decode: DecodePicker,
+    ) -> None:
+        self.channels = channels
+        self.tokenizer_target = tokenizer_target
+        self.prefill = prefill
+        self.decode = decode
+        self._releases: set[asyncio.Task[None]] = set()
+
+    def _tokenizer(self) -> tokenizer_pb2_grpc.TokenizerServiceStub:
+        return tokenizer_pb2_grpc.TokenizerServiceStub(
+            self.channels.get(self.tokenizer_target, TOKENIZER)
+        )
+
+    async def tokenize(self, prompt: str, request_id: str) -> list[int]:
+        response = await self._tokenizer().Tokenize(
+            tokenizer_pb2.TokenizeRequest(
+                request_id=request_id, text=prompt, add_special_tokens=True
+            )
+        )
+        return list(response.token_ids)
+
+    async def apply_chat_template(self, request_id: str, messages: list) -> list[int]:
+        response = await self._tokenizer().ApplyChatTemplate(
+            tokenizer_pb2.ApplyChatTemplateRequest(
+                request_id=request_id,
+                messages=messages,
+                add_generation_prompt=True,
+                return_token_ids=True,
+            )
+        )
+        return list(response.token_ids)
+
+    async def run(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: sampling_pb2.SamplingParameters,
+        stopping: sampling_pb2.StoppingCriteria,
+    ) -> AsyncIterator[Delta | Outcome]:
+        prefill_target = self.prefill.pick()
+        prefill = await prefill_pb2_grpc.PrefillServiceStub(
+            self.channels.get(prefill_target, PREFILL)
+        ).Prefill(
+            prefill_pb2.PrefillRequest(
+                request_id=request_id, token_ids=prompt_ids, sampling=sampling
+            )
+        )
+        handle = prefill.kv_handle
+        decode_request = decode_pb2.DecodeRequest(
+            request_id=request_id,
+            kv_handle=handle,
+            prompt_token_ids=prompt_ids,
+            first_token_id=prefill.first_token_id,
+            first_token_logprob=prefill.first_token_logprob,
+            sampling=sampling,
+            stopping=stopping,
+        )
+        detokenize_s = 0.0
+        complete: decode_pb2.DecodeComplete | None = None
+        detokenizer = self._tokenizer().DetokenizeStream()
+        try:
+            await detokenizer.write(
+                tokenizer_pb2.DetokenizeStreamRequest(
+                    request_id=request_id, skip_special_tokens=True
+                )
+            )
+            await detokenizer.read()
+            decode_target = ""
+            async for message, target in self._decode(decode_request):
+                decode_target = target
+                if message.HasField("complete"):
+                    complete = message.complete
+                    continue
+                ids = list(message.chunk.token_ids)
+                started = time.perf_counter()
+                await detokenizer.write(tokenizer_pb2.DetokenizeStreamRequest(token_ids=ids))
+                text = (await detokenizer.read()).text
+                detokenize_s += time.perf_counter() - started
+                yield Delta(text, ids)
+            await detokenizer.done_writing()
+            while (tail := await detokenizer.read()) is not grpc.aio.EOF:
+                if tail.text:
+                    yield Delta(tail.text, [])
+        finally:
+            if complete is None:
+                self._release_later(handle)
+                detokenizer.cancel()
+        if complete is None:
+            raise RuntimeError("decode stream ended without its complete message")
+        yield Outcome(
+            finish_reason=complete.finish_reason,
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=complete.generated_tokens,
+            prefill_worker=prefill_target,
+            decode_worker=decode_target,
+            stages={
+                "queue": _stage_seconds(prefill.timing, "queue")
+                + _stage_seconds(complete.timing, "queue"),
+                "prefill": _stage_seconds(prefill.timing, "prefill"),
+                "kv_transfer": _stage_seconds(complete.timing, "kv_transfer"),
+                "decode": _stage_seconds(complete.timing, "decode"),
+                "detokenize": detokenize_s,
+            },
+        )
+
+    async def _decode(
+        self, request: decode_pb2.DecodeRequest
+    ) -> AsyncIterator[tuple[decode_pb2.DecodeResponse, str]]:
+        """Decode on the least-loaded worker; a worker that cannot be reached at all is
+        swapped for another before anything streamed (the KV is still leased)."""
+        tried: frozenset[str] = frozenset()
+        while True:
+            target = self.decode.pick(exclude=tried)
+            call = decode_pb2_grpc.DecodeServiceStub(self.channels.get(target, DECODE)).Decode(
+                request
+            )
+            streamed = False
+            try:
+                async for message in call:
+                    streamed = True
+                    yield message, target
+                return
+            except grpc.aio.AioRpcError as error:
+                retry = not streamed and error.code() == grpc.StatusCode.UNAVAILABLE
+                if not retry or len(tried) + 1 >= len(self.decode.workers):
+                    raise
+                self.decode.report_failure(target)
+                tried = tried | {target}
+
+    def _release_later(self, handle: kv_cache_pb2.KvHandle) -> None:
+        async def release() -> None:
+            stub = kv_cache_pb2_grpc.KvCacheServiceStub(self.channels.get(handle.address, KV_CACHE))
+            with contextlib.suppress(grpc.aio.AioRpcError):  # else the lease expires
+                await stub.Release(kv_cache_pb2.ReleaseRequest(handle_id=handle.id), timeout=5)
+
+        task = asyncio.create_task(release())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)

@@ -1,0 +1,203 @@
+"""The external text-generation API: Generate and Chat, validated here once, run by the
+pipeline, reported with usage and per-stage timing."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from pydantic import BaseModel, Field
+
+from aimesh.common.v1 import common_pb2
+from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
+from mesh import request_id
+from mesh.config import MeshSettings
+from mesh.registry import discover
+from mesh.server import MeshServer
+from mesh.validation import Violations
+from services.generation.pipeline import Delta, Outcome, Pipeline
+from services.generation.workers import DecodePicker, PrefillPicker
+from services.llm import metrics
+from services.llm.artifacts import DEFAULT_NAME
+from services.llm.requests import sampling_params, stopping
+from services.llm.settings import LlmSettings, llm_settings
+
+GENERATION = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
+MAX_PROMPT_BYTES = 1024 * 1024
+MAX_MESSAGES = 256
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+# The router does not hold the vocabulary; prefill checks top_k against the real one.
+_ANY_VOCAB = 2**31 - 1
+
+
+class RouterOptions(BaseModel, extra="forbid"):
+    """[services.generation.options]; empty lists mean each service's configured target."""
+
+    tokenizer: str | None = None
+    prefill: list[str] = Field(default_factory=list)
+    decode: list[str] = Field(default_factory=list)
+    poll_interval_s: float = Field(default=0.25, gt=0)
+
+
+def _targets(settings: MeshSettings, options: RouterOptions) -> tuple[str, list[str], list[str]]:
+    specs = discover()
+
+    def default(name: str) -> str:
+        return settings.target_of(name, specs[name].default_port)
+
+    return (
+        options.tokenizer or default("tokenizer"),
+        options.prefill or [default("prefill")],
+        options.decode or [default("decode")],
+    )
+
+
+def _stage(name: str, seconds: float, kind: int) -> common_pb2.Stage:
+    return common_pb2.Stage(name=name, kind=kind, duration_ns=int(max(seconds, 0.0) * 1e9))
+
+
+_KINDS = {
+    "tokenize": common_pb2.STAGE_KIND_COMPUTE,
+    "queue": common_pb2.STAGE_KIND_QUEUE,
+    "prefill": common_pb2.STAGE_KIND_COMPUTE,
+    "kv_transfer": common_pb2.STAGE_KIND_TRANSFER,
+    "decode": common_pb2.STAGE_KIND_COMPUTE,
+    "detokenize": common_pb2.STAGE_KIND_COMPUTE,
+}
+
+
+class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
+    def __init__(self, pipeline: Pipeline, settings: LlmSettings, model_name: str) -> None:
+        self.pipeline = pipeline
+        self.settings = settings
+        self.model_name = model_name
+
+    def _check_common(self, request, violations: Violations) -> None:
+        if request.model and request.model != self.model_name:
+            violations.add(
+                "model", f"unknown model {request.model!r}; this mesh serves {self.model_name!r}"
+            )
+        sampling_params(request.sampling, _ANY_VOCAB, violations)
+
+    def _check_length(self, request, prompt_ids: list[int], field: str) -> None:
+        violations = Violations()
+        violations.check(
+            len(prompt_ids) < self.settings.max_seq_len,
+            field,
+            f"{len(prompt_ids)} tokens leave no room in the {self.settings.max_seq_len}-token "
+            "context window",
+        )
+        if len(prompt_ids) < self.settings.max_seq_len:
+            stopping(request.stopping, len(prompt_ids), self.settings, violations)
+        violations.raise_if_any()
+
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        received = time.perf_counter()
+        violations = Violations()
+        violations.check(bool(request.prompt), "prompt", "must not be empty")
+        violations.max_length(request.prompt.encode(), "prompt", MAX_PROMPT_BYTES)
+        self._check_common(request, violations)
+        stopping(request.stopping, 0, self.settings, violations)
+        violations.raise_if_any()
+        rid = request_id.ensure(request.request_id)
+        prompt_ids = await self.pipeline.tokenize(request.prompt, rid)
+        self._check_length(request, prompt_ids, "prompt")
+        tokenize_s = time.perf_counter() - received
+        async for event in self._stream(rid, prompt_ids, request, received, tokenize_s):
+            yield generation_pb2.GenerateResponse(**event)
+
+    async def Chat(
+        self, request: generation_pb2.ChatRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.ChatResponse]:
+        received = time.perf_counter()
+        violations = Violations()
+        violations.check(
+            0 < len(request.messages) <= MAX_MESSAGES,
+            "messages",
+            f"must hold 1 to {MAX_MESSAGES} messages, got {len(request.messages)}",
+        )
+        for i, message in enumerate(request.messages):
+            violations.check(
+                message.role in ROLES, f"messages[{i}].role", f"must be one of {sorted(ROLES)}"
+            )
+            violations.max_length(
+                message.content.encode(), f"messages[{i}].content", MAX_PROMPT_BYTES
+            )
+        self._check_common(request, violations)
+        stopping(request.stopping, 0, self.settings, violations)
+        violations.raise_if_any()
+        rid = request_id.ensure(request.request_id)
+        prompt_ids = await self.pipeline.apply_chat_template(rid, list(request.messages))
+        self._check_length(request, prompt_ids, "messages")
+        tokenize_s = time.perf_counter() - received
+        async for event in self._stream(rid, prompt_ids, request, received, tokenize_s):
+            yield generation_pb2.ChatResponse(**event)
+
+    async def _stream(
+        self, rid: str, prompt_ids: list[int], request, received: float, tokenize_s: float
+    ) -> AsyncIterator[dict]:
+        last_token_at: float | None = None
+        async for event in self.pipeline.run(rid, prompt_ids, request.sampling, request.stopping):
+            now = time.perf_counter()
+            if isinstance(event, Delta):
+                if event.token_ids:
+                    if last_token_at is None:
+                        metrics.TIME_TO_FIRST_TOKEN.observe(now - received)
+                    else:
+                        gap = (now - last_token_at) / len(event.token_ids)
+                        for _ in event.token_ids:
+                            metrics.INTER_TOKEN_LATENCY.observe(gap)
+                    last_token_at = now
+                yield {
+                    "chunk": generation_pb2.GenerationChunk(
+                        text=event.text, token_ids=event.token_ids
+                    )
+                }
+            else:
+                metrics.E2E_REQUEST_LATENCY.observe(now - received)
+                yield {"complete": self._complete(event, received, tokenize_s)}
+
+    def _complete(
+        self, outcome: Outcome, received: float, tokenize_s: float
+    ) -> generation_pb2.GenerationComplete:
+        stages = {"tokenize": tokenize_s, **outcome.stages}
+        return generation_pb2.GenerationComplete(
+            finish_reason=outcome.finish_reason or sampling_pb2.FINISH_REASON_UNSPECIFIED,
+            usage=common_pb2.Usage(
+                prompt_tokens=outcome.prompt_tokens,
+                completion_tokens=outcome.completion_tokens,
+                total_tokens=outcome.prompt_tokens + outcome.completion_tokens,
+            ),
+            timing=common_pb2.Timing(
+                stages=[_stage(name, seconds, _KINDS[name]) for name, seconds in stages.items()],
+                total_ns=int((time.perf_counter() - received) * 1e9),
+            ),
+            prefill_worker=outcome.prefill_worker,
+            decode_worker=outcome.decode_worker,
+            model=self.model_name,
+        )
+
+
+async def setup(server: MeshServer) -> None:
+    settings = llm_settings(server.settings)
+    options = RouterOptions.model_validate(server.options)
+    tokenizer, prefill, decode = _targets(server.settings, options)
+    decode_picker = DecodePicker(decode, server.channels, options.poll_interval_s)
+    pipeline = Pipeline(
+        server.channels, tokenizer, PrefillPicker(prefill, server.channels), decode_picker
+    )
+    model_name = settings.model.name if settings.model else DEFAULT_NAME
+    server.add_service(
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server,
+        GenerationRouter(pipeline, settings, model_name),
+        GENERATION,
+    )
+
+    async def start_polling() -> None:
+        decode_picker.start()
+
+    server.add_warmup(start_polling)
+    server.add_shutdown(decode_picker.stop)

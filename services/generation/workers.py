@@ -1,0 +1,107 @@
+"""Which prefill and decode worker serves a request.
+
+Prefill workers take turns (round robin); a prompt's cost is known and short. Decode
+workers are picked by load: a background poll of GetLoad every `poll_interval_s` keeps
+each worker's running + waiting count, calls placed since the last poll are added, and a
+worker whose poll failed or whose circuit breaker is open is skipped while any other is
+healthy. Failure of a pick is reported back so the next pick avoids it at once, before
+the poll notices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from dataclasses import dataclass
+
+import grpc
+
+from aimesh.llm.v1 import decode_pb2, decode_pb2_grpc
+from mesh.breaker import State
+from mesh.client import ChannelPool
+from mesh.failures import NotReady
+
+DECODE = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"]
+
+
+@dataclass
+class _Worker:
+    target: str
+    load: int = 0
+    healthy: bool = True
+
+
+class PrefillPicker:
+    def __init__(self, targets: list[str], channels: ChannelPool) -> None:
+        if not targets:
+            raise ValueError("no prefill workers configured")
+        self.targets = targets
+        self.channels = channels
+        self._turn = itertools.cycle(range(len(targets)))
+
+    def pick(self, exclude: frozenset[str] = frozenset()) -> str:
+        for _ in range(len(self.targets)):
+            target = self.targets[next(self._turn)]
+            breaker = self.channels.breakers.get(target)
+            if target not in exclude and (breaker is None or breaker.state is not State.OPEN):
+                return target
+        candidates = [t for t in self.targets if t not in exclude]
+        if not candidates:
+            raise NotReady("every prefill worker failed this request")
+        return candidates[0]
+
+
+class DecodePicker:
+    def __init__(
+        self, targets: list[str], channels: ChannelPool, poll_interval_s: float = 0.25
+    ) -> None:
+        if not targets:
+            raise ValueError("no decode workers configured")
+        self.workers = {target: _Worker(target) for target in targets}
+        self.channels = channels
+        self.poll_interval_s = poll_interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._poll_forever(), name="decode-load-poll")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def pick(self, exclude: frozenset[str] = frozenset()) -> str:
+        candidates = [w for w in self.workers.values() if w.target not in exclude]
+        if not candidates:
+            raise NotReady("every decode worker failed this request")
+        usable = [w for w in candidates if w.healthy and not self._open(w.target)] or candidates
+        chosen = min(usable, key=lambda w: w.load)
+        chosen.load += 1
+        return chosen.target
+
+    def report_failure(self, target: str) -> None:
+        self.workers[target].healthy = False
+
+    def _open(self, target: str) -> bool:
+        breaker = self.channels.breakers.get(target)
+        return breaker is not None and breaker.state is State.OPEN
+
+    async def poll(self) -> None:
+        async def one(worker: _Worker) -> None:
+            stub = decode_pb2_grpc.DecodeServiceStub(self.channels.get(worker.target, DECODE))
+            try:
+                load = await stub.GetLoad(decode_pb2.GetLoadRequest(), timeout=0.5)
+            except grpc.aio.AioRpcError:
+                worker.healthy = False
+                return
+            worker.healthy = True
+            worker.load = load.running + load.waiting
+
+        await asyncio.gather(*(one(w) for w in self.workers.values()))
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await self.poll()
+            await asyncio.sleep(self.poll_interval_s)

@@ -1,0 +1,256 @@
+"""A Llama-family decoder written for serving: prefill one prompt, then step many
+sequences at once over a slot KV cache.
+
+transformers' modules are built for one padded batch at a time; continuous batching needs
+sequences of different lengths to share one forward pass, joining and leaving between
+steps. So the forward pass is written here directly on the weight tensors (fused QKV and
+gate/up projections, no nn.Module dispatch), and tests/services/llm/test_llama.py checks
+its logits and greedy tokens against transformers' own LlamaForCausalLM.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mesh.failures import NotReady
+from services.llm.artifacts import load_state_dict
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_directory(cls, directory: Path) -> LlamaConfig:
+        raw = json.loads((directory / "config.json").read_text())
+        if raw.get("model_type") != "llama":
+            raise NotReady(f"{directory}: model_type {raw.get('model_type')!r} is not llama")
+        rope = raw.get("rope_parameters") or {
+            "rope_type": (raw.get("rope_scaling") or {}).get("rope_type", "default"),
+            "rope_theta": raw.get("rope_theta", 10000.0),
+        }
+        if rope.get("rope_type", "default") != "default":
+            raise NotReady(f"{directory}: rope_type {rope['rope_type']!r} is not supported")
+        if raw.get("attention_bias") or raw.get("mlp_bias"):
+            raise NotReady(f"{directory}: biased projections are not supported")
+        eos = raw.get("eos_token_id")
+        generation = directory / "generation_config.json"
+        if generation.is_file():
+            eos = json.loads(generation.read_text()).get("eos_token_id", eos)
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        heads = raw["num_attention_heads"]
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads", heads),
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw["rms_norm_eps"],
+            rope_theta=rope["rope_theta"],
+            max_position_embeddings=raw["max_position_embeddings"],
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    out: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+# Per layer: keys and values of one sequence, each [kv_heads, tokens, head_dim].
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+
+class SlotCache:
+    """Preallocated K and V for `slots` sequences of up to `max_len` tokens, per layer.
+
+    Running sequences always occupy slots 0..n-1 (a leaving sequence's slot is refilled
+    by moving the last one down), so a decode step attends over plain views
+    `[:n, :, :length]` and never copies the cache.
+    """
+
+    def __init__(self, config: LlamaConfig, slots: int, max_len: int, dtype: torch.dtype) -> None:
+        shape = (slots, config.num_kv_heads, max_len, config.head_dim)
+        self.slots = slots
+        self.max_len = max_len
+        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
+
+    def load(self, slot: int, kv: list[LayerKV]) -> None:
+        for layer, (k, v) in enumerate(kv):
+            length = k.shape[1]
+            self.keys[layer][slot, :, :length].copy_(k)
+            self.values[layer][slot, :, :length].copy_(v)
+
+    def move(self, source: int, target: int, length: int) -> None:
+        for keys, values in zip(self.keys, self.values, strict=True):
+            keys[target, :, :length].copy_(keys[source, :, :length])
+            values[target, :, :length].copy_(values[source, :, :length])
+
+    @property
+    def bytes(self) -> int:
+        one = self.keys[0]
+        return 2 * len(self.keys) * one.numel() * one.element_size()
+
+
+class Llama:
+    def __init__(self, config: LlamaConfig, state: dict[str, torch.Tensor], dtype: torch.dtype):
+        self.config = config
+        self.dtype = dtype
+
+        def weight(name: str) -> torch.Tensor:
+            return state[name].to(dtype).contiguous()
+
+        self.embed = weight("model.embed_tokens.weight")
+        self.norm = weight("model.norm.weight")
+        head = "lm_head.weight"
+        self.lm_head = (
+            self.embed if config.tie_word_embeddings or head not in state else weight(head)
+        )
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(
+                _Layer(
+                    input_norm=weight(p + "input_layernorm.weight"),
+                    qkv=torch.cat(
+                        [weight(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
+                    ),
+                    out=weight(p + "self_attn.o_proj.weight"),
+                    post_norm=weight(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([weight(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]),
+                    down=weight(p + "mlp.down_proj.weight"),
+                )
+            )
+        inv_freq = 1.0 / (
+            config.rope_theta
+            ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim)
+        )
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        angles = torch.cat([freqs, freqs], dim=-1)
+        self._cos = angles.cos().to(dtype)
+        self._sin = angles.sin().to(dtype)
+
+    @classmethod
+    def load(cls, directory: Path, dtype: torch.dtype = torch.float32) -> Llama:
+        return cls(LlamaConfig.from_directory(directory), load_state_dict(directory), dtype)
+
+    # ---- building blocks ----
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * x32.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def _qkv(
+        self, layer: _Layer, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[N, hidden] -> q [N, heads, hd], k and v [N, kv_heads, hd], rotated."""
+        c = self.config
+        h = self._rms_norm(x, layer.input_norm)
+        q, k, v = F.linear(h, layer.qkv).split(
+            [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim],
+            dim=-1,
+        )
+        cos = self._cos[positions].unsqueeze(1)
+        sin = self._sin[positions].unsqueeze(1)
+        q = self._rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
+        k = self._rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        return q, k, v.view(-1, c.num_kv_heads, c.head_dim)
+
+    def _finish_layer(self, layer: _Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        x = x + F.linear(attended, layer.out)
+        gate, up = F.linear(self._rms_norm(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, layer.down)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._rms_norm(x, self.norm), self.lm_head).float()
+
+    # ---- serving entry points ----
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: list[int]) -> tuple[torch.Tensor, list[LayerKV]]:
+        """Runs a whole prompt; returns the last position's logits [vocab] and its KV."""
+        c = self.config
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        positions = torch.arange(len(token_ids))
+        x = self.embed[ids]
+        kv: list[LayerKV] = []
+        for layer in self.layers:
+            q, k, v = self._qkv(layer, x, positions)
+            k_heads, v_heads = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+            kv.append((k_heads, v_heads))
+            attended = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0),
+                k_heads.unsqueeze(0),
+                v_heads.unsqueeze(0),
+                is_causal=True,
+                enable_gqa=c.num_heads != c.num_kv_heads,
+            )
+            x = self._finish_layer(layer, x, attended[0].transpose(0, 1).reshape(len(ids), -1))
+        return self._logits(x[-1]), kv
+
+    @torch.inference_mode()
+    def decode(self, token_ids: list[int], positions: list[int], cache: SlotCache) -> torch.Tensor:
+        """One step for the sequences in slots 0..n-1; token i sits at positions[i].
+
+        Returns logits [n, vocab]. Each sequence's K/V at its position is written into the
+        cache first, then every sequence attends over its own slot up to its position.
+        """
+        c = self.config
+        n = len(token_ids)
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        length = max(positions) + 1
+        rows = torch.arange(n)
+        # [n, 1, 1, length]: True where a sequence may attend (its own filled positions).
+        mask = (torch.arange(length).unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]
+        groups = c.num_heads // c.num_kv_heads
+        x = self.embed[ids]
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x, pos)
+            keys, values = cache.keys[index], cache.values[index]
+            keys[rows, :, pos] = k
+            values[rows, :, pos] = v
+            # Query heads that share a KV head ride along as extra query rows, so the
+            # grouped-query attention needs no repeated copy of the cache.
+            attended = F.scaled_dot_product_attention(
+                q.view(n, c.num_kv_heads, groups, c.head_dim),
+                keys[:n, :, :length],
+                values[:n, :, :length],
+                attn_mask=mask,
+            )
+            x = self._finish_layer(layer, x, attended.reshape(n, -1))
+        return self._logits(x)

@@ -1,0 +1,58 @@
+"""LLM serving metrics, named after vLLM's (vllm:time_to_first_token_seconds and so on)
+under the aimesh_llm_ prefix, so existing dashboards translate one to one."""
+
+from __future__ import annotations
+
+from prometheus_client import Gauge, Histogram
+
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+
+TIME_TO_FIRST_TOKEN = Histogram(
+    "aimesh_llm_time_to_first_token_seconds",
+    "From the request reaching the router to its first text delta.",
+    buckets=_LATENCY_BUCKETS,
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "aimesh_llm_inter_token_latency_seconds",
+    "Between consecutive generated tokens of one request, as the router sees them.",
+    buckets=_LATENCY_BUCKETS,
+)
+E2E_REQUEST_LATENCY = Histogram(
+    "aimesh_llm_e2e_request_latency_seconds",
+    "From the request reaching the router to its final message.",
+    buckets=_LATENCY_BUCKETS,
+)
+REQUEST_QUEUE_TIME = Histogram(
+    "aimesh_llm_request_queue_time_seconds",
+    "Time a decode request waited for a batch slot.",
+    buckets=_LATENCY_BUCKETS,
+)
+NUM_REQUESTS_RUNNING = Gauge("aimesh_llm_num_requests_running", "Sequences in the decode batch.")
+NUM_REQUESTS_WAITING = Gauge(
+    "aimesh_llm_num_requests_waiting", "Sequences with pulled KV waiting for a batch slot."
+)
+KV_CACHE_USAGE = Gauge(
+    "aimesh_llm_kv_cache_usage_perc", "Fraction of the decode KV cache in use, 0 to 1."
+)
+PREFILL_KV_LEASED_BYTES = Gauge(
+    "aimesh_llm_prefill_kv_leased_bytes", "Bytes of KV held by prefill for decoders to pull."
+)

@@ -1,0 +1,112 @@
+"""Validating the LLM request messages every LLM service shares (sampling, stopping).
+
+Prefill, decode and the router all receive SamplingParameters and StoppingCriteria;
+they refuse the same bad values with the same field violations.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from aimesh.llm.v1 import sampling_pb2
+from mesh.validation import Violations
+from services.llm.sampling import SamplingParams
+from services.llm.settings import LlmSettings
+
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_BYTES = 64
+
+
+def sampling_params(
+    message: sampling_pb2.SamplingParameters,
+    vocab_size: int,
+    violations: Violations,
+    field: str = "sampling",
+) -> SamplingParams:
+    violations.in_range(message.temperature, f"{field}.temperature", 0.0, 2.0)
+    violations.in_range(message.top_k, f"{field}.top_k", 0, vocab_size)
+    top_p = 1.0
+    if message.HasField("top_p"):
+        top_p = message.top_p
+        violations.check(
+            math.isfinite(top_p) and 0.0 < top_p <= 1.0,
+            f"{field}.top_p",
+            f"must be in (0, 1], got {top_p}",
+        )
+    penalty = message.repetition_penalty or 1.0
+    violations.check(
+        math.isfinite(penalty) and 0.0 < penalty <= 10.0,
+        f"{field}.repetition_penalty",
+        f"must be in (0, 10] (0 = off), got {message.repetition_penalty}",
+    )
+    violations.in_range(message.frequency_penalty, f"{field}.frequency_penalty", -2.0, 2.0)
+    return SamplingParams(
+        temperature=message.temperature,
+        top_k=message.top_k,
+        top_p=top_p,
+        seed=message.seed if message.HasField("seed") else None,
+        repetition_penalty=penalty,
+        frequency_penalty=message.frequency_penalty,
+    )
+
+
+@dataclass(frozen=True)
+class Stopping:
+    max_new_tokens: int
+    stop_sequences: tuple[str, ...]
+    ignore_eos: bool
+
+
+def stopping(
+    message: sampling_pb2.StoppingCriteria,
+    prompt_tokens: int,
+    settings: LlmSettings,
+    violations: Violations,
+    field: str = "stopping",
+) -> Stopping:
+    max_new = settings.default_max_new_tokens
+    if message.HasField("max_new_tokens"):
+        max_new = message.max_new_tokens
+        violations.in_range(max_new, f"{field}.max_new_tokens", 1, settings.max_new_tokens_limit)
+    room = settings.max_seq_len - prompt_tokens
+    if message.HasField("max_new_tokens") and 0 < max_new <= settings.max_new_tokens_limit:
+        violations.check(
+            max_new <= room,
+            f"{field}.max_new_tokens",
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new}) exceeds the "
+            f"context window of {settings.max_seq_len} tokens",
+        )
+    violations.check(
+        len(message.stop_sequences) <= MAX_STOP_SEQUENCES,
+        f"{field}.stop_sequences",
+        f"at most {MAX_STOP_SEQUENCES}, got {len(message.stop_sequences)}",
+    )
+    for i, stop in enumerate(message.stop_sequences):
+        violations.check(
+            0 < len(stop.encode()) <= MAX_STOP_BYTES,
+            f"{field}.stop_sequences[{i}]",
+            f"must be 1 to {MAX_STOP_BYTES} bytes",
+        )
+    return Stopping(
+        # An unset length is capped by the room left in the context window.
+        max_new_tokens=max(1, min(max_new, room)),
+        stop_sequences=tuple(message.stop_sequences),
+        ignore_eos=message.ignore_eos,
+    )
+
+
+def check_prompt(
+    token_ids: list[int], vocab_size: int, settings: LlmSettings, violations: Violations, field: str
+) -> None:
+    """A prompt must be non-empty, leave room for one generated token, and use known ids."""
+    if not violations.check(len(token_ids) > 0, field, "must not be empty"):
+        return
+    violations.check(
+        len(token_ids) < settings.max_seq_len,
+        field,
+        f"{len(token_ids)} tokens leave no room in the {settings.max_seq_len}-token context",
+    )
+    bad = next((i for i, t in enumerate(token_ids) if t >= vocab_size), None)
+    if bad is not None:
+        violations.add(f"{field}[{bad}]", f"token id {token_ids[bad]} >= vocabulary {vocab_size}")

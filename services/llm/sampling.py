@@ -1,0 +1,76 @@
+"""Choosing the next token: greedy, or seeded sampling with the usual filters.
+
+Seeds are per token: token k of a sequence is drawn with a generator seeded from
+(seed, k). The draw then depends on nothing else (not on which worker ran it, not on
+which sequences shared the batch), so a seeded request reproduces exactly even though its
+first token is sampled in prefill and the rest in decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_SEED_STRIDE = 1_000_003
+_SEED_MOD = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _penalise(logits: torch.Tensor, history: list[int], params: SamplingParams) -> torch.Tensor:
+    if not history or (params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0):
+        return logits
+    logits = logits.clone()
+    ids = torch.tensor(history, dtype=torch.long)
+    if params.repetition_penalty != 1.0:
+        seen = torch.unique(ids)
+        chosen = logits[seen]
+        logits[seen] = torch.where(
+            chosen > 0, chosen / params.repetition_penalty, chosen * params.repetition_penalty
+        )
+    if params.frequency_penalty != 0.0:
+        counts = torch.bincount(ids, minlength=logits.shape[-1]).to(logits.dtype)
+        logits = logits - params.frequency_penalty * counts
+    return logits
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, history: list[int], index: int
+) -> tuple[int, float]:
+    """The token at generation step `index` (0 = the first) and its log-probability.
+
+    `history` is what the penalties look at: the prompt and the tokens generated so far.
+    """
+    logits = _penalise(logits.float(), history, params)
+    if params.greedy:
+        token = int(torch.argmax(logits))
+        return token, float(torch.log_softmax(logits, dim=-1)[token])
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        threshold = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    if 0.0 < params.top_p < 1.0:
+        ordered, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(ordered, dim=-1).cumsum(-1)
+        # Drop a token once the tokens before it already reach top_p; the first stays.
+        drop = cumulative - torch.softmax(ordered, dim=-1) >= params.top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    probabilities = torch.softmax(logits, dim=-1)
+    generator = torch.Generator().manual_seed(
+        ((params.seed or 0) * _SEED_STRIDE + index) % _SEED_MOD
+    )
+    token = int(torch.multinomial(probabilities, 1, generator=generator))
+    return token, float(torch.log(probabilities[token]))

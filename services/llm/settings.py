@@ -1,0 +1,35 @@
+"""Settings shared by every LLM service ([engines.llm] in the mesh config).
+
+Tokenizer, prefill and decode must agree on the model and its limits, so they read one
+section instead of three copies in their own service options.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from mesh.config import MeshSettings
+
+
+class LlmSettings(BaseModel, extra="forbid"):
+    model: Path | None = Field(
+        default=None,
+        description="A local Hugging Face model directory (Llama family); None: the "
+        "embedded SmolLM2-135M-Instruct, converted once from its GGUF into cache_dir",
+    )
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    max_seq_len: int = Field(default=2048, ge=16, description="prompt + completion, tokens")
+    max_batch_size: int = Field(default=16, ge=1, description="decode slots")
+    default_max_new_tokens: int = Field(default=256, ge=1)
+    max_new_tokens_limit: int = Field(default=2048, ge=1)
+    kv_store_bytes: int = Field(
+        default=512 * 1024 * 1024, ge=1024 * 1024, description="prefill's leased KV budget"
+    )
+    threads: int | None = Field(default=None, ge=1, description="torch intra-op threads")
+
+
+def llm_settings(settings: MeshSettings) -> LlmSettings:
+    return LlmSettings.model_validate(settings.engines.get("llm", {}))

@@ -1,0 +1,16 @@
+"""prefill: runs prompts, samples their first token, and leases their KV to decoders."""
+
+from mesh.registry import ServiceSpec
+
+SPEC = ServiceSpec(
+    name="prefill",
+    default_port=50062,
+    description="Prefill + KvCache.Pull/Release: the prompt half of disaggregated serving",
+    setup="services.prefill.servicer:setup",
+    # Pulls and releases move memory out of the worker; they must never queue behind
+    # prompt computation, or a busy prefill worker would stall every decoder.
+    exempt_methods=(
+        "/aimesh.llm.v1.KvCacheService/Pull",
+        "/aimesh.llm.v1.KvCacheService/Release",
+    ),
+)

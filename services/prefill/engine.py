@@ -1,0 +1,123 @@
+"""Prefill engine: one prompt at a time on the model thread, KV kept under a lease.
+
+The KV of a prefilled prompt stays here until the decode worker has pulled it and calls
+Release, or until its lease runs out, so a decoder that crashed mid-pull cannot leak
+this worker's memory. The store has a byte budget; past it, Prefill is refused with
+RESOURCE_EXHAUSTED rather than letting memory grow without bound.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from mesh.failures import NotFound, Overloaded
+from services.llm import metrics
+from services.llm.llama import LayerKV, Llama
+from services.llm.sampling import SamplingParams, sample
+
+
+@dataclass
+class Lease:
+    handle_id: str
+    kv: list[LayerKV]
+    num_tokens: int
+    nbytes: int
+    expires_at: float  # time.monotonic()
+    expires_unix_ms: int
+    traceparent: str = ""
+
+
+@dataclass
+class KvStore:
+    capacity_bytes: int
+    clock: Callable[[], float] = time.monotonic
+    _leases: dict[str, Lease] = field(default_factory=dict)
+    used_bytes: int = 0
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def put(self, kv: list[LayerKV], ttl_s: float, traceparent: str = "") -> Lease:
+        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+        if self.used_bytes + nbytes > self.capacity_bytes:
+            self.expire()
+        if self.used_bytes + nbytes > self.capacity_bytes:
+            soonest = min((lease.expires_at for lease in self._leases.values()), default=0.0)
+            raise Overloaded(
+                f"KV store full ({self.used_bytes} of {self.capacity_bytes} bytes leased)",
+                retry_after_s=max(soonest - self.clock(), 0.05),
+                reason="KV_STORE_FULL",
+            )
+        lease = Lease(
+            handle_id=os.urandom(16).hex(),
+            kv=kv,
+            num_tokens=kv[0][0].shape[1],
+            nbytes=nbytes,
+            expires_at=self.clock() + ttl_s,
+            expires_unix_ms=int((time.time() + ttl_s) * 1000),
+            traceparent=traceparent,
+        )
+        self._leases[lease.handle_id] = lease
+        self.used_bytes += nbytes
+        metrics.PREFILL_KV_LEASED_BYTES.set(self.used_bytes)
+        return lease
+
+    def get(self, handle_id: str) -> Lease:
+        lease = self._leases.get(handle_id)
+        if lease is None or lease.expires_at <= self.clock():
+            if lease is not None:
+                self.release(handle_id)
+            raise NotFound(
+                f"KV handle {handle_id!r} is unknown, released or expired",
+                resource_type="kv_handle",
+                resource_name=handle_id,
+            )
+        return lease
+
+    def release(self, handle_id: str) -> bool:
+        lease = self._leases.pop(handle_id, None)
+        if lease is None:
+            return False
+        self.used_bytes -= lease.nbytes
+        metrics.PREFILL_KV_LEASED_BYTES.set(self.used_bytes)
+        return True
+
+    def expire(self) -> int:
+        now = self.clock()
+        expired = [h for h, lease in self._leases.items() if lease.expires_at <= now]
+        for handle_id in expired:
+            self.release(handle_id)
+        return len(expired)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: int
+    logprob: float
+    kv: list[LayerKV]
+    compute_s: float
+
+
+class PrefillEngine:
+    def __init__(self, model: Llama) -> None:
+        self.model = model
+
+    def run(self, token_ids: list[int], params: SamplingParams) -> PrefillResult:
+        """Blocking: call it on the model thread."""
+        started = time.perf_counter()
+        logits, kv = self.model.prefill(token_ids)
+        token, logprob = sample(logits, params, token_ids, index=0)
+        return PrefillResult(token, logprob, kv, time.perf_counter() - started)
+
+    def warm_up(self) -> None:
+        self.run([self.model.config.bos_token_id or 0] * 8, SamplingParams())
+
+
+def set_threads(threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)

@@ -1,0 +1,177 @@
+"""The prefill worker's gRPC surface: PrefillService and KvCacheService in one process,
+since this process owns the KV tensors that Pull streams."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from opentelemetry import propagate
+
+from aimesh.common.v1 import common_pb2
+from aimesh.llm.v1 import kv_cache_pb2, kv_cache_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from mesh.failures import NotReady
+from mesh.server import MeshServer
+from mesh.validation import Violations
+from services.llm import kv_codec
+from services.llm.artifacts import resolve_model
+from services.llm.llama import Llama
+from services.llm.requests import check_prompt, sampling_params
+from services.llm.settings import LlmSettings, llm_settings
+from services.prefill.engine import KvStore, PrefillEngine, set_threads
+
+DEFAULT_LEASE_S = 30.0
+MAX_LEASE_S = 300.0
+REAP_INTERVAL_S = 1.0
+
+PREFILL = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"]
+KV_CACHE = kv_cache_pb2.DESCRIPTOR.services_by_name["KvCacheService"]
+
+
+def _stage(name: str, seconds: float, kind: int) -> common_pb2.Stage:
+    return common_pb2.Stage(name=name, kind=kind, duration_ns=int(seconds * 1e9))
+
+
+class PrefillWorker(
+    prefill_pb2_grpc.PrefillServiceServicer, kv_cache_pb2_grpc.KvCacheServiceServicer
+):
+    def __init__(self, server: MeshServer, settings: LlmSettings) -> None:
+        self.server = server
+        self.settings = settings
+        self.store = KvStore(settings.kv_store_bytes)
+        self.engine: PrefillEngine | None = None
+        # One model thread: a forward pass already uses every core torch is given.
+        self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="prefill-model")
+
+    @property
+    def address(self) -> str:
+        advertised = self.server.options.get("advertise_address")
+        host = "127.0.0.1" if self.server.host in ("0.0.0.0", "::") else self.server.host
+        return advertised or f"{host}:{self.server.port}"
+
+    def _engine(self) -> PrefillEngine:
+        if self.engine is None:
+            raise NotReady("prefill model is still loading")
+        return self.engine
+
+    async def Prefill(
+        self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> prefill_pb2.PrefillResponse:
+        received = time.perf_counter()
+        engine = self._engine()
+        config = engine.model.config
+        violations = Violations()
+        token_ids = list(request.token_ids)
+        check_prompt(token_ids, config.vocab_size, self.settings, violations, "token_ids")
+        params = sampling_params(request.sampling, config.vocab_size, violations)
+        violations.check(request.lease_ttl_ms >= 0, "lease_ttl_ms", "must not be negative")
+        violations.raise_if_any()
+        ttl_s = min(request.lease_ttl_ms / 1000 or DEFAULT_LEASE_S, MAX_LEASE_S)
+
+        loop = asyncio.get_running_loop()
+        queued = time.perf_counter()
+        result = await loop.run_in_executor(self.model_thread, engine.run, token_ids, params)
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        lease = self.store.put(result.kv, ttl_s, carrier.get("traceparent", ""))
+        waited = time.perf_counter() - queued - result.compute_s
+        k0 = result.kv[0][0]
+        return prefill_pb2.PrefillResponse(
+            first_token_id=result.first_token,
+            first_token_logprob=result.logprob,
+            kv_handle=kv_cache_pb2.KvHandle(
+                id=lease.handle_id,
+                address=self.address,
+                num_tokens=lease.num_tokens,
+                num_layers=len(result.kv),
+                num_kv_heads=k0.shape[0],
+                head_dim=k0.shape[2],
+                dtype=kv_codec.dtype_name(k0.dtype),
+                lease_expires_unix_ms=lease.expires_unix_ms,
+                traceparent=lease.traceparent,
+            ),
+            prompt_tokens=len(token_ids),
+            timing=common_pb2.Timing(
+                stages=[
+                    _stage("queue", max(waited, 0.0), common_pb2.STAGE_KIND_QUEUE),
+                    _stage("prefill", result.compute_s, common_pb2.STAGE_KIND_COMPUTE),
+                ],
+                total_ns=int((time.perf_counter() - received) * 1e9),
+            ),
+        )
+
+    async def Pull(
+        self, request: kv_cache_pb2.PullRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kv_cache_pb2.PullResponse]:
+        started = time.perf_counter()
+        violations = Violations()
+        violations.check(bool(request.handle_id), "handle_id", "must not be empty")
+        violations.check(request.max_chunk_bytes >= 0, "max_chunk_bytes", "must not be negative")
+        violations.raise_if_any()
+        lease = self.store.get(request.handle_id)
+        count = 0
+        total = 0
+        for chunk in kv_codec.encode(lease.kv, kv_codec.clamp_chunk_bytes(request.max_chunk_bytes)):
+            count += 1
+            total += len(chunk.data)
+            yield kv_cache_pb2.PullResponse(chunk=chunk)
+        yield kv_cache_pb2.PullResponse(
+            complete=kv_cache_pb2.PullComplete(
+                num_chunks=count,
+                total_bytes=total,
+                timing=common_pb2.Timing(
+                    stages=[
+                        _stage(
+                            "send", time.perf_counter() - started, common_pb2.STAGE_KIND_TRANSFER
+                        )
+                    ],
+                    total_ns=int((time.perf_counter() - started) * 1e9),
+                ),
+            )
+        )
+
+    async def Release(
+        self, request: kv_cache_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> kv_cache_pb2.ReleaseResponse:
+        violations = Violations()
+        violations.check(bool(request.handle_id), "handle_id", "must not be empty")
+        violations.raise_if_any()
+        return kv_cache_pb2.ReleaseResponse(released=self.store.release(request.handle_id))
+
+    async def reap_expired_leases(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL_S)
+            self.store.expire()
+
+
+async def setup(server: MeshServer) -> None:
+    settings = llm_settings(server.settings)
+    worker = PrefillWorker(server, settings)
+    server.add_service(prefill_pb2_grpc.add_PrefillServiceServicer_to_server, worker, PREFILL)
+    server.add_service(kv_cache_pb2_grpc.add_KvCacheServiceServicer_to_server, worker, KV_CACHE)
+    reaper: list[asyncio.Task[None]] = []
+
+    def load() -> PrefillEngine:
+        set_threads(settings.threads)
+        directory = resolve_model(settings.model, server.settings.cache_dir)
+        engine = PrefillEngine(Llama.load(directory, kv_codec.torch_dtype(settings.dtype)))
+        engine.warm_up()
+        return engine
+
+    async def warm_up() -> None:
+        worker.engine = await asyncio.get_running_loop().run_in_executor(worker.model_thread, load)
+        reaper.append(asyncio.create_task(worker.reap_expired_leases()))
+
+    async def shut_down() -> None:
+        for task in reaper:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        worker.model_thread.shutdown(wait=False, cancel_futures=True)
+
+    server.add_warmup(warm_up)
+    server.add_shutdown(shut_down)
