@@ -105,6 +105,16 @@ class MethodMetrics:
         handled.inc()
 
 
+ASYNCIO_TASKS = Gauge(
+    "aimesh_runtime_asyncio_tasks",
+    "Live asyncio tasks in the server's event loop; flat when idle, or something leaks.",
+)
+
+
+def watch_event_loop(loop: asyncio.AbstractEventLoop) -> None:
+    ASYNCIO_TASKS.set_function(lambda: len(asyncio.all_tasks(loop)))
+
+
 def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
     """Exposes this process's registry on http://host:port/metrics (a daemon thread)."""
     start_http_server(port, addr=host)

@@ -16,6 +16,8 @@ METADATA_KEY = "x-request-id"
 _MAX_LENGTH = 128
 
 _request_id: ContextVar[str] = ContextVar("aimesh_request_id", default="")
+# True while the id was made up here rather than given by a caller.
+_generated: ContextVar[bool] = ContextVar("aimesh_request_id_generated", default=False)
 
 
 def current() -> str:
@@ -23,23 +25,27 @@ def current() -> str:
 
 
 def ensure(request_id: str = "") -> str:
-    """Returns the id of the current request, adopting `request_id` (or a new one) if none."""
+    """The current request's id. An id given in a request body (`request_id` fields)
+    replaces one this server made up, but never one the caller sent in metadata."""
     existing = _request_id.get()
-    if existing:
-        return existing
-    chosen = request_id[:_MAX_LENGTH] or os.urandom(16).hex()
-    _request_id.set(chosen)
-    return chosen
+    if request_id and (not existing or _generated.get()):
+        _request_id.set(request_id[:_MAX_LENGTH])
+        _generated.set(False)
+    elif not existing:
+        _request_id.set(os.urandom(16).hex())
+        _generated.set(True)
+    return _request_id.get()
 
 
 def adopt(context: grpc.aio.ServicerContext) -> None:
     """Takes the caller's id from metadata, or starts a new one, for this call's task."""
-    incoming = ""
     for key, value in context.invocation_metadata() or ():
         if key == METADATA_KEY and isinstance(value, str):
-            incoming = value[:_MAX_LENGTH]
-            break
-    _request_id.set(incoming or os.urandom(16).hex())
+            _request_id.set(value[:_MAX_LENGTH])
+            _generated.set(False)
+            return
+    _request_id.set(os.urandom(16).hex())
+    _generated.set(True)
 
 
 def with_request_id(metadata: Any) -> grpc.aio.Metadata | Any:

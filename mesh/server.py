@@ -26,6 +26,7 @@ from mesh.admission import Admission
 from mesh.client import ChannelPool, transport_options
 from mesh.config import MeshSettings
 from mesh.interceptors import MeshServerInterceptor
+from mesh.metrics import watch_event_loop
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ class MeshServer:
             raise OSError(f"{self.name}: cannot bind {self.host}:{self.requested_port}")
         await self.set_ready(False)
         await self.grpc_server.start()
+        watch_event_loop(asyncio.get_running_loop())
         log.info("listening", extra={"address": f"{self.host}:{self.port}"})
         for warmup in self._warmups:
             await warmup()

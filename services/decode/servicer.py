@@ -96,13 +96,13 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
         engine = self._engine()
         prompt, params, stop = self._validate(request, engine)
         handle = request.kv_handle
-        detokenizer = IncrementalDetokenizer(self.tokenizer) if stop.stop_sequences else None
+        detokenizer = IncrementalDetokenizer(self.tokenizer.decode) if stop.stop_sequences else None
         checker = StopChecker(
             max_new_tokens=stop.max_new_tokens,
             eos_ids=frozenset(engine.model.config.eos_token_ids),
             stop_sequences=stop.stop_sequences,
             ignore_eos=stop.ignore_eos,
-            token_text=(lambda token: detokenizer.add([token])) if detokenizer else (lambda _: ""),
+            token_text=(lambda token: detokenizer.push([token])) if detokenizer else (lambda _: ""),
         )
         logprobs = [request.first_token_logprob]
         emitted = 0

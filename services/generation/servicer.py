@@ -3,6 +3,7 @@ pipeline, reported with usage and per-stage timing."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -13,6 +14,7 @@ from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 from mesh import request_id
 from mesh.config import MeshSettings
+from mesh.health import probe
 from mesh.registry import discover
 from mesh.server import MeshServer
 from mesh.validation import Violations
@@ -196,8 +198,18 @@ async def setup(server: MeshServer) -> None:
         GENERATION,
     )
 
-    async def start_polling() -> None:
+    async def wait_for_workers() -> None:
+        """Ready once the pipeline can run: the tokenizer, a prefill and a decode worker
+        answer. Only at start; later outages show as errors, not as an unready router."""
+        await decode_picker.poll()
+        while not (
+            decode_picker.any_healthy
+            and await probe(tokenizer, "tokenizer") == "SERVING"
+            and any([await probe(target, "prefill") == "SERVING" for target in prefill])
+        ):
+            await asyncio.sleep(options.poll_interval_s)
+            await decode_picker.poll()
         decode_picker.start()
 
-    server.add_warmup(start_polling)
+    server.add_warmup(wait_for_workers)
     server.add_shutdown(decode_picker.stop)

@@ -22,8 +22,6 @@ from mesh.breaker import State
 from mesh.client import ChannelPool
 from mesh.failures import NotReady
 
-DECODE = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"]
-
 
 @dataclass
 class _Worker:
@@ -61,6 +59,7 @@ class DecodePicker:
         self.workers = {target: _Worker(target) for target in targets}
         self.channels = channels
         self.poll_interval_s = poll_interval_s
+        self._probes = {target: grpc.aio.insecure_channel(target) for target in targets}
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -71,6 +70,12 @@ class DecodePicker:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        for channel in self._probes.values():
+            await channel.close()
+
+    @property
+    def any_healthy(self) -> bool:
+        return any(worker.healthy for worker in self.workers.values())
 
     def pick(self, exclude: frozenset[str] = frozenset()) -> str:
         candidates = [w for w in self.workers.values() if w.target not in exclude]
@@ -90,7 +95,7 @@ class DecodePicker:
 
     async def poll(self) -> None:
         async def one(worker: _Worker) -> None:
-            stub = decode_pb2_grpc.DecodeServiceStub(self.channels.get(worker.target, DECODE))
+            stub = decode_pb2_grpc.DecodeServiceStub(self._probes[worker.target])
             try:
                 load = await stub.GetLoad(decode_pb2.GetLoadRequest(), timeout=0.5)
             except grpc.aio.AioRpcError:

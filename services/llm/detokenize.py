@@ -1,48 +1,59 @@
 """Incremental detokenization: token ids in, text deltas out, never half a character.
 
-The prefix-offset method of TGI and vLLM: decode a small window that starts one step
-back, so leading-space rules and tokens that split a UTF-8 character resolve against
-their neighbours. A window whose text ends in U+FFFD is an unfinished character and is
-held back until a later token completes it. Each step decodes a window of a few tokens,
-not the whole sequence.
+Shared by the tokenizer service (DetokenizeStream) and decode (matching stop sequences),
+so both see exactly the same text for the same ids.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable, Iterable
 
-REPLACEMENT = "\ufffd"
-
-
-class Decoder(Protocol):
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+REPLACEMENT_CHARACTER = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = False) -> None:
-        self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix_offset = 0
-        self._read_offset = 0
+    """Turns ids arriving in pieces into text deltas, as TGI and vLLM do (prefix offsets).
 
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+    Decoding ids one by one is wrong twice over: byte-level BPE splits characters across
+    tokens, and SentencePiece-style decoders drop the leading space of whatever they decode
+    first. So each step decodes a window that starts a little before the new ids (at
+    prefix_offset) twice, without and with the ids not yet emitted (from read_offset), and
+    emits the difference. A window whose text ends with U+FFFD stops inside a character: it
+    is held back until more ids complete it, or flushed as U+FFFD by finish().
 
-    def add(self, token_ids: list[int]) -> str:
-        """The text the new ids complete; '' while a character is still unfinished."""
-        self._ids.extend(token_ids)
-        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        text = self._decode(self._ids[self._prefix_offset :])
-        if len(text) <= len(prefix) or text.endswith(REPLACEMENT):
+    Ids before prefix_offset are never decoded again, so they are dropped: the window holds
+    only the last emitted step and what is held back, and each step costs O(that), not
+    O(all ids). The window grows only while text is held back, i.e. while the ids do not
+    form valid UTF-8.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+        self._window: list[int] = []  # the ids from prefix_offset on
+        self._read_offset = 0  # in the window: the first id not yet emitted as text
+
+    def push(self, ids: Iterable[int]) -> str:
+        """The text `ids` complete; empty while a character is still unfinished."""
+        self._window.extend(ids)
+        if self._read_offset == len(self._window):
             return ""
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        return text[len(prefix) :]
+        prefix_text, text = self._decode_window()
+        if text.endswith(REPLACEMENT_CHARACTER):
+            return ""
+        return self._advance(text[len(prefix_text) :])
 
     def finish(self) -> str:
-        """Whatever is still held back (a truly broken tail decodes to U+FFFD)."""
-        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        text = self._decode(self._ids[self._prefix_offset :])
-        self._prefix_offset = self._read_offset = len(self._ids)
-        return text[len(prefix) :]
+        """Whatever is held back, an unfinished character becoming U+FFFD."""
+        if self._read_offset == len(self._window):
+            return ""
+        prefix_text, text = self._decode_window()
+        return self._advance(text[len(prefix_text) :])
+
+    def _decode_window(self) -> tuple[str, str]:
+        return self._decode(self._window[: self._read_offset]), self._decode(self._window)
+
+    def _advance(self, delta: str) -> str:
+        """prefix_offset moves to the old read_offset and read_offset to the end."""
+        del self._window[: self._read_offset]
+        self._read_offset = len(self._window)
+        return delta

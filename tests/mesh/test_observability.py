@@ -69,3 +69,18 @@ async def test_message_size_limit_is_the_configured_one(echo_server):
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await stub.Echo(echo_pb2.EchoRequest(payload=bytes(40 * 1024 * 1024)), timeout=30)
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_request_id_from_a_body_replaces_only_a_made_up_one():
+    def scenario(metadata_id: str, body_id: str) -> str:
+        class Context:
+            def invocation_metadata(self):
+                return (("x-request-id", metadata_id),) if metadata_id else ()
+
+        request_id.adopt(Context())
+        return request_id.ensure(body_id)
+
+    run = contextvars.copy_context().run
+    assert run(scenario, "", "from-body") == "from-body"
+    assert run(scenario, "from-metadata", "from-body") == "from-metadata"
+    assert len(run(scenario, "", "")) == 32

@@ -1,0 +1,134 @@
+"""The model's tokenizer and chat template as plain Python: no grpc, inputs already valid.
+
+Tokenizing goes straight to the Rust `tokenizers.Tokenizer` behind the transformers
+tokenizer: its `encode_batch` releases the GIL (plain `encode` does not), so a long text
+tokenized in a worker thread leaves the event loop free, and it never mutates the tokenizer
+(transformers' `__call__` resets truncation and padding on every call, which fails with
+"Already borrowed" when two threads tokenize at once). Decoding and the chat template go
+through transformers so the text is exactly what `tokenizer.decode` and
+`tokenizer.apply_chat_template` give.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from jinja2 import TemplateError
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from mesh.failures import Conflict, FieldViolation, InvalidInput, NotReady
+from services.llm.detokenize import IncrementalDetokenizer
+
+# Accepted when the template does not say which roles it knows (it renders any role).
+DEFAULT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+# A role no template names: a template that renders it accepts every role.
+_PROBE_ROLE = "aimesh-probe-role"
+# `message['role'] == 'user'`, `message.role != "system"` and the like in template source.
+_ROLE_LITERAL = re.compile(r"""role['"]?\]?\s*[!=]=\s*['"]([^'"]+)['"]""")
+# What a lossy UTF-8 decode puts where a character's bytes are incomplete.
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """Token ids of a text; tokens and offsets (code points, end exclusive) only on request."""
+
+    ids: list[int]
+    tokens: list[str]
+    offsets: list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A rendered conversation; ids is empty unless they were asked for."""
+
+    text: str
+    ids: list[int]
+
+
+class TokenizerEngine:
+    """One model's tokenizer; safe to call from several threads at once."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tokenizer
+        self._backend = tokenizer.backend_tokenizer
+        # len() counts added tokens (chat markers) too, unlike tokenizer.vocab_size.
+        self.vocab_size = len(tokenizer)
+        self.eos_token_id: int | None = tokenizer.eos_token_id
+        self.roles = _accepted_roles(tokenizer)
+
+    @classmethod
+    def load(cls, directory: Path) -> TokenizerEngine:
+        """Loads the fast tokenizer of a local model directory; never touches the network."""
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        if not hasattr(tokenizer, "backend_tokenizer"):
+            raise NotReady(f"{directory} has no fast tokenizer (tokenizer.json)")
+        return cls(tokenizer)
+
+    def tokenize(self, text: str, add_special_tokens: bool, return_details: bool) -> Tokenized:
+        (encoding,) = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        if not return_details:
+            return Tokenized(encoding.ids, [], [])
+        return Tokenized(encoding.ids, encoding.tokens, encoding.offsets)
+
+    def detokenize(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def incremental_detokenizer(self, skip_special_tokens: bool) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            partial(self.detokenize, skip_special_tokens=skip_special_tokens)
+        )
+
+    def apply_chat_template(
+        self,
+        messages: Iterable[tuple[str, str]],
+        add_generation_prompt: bool,
+        return_token_ids: bool,
+    ) -> ChatPrompt:
+        """Renders (role, content) pairs; the ids never get special tokens added again,
+        because the template already wrote them into the text."""
+        if self._tokenizer.chat_template is None:
+            raise Conflict("the model has no chat template")
+        conversation = [{"role": role, "content": content} for role, content in messages]
+        try:
+            text = self._tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except TemplateError as error:
+            # Only the template knows some of its rules (turns that must alternate, a
+            # system message that must come first); it says so by raising.
+            violation = FieldViolation("messages", f"the chat template refuses them: {error}")
+            raise InvalidInput([violation]) from error
+        ids = self.tokenize(text, False, False).ids if return_token_ids else []
+        return ChatPrompt(text, ids)
+
+
+def _accepted_roles(tokenizer: PreTrainedTokenizerBase) -> frozenset[str]:
+    """The roles the chat template renders, found by asking it.
+
+    A template that renders a made-up role accepts any role, so nothing narrower than the
+    usual roles can be determined. One that refuses it accepts those of the roles it names
+    and the usual ones that it renders.
+    """
+    template = tokenizer.chat_template
+    if template is None or _renders(tokenizer, _PROBE_ROLE):
+        return DEFAULT_ROLES
+    source = template if isinstance(template, str) else " ".join(template.values())
+    candidates = DEFAULT_ROLES | set(_ROLE_LITERAL.findall(source))
+    return frozenset(role for role in candidates if _renders(tokenizer, role))
+
+
+def _renders(tokenizer: PreTrainedTokenizerBase, role: str) -> bool:
+    """Whether a turn of `role` renders first or after a user turn: templates that insist
+    on alternating turns refuse an assistant turn first."""
+    for roles in ([role], ["user", role]):
+        conversation = [{"role": each, "content": "probe"} for each in roles]
+        try:
+            tokenizer.apply_chat_template(conversation, tokenize=False)
+        except TemplateError:
+            continue
+        return True
+    return False

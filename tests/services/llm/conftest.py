@@ -1,0 +1,183 @@
+"""LLM test fixtures: the converted model, transformers as the reference, and a whole LLM
+mesh (tokenizer, prefill, two decode replicas, generation) as separate processes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
+from mesh.client import create_channel
+from mesh.config import MeshSettings
+from mesh.health import wait_until_serving
+from services.generation.servicer import GENERATION
+from services.llm.artifacts import resolve_model
+from tests.conftest import VENV_BIN, free_port, subprocess_env
+
+MAX_SEQ_LEN = 512
+MAX_BATCH = 8
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The embedded model, converted once per machine into the default cache."""
+    return resolve_model(None, MeshSettings().cache_dir)
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir: Path):
+    """transformers' own model and tokenizer: the ground truth for every output."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(model_dir)
+
+
+def greedy_reference(reference, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers greedy generation, cut at (and without) the end-of-sequence token."""
+    model, tokenizer = reference
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
+        )[0, len(prompt_ids) :].tolist()
+    eos = tokenizer.eos_token_id
+    return out[: out.index(eos)] if eos in out else out
+
+
+@dataclass
+class LlmMesh:
+    root: Path
+    env: dict[str, str]
+    ports: dict[str, int]
+    decode_ports: list[int]
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def target(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def launch(self, name: str, service: str, port: int) -> None:
+        self.processes[name] = subprocess.Popen(
+            [str(VENV_BIN / "aimesh"), "serve", service, "--port", str(port)],
+            env=self.env,
+            stderr=(self.root / f"{name}.log").open("ab"),
+        )
+
+    async def wait_ready(self, name: str, service: str, port: int) -> None:
+        process = self.processes[name]
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + 180
+        while loop.time() < give_up and process.poll() is None:
+            if await wait_until_serving(f"127.0.0.1:{port}", service, timeout_s=1):
+                return
+        log = (self.root / f"{name}.log").read_text()[-3000:]
+        raise AssertionError(f"{name} did not become ready:\n{log}")
+
+    async def start(self, name: str, service: str, port: int) -> None:
+        self.launch(name, service, port)
+        await self.wait_ready(name, service, port)
+
+    def metrics_url(self, name: str) -> str:
+        """Decode replicas expose metrics on their gRPC port + 1000 (the default)."""
+        if name.startswith("decode-"):
+            return f"http://127.0.0.1:{self.decode_ports[int(name[-1])] + 1000}/metrics"
+        return f"http://127.0.0.1:{self.ports[name + '_metrics']}/metrics"
+
+    def stub(self) -> tuple[generation_pb2_grpc.GenerationServiceStub, object]:
+        channel = create_channel(self.target("generation"), MeshSettings(), services=[GENERATION])
+        return generation_pb2_grpc.GenerationServiceStub(channel), channel
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+@pytest.fixture(scope="module")
+def llm_mesh(tmp_path_factory, model_dir) -> Iterator[LlmMesh]:
+    """Five processes, as `aimesh up` runs them; started once per test module."""
+    root = tmp_path_factory.mktemp("llm-mesh")
+    ports = {name: free_port() for name in ("tokenizer", "prefill", "generation")}
+    ports["prefill_metrics"] = free_port()
+    ports["generation_metrics"] = free_port()
+    decode_ports = [free_port(), free_port()]
+    decode_targets = ", ".join(f'"127.0.0.1:{port}"' for port in decode_ports)
+    config = root / "aimesh.toml"
+    config.write_text(
+        f"[engines.llm]\nmax_seq_len = {MAX_SEQ_LEN}\nmax_batch_size = {MAX_BATCH}\n"
+        f"[services.tokenizer]\nport = {ports['tokenizer']}\nmetrics_port = 0\n"
+        f"[services.prefill]\nport = {ports['prefill']}\n"
+        f"metrics_port = {ports['prefill_metrics']}\n"
+        f"[services.generation]\nport = {ports['generation']}\n"
+        f"metrics_port = {ports['generation_metrics']}\n"
+        "[services.generation.options]\n"
+        f'tokenizer = "127.0.0.1:{ports["tokenizer"]}"\n'
+        f'prefill = ["127.0.0.1:{ports["prefill"]}"]\n'
+        f"decode = [{decode_targets}]\n"
+    )
+    env = subprocess_env(AIMESH_CONFIG=str(config), OTEL_TRACES_EXPORTER="none")
+    mesh = LlmMesh(root, env, ports, decode_ports)
+    units = [
+        ("tokenizer", "tokenizer", ports["tokenizer"]),
+        ("prefill", "prefill", ports["prefill"]),
+        ("decode-0", "decode", decode_ports[0]),
+        ("decode-1", "decode", decode_ports[1]),
+        ("generation", "generation", ports["generation"]),
+    ]
+    try:
+        for unit in units:
+            mesh.launch(*unit)
+
+        async def all_ready() -> None:
+            await asyncio.gather(*(mesh.wait_ready(*unit) for unit in units))
+
+        asyncio.run(all_ready())
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+def stopping(max_new_tokens: int, **extra) -> sampling_pb2.StoppingCriteria:
+    return sampling_pb2.StoppingCriteria(max_new_tokens=max_new_tokens, **extra)
+
+
+async def generate(stub, **request) -> tuple[list[int], str, generation_pb2.GenerationComplete]:
+    """One Generate call, collected: token ids, text, and the final message."""
+    ids: list[int] = []
+    text = ""
+    complete = None
+    async for message in stub.Generate(generation_pb2.GenerateRequest(**request), timeout=120):
+        if message.HasField("chunk"):
+            ids += message.chunk.token_ids
+            text += message.chunk.text
+        else:
+            complete = message.complete
+    return ids, text, complete
+
+
+@pytest.fixture
+def prompts() -> Iterator[list[str]]:
+    yield [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a land far away,",
+        "List three colors:",
+        "The quick brown fox",
+        "In Python, a dictionary is",
+        "1, 2, 3, 4,",
+        "Water boils at",
+    ]

@@ -1,0 +1,286 @@
+"""The LLM mesh end to end: tokenizer, prefill, two decode replicas and the generation
+router, each its own process, checked against transformers running in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import re
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from aimesh.llm.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    generation_pb2,
+    kv_cache_pb2,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    sampling_pb2,
+)
+from mesh.client import create_channel
+from mesh.config import MeshSettings
+from mesh.errors import field_violations
+from tests.services.llm.conftest import MAX_SEQ_LEN, generate, greedy_reference, stopping
+
+
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert match, f"{name} not exposed at {url}"
+    return float(match.group(1))
+
+
+async def _loads(llm_mesh) -> list[decode_pb2.GetLoadResponse]:
+    loads = []
+    for port in llm_mesh.decode_ports:
+        async with create_channel(f"127.0.0.1:{port}", MeshSettings()) as channel:
+            stub = decode_pb2_grpc.DecodeServiceStub(channel)
+            loads.append(await stub.GetLoad(decode_pb2.GetLoadRequest(), timeout=5))
+    return loads
+
+
+async def test_greedy_output_equals_transformers_token_for_token(llm_mesh, reference, prompts):
+    stub, channel = llm_mesh.stub()
+    _, tokenizer = reference
+    async with channel:
+        for prompt in prompts[:3]:
+            ids, text, complete = await generate(stub, prompt=prompt, stopping=stopping(24))
+            prompt_ids = tokenizer(prompt)["input_ids"]
+            assert ids == greedy_reference(reference, prompt_ids, 24)
+            assert text == tokenizer.decode(ids, skip_special_tokens=True)
+            assert complete.usage.prompt_tokens == len(prompt_ids)
+            assert complete.usage.completion_tokens >= len(ids)
+            assert complete.finish_reason in (
+                sampling_pb2.FINISH_REASON_LENGTH,
+                sampling_pb2.FINISH_REASON_EOS,
+            )
+            stages = {s.name for s in complete.timing.stages}
+            assert stages == {"tokenize", "queue", "prefill", "kv_transfer", "decode", "detokenize"}
+            assert complete.model == "SmolLM2-135M-Instruct"
+
+
+async def test_chat_applies_the_template_and_matches_transformers(llm_mesh, reference):
+    stub, channel = llm_mesh.stub()
+    _, tokenizer = reference
+    messages = [{"role": "user", "content": "Name a primary colour."}]
+    async with channel:
+        ids: list[int] = []
+        async for message in stub.Chat(
+            generation_pb2.ChatRequest(messages=messages, stopping=stopping(16)), timeout=120
+        ):
+            if message.HasField("chunk"):
+                ids += message.chunk.token_ids
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    if not isinstance(prompt_ids, list):
+        prompt_ids = prompt_ids["input_ids"]
+    assert ids == greedy_reference(reference, prompt_ids, 16)
+
+
+async def test_eight_concurrent_streams_each_equal_their_single_stream(llm_mesh, prompts):
+    stub, channel = llm_mesh.stub()
+    lengths = [6 + 4 * i for i in range(8)]
+    async with channel:
+        alone = [
+            (await generate(stub, prompt=p, stopping=stopping(n)))[0]
+            for p, n in zip(prompts, lengths, strict=True)
+        ]
+        together = await asyncio.gather(
+            *(
+                generate(stub, prompt=p, stopping=stopping(n))
+                for p, n in zip(prompts, lengths, strict=True)
+            )
+        )
+    assert [ids for ids, _, _ in together] == alone
+
+
+async def test_seeded_sampling_reproduces(llm_mesh):
+    stub, channel = llm_mesh.stub()
+
+    def sampled(seed: int) -> sampling_pb2.SamplingParameters:
+        return sampling_pb2.SamplingParameters(temperature=0.9, top_p=0.95, top_k=50, seed=seed)
+
+    async with channel:
+        runs = [
+            (
+                await generate(
+                    stub, prompt="Tell me a story:", sampling=sampled(seed), stopping=stopping(24)
+                )
+            )[0]
+            for seed in (1234, 1234, 99)
+        ]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+BAD_REQUESTS = [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "word " * (MAX_SEQ_LEN + 50)}, "prompt"),
+    (
+        {"prompt": "hi", "stopping": sampling_pb2.StoppingCriteria(max_new_tokens=0)},
+        "stopping.max_new_tokens",
+    ),
+    (
+        {"prompt": "hi", "stopping": sampling_pb2.StoppingCriteria(max_new_tokens=-3)},
+        "stopping.max_new_tokens",
+    ),
+    (
+        {"prompt": "hi", "stopping": sampling_pb2.StoppingCriteria(max_new_tokens=10**6)},
+        "stopping.max_new_tokens",
+    ),
+    (
+        {"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(temperature=-0.5)},
+        "sampling.temperature",
+    ),
+    (
+        {"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(temperature=math.nan)},
+        "sampling.temperature",
+    ),
+    ({"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(top_p=0.0)}, "sampling.top_p"),
+    ({"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(top_p=1.5)}, "sampling.top_p"),
+    ({"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(top_k=-1)}, "sampling.top_k"),
+    ({"prompt": "hi", "model": "gpt-17"}, "model"),
+]
+
+
+@pytest.mark.parametrize(("request_fields", "field"), BAD_REQUESTS)
+async def test_bad_input_is_invalid_argument_with_field_violations(llm_mesh, request_fields, field):
+    stub, channel = llm_mesh.stub()
+    async with channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await generate(stub, **request_fields)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in {v.field for v in field_violations(caught.value)}
+
+
+async def test_unknown_and_expired_kv_handles_are_not_found(llm_mesh, reference):
+    _, tokenizer = reference
+    prompt_ids = tokenizer("Hello there")["input_ids"]
+    settings = MeshSettings()
+    async with (
+        create_channel(llm_mesh.target("prefill"), settings) as prefill_channel,
+        create_channel(f"127.0.0.1:{llm_mesh.decode_ports[0]}", settings) as decode_channel,
+    ):
+        prefill = prefill_pb2_grpc.PrefillServiceStub(prefill_channel)
+        decode = decode_pb2_grpc.DecodeServiceStub(decode_channel)
+        leased = await prefill.Prefill(
+            prefill_pb2.PrefillRequest(token_ids=prompt_ids, lease_ttl_ms=1), timeout=30
+        )
+        await asyncio.sleep(0.05)  # the 1 ms lease is over
+        unknown = kv_cache_pb2.KvHandle()
+        unknown.CopyFrom(leased.kv_handle)
+        unknown.id = "no-such-handle"
+        for handle in (unknown, leased.kv_handle):
+            call = decode.Decode(
+                decode_pb2.DecodeRequest(
+                    kv_handle=handle,
+                    prompt_token_ids=prompt_ids,
+                    first_token_id=leased.first_token_id,
+                    stopping=stopping(8),
+                ),
+                timeout=30,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in call:
+                    pass
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_cancelling_a_stream_frees_its_decode_slot_within_a_step(llm_mesh):
+    stub, channel = llm_mesh.stub()
+    async with channel:
+        call = stub.Generate(
+            generation_pb2.GenerateRequest(prompt="Count slowly:", stopping=stopping(300)),
+            timeout=120,
+        )
+        chunks = 0
+        async for message in call:
+            chunks += message.HasField("chunk")
+            if chunks == 3:
+                break
+        assert sum(load.running for load in await _loads(llm_mesh)) == 1
+        call.cancel()
+        started = time.monotonic()
+
+        async def idle() -> bool:
+            return sum(load.running for load in await _loads(llm_mesh)) == 0
+
+        while not await idle():
+            assert time.monotonic() - started < 2.0, "slot still busy 2 s after cancel"
+            await asyncio.sleep(0.02)
+
+
+async def test_no_leaks_after_200_streams_cancelled_at_random_points(llm_mesh, prompts):
+    urls = {name: llm_mesh.metrics_url(name) for name in ("prefill", "decode-0", "decode-1")}
+    tasks_before = {n: _metric(u, "aimesh_runtime_asyncio_tasks") for n, u in urls.items()}
+    stub, channel = llm_mesh.stub()
+    rng = random.Random(7)
+
+    async def one(i: int) -> None:
+        call = stub.Generate(
+            generation_pb2.GenerateRequest(prompt=prompts[i % len(prompts)], stopping=stopping(12)),
+            timeout=60,
+        )
+
+        async def consume() -> None:
+            async for _ in call:
+                pass
+
+        task = asyncio.create_task(consume())
+        # 0 ms lands before prefill, tens of ms during prefill or the KV pull, more mid-decode.
+        await asyncio.sleep(rng.choice([0, 0.005, 0.02, 0.05, 0.1, 0.2, 0.4]))
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    async with channel:
+        for wave in range(25):
+            await asyncio.gather(*(one(wave * 8 + j) for j in range(8)))
+
+        async def idle() -> bool:
+            loads = await _loads(llm_mesh)
+            return (
+                all(load.running == 0 and load.waiting == 0 for load in loads)
+                and _metric(urls["prefill"], "aimesh_llm_prefill_kv_leased_bytes") == 0
+            )
+
+        deadline = time.monotonic() + 10
+        while not await idle():
+            assert time.monotonic() < deadline, "KV or decode slots still held 10 s after"
+            await asyncio.sleep(0.1)
+    for name, url in urls.items():
+        after = _metric(url, "aimesh_runtime_asyncio_tasks")
+        assert after <= tasks_before[name] + 2, f"{name}: {tasks_before[name]} -> {after} tasks"
+
+
+async def test_killing_a_decode_replica_fails_its_stream_and_the_other_keeps_serving(llm_mesh):
+    """Runs last in this module: it kills one decode process."""
+    stub, channel = llm_mesh.stub()
+    async with channel:
+        call = stub.Generate(
+            generation_pb2.GenerateRequest(prompt="Write a long essay:", stopping=stopping(400)),
+            timeout=120,
+        )
+        chunks = 0
+        async for message in call:
+            chunks += message.HasField("chunk")
+            if chunks == 3:
+                break
+        loads = await _loads(llm_mesh)
+        victim = next(i for i, load in enumerate(loads) if load.running == 1)
+        llm_mesh.processes[f"decode-{victim}"].kill()
+        killed_at = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in call:
+                pass
+        assert time.monotonic() - killed_at < 10
+        assert caught.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+
+        survivor = f"127.0.0.1:{llm_mesh.decode_ports[1 - victim]}"
+        for _ in range(4):
+            ids, _, complete = await generate(stub, prompt="Hello", stopping=stopping(4))
+            assert ids and complete.decode_worker == survivor

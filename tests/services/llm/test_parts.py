@@ -1,0 +1,150 @@
+"""Sampling, stopping, the KV wire codec and the model cache, each on its own."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from aimesh.llm.v1 import kv_cache_pb2
+from services.llm import artifacts, kv_codec
+from services.llm.detokenize import IncrementalDetokenizer
+from services.llm.sampling import SamplingParams, sample
+from services.llm.stopping import Finish, StopChecker
+
+
+def test_greedy_and_degenerate_filters_agree():
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    best = int(logits.argmax())
+    assert sample(logits, SamplingParams(), [], 0)[0] == best
+    assert sample(logits, SamplingParams(temperature=1.0, top_k=1, seed=3), [], 0)[0] == best
+    assert sample(logits, SamplingParams(temperature=1.0, top_p=1e-6, seed=3), [], 0)[0] == best
+
+
+def test_seeded_sampling_depends_only_on_seed_and_index():
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=1.0, seed=42)
+    draws = [sample(logits, params, [], i)[0] for i in range(20)]
+    assert draws == [sample(logits, params, [], i)[0] for i in range(20)]
+    other = [sample(logits, SamplingParams(temperature=1.0, seed=43), [], i)[0] for i in range(20)]
+    assert draws != other
+
+
+def test_repetition_penalty_pushes_seen_tokens_down():
+    logits = torch.zeros(10)
+    logits[3] = 2.0
+    logits[4] = 1.9
+    assert sample(logits, SamplingParams(), [], 0)[0] == 3
+    assert sample(logits, SamplingParams(repetition_penalty=1.5), [3], 0)[0] == 4
+
+
+class _CharTokenizer:
+    """Token i is chr(i): enough to test text-level stopping without a model."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def _checker(stops: tuple[str, ...], max_new: int = 100) -> StopChecker:
+    detokenizer = IncrementalDetokenizer(_CharTokenizer().decode)
+    return StopChecker(
+        max_new_tokens=max_new,
+        eos_ids=frozenset({0}),
+        stop_sequences=stops,
+        token_text=lambda token: detokenizer.push([token]),
+    )
+
+
+def _feed(checker: StopChecker, text: str) -> str:
+    return "".join(chr(t) for ch in text for t in checker.feed(ord(ch)))
+
+
+def test_stop_sequence_is_never_emitted():
+    checker = _checker(("END",))
+    assert _feed(checker, "abcEN") == "abc"  # "EN" could still become "END": held
+    assert _feed(checker, "D more") == ""
+    assert checker.finish is Finish.STOP_SEQUENCE
+
+
+def test_held_text_is_released_when_it_cannot_become_a_stop():
+    checker = _checker(("END",))
+    assert _feed(checker, "abcEN") == "abc"
+    assert _feed(checker, "x") == "ENx"
+    assert checker.finish is None
+
+
+def test_eos_and_length_flush_what_was_held():
+    checker = _checker(("END",), max_new=3)
+    assert _feed(checker, "aEN") == "aEN"
+    assert checker.finish is Finish.LENGTH
+    eos = _checker(("END",))
+    assert _feed(eos, "aE") == "a"
+    assert [chr(t) for t in eos.feed(0)] == ["E"]
+    assert eos.finish is Finish.EOS
+
+
+def _kv(tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.randn(3, tokens, 64), torch.randn(3, tokens, 64)) for _ in range(4)]
+
+
+def test_kv_round_trip_is_exact():
+    kv = _kv(37)
+    assembler = kv_codec.KvAssembler(4, (3, 37, 64), "float32")
+    chunks = list(kv_codec.encode(kv, kv_codec.MIN_CHUNK_BYTES))
+    for chunk in chunks:
+        assembler.add(chunk)
+    out = assembler.finish(
+        kv_cache_pb2.PullComplete(num_chunks=len(chunks), total_bytes=assembler.total_bytes)
+    )
+    assert all(
+        torch.equal(a, b)
+        for (k, v), (k2, v2) in zip(kv, out, strict=True)
+        for a, b in ((k, k2), (v, v2))
+    )
+
+
+def test_kv_stream_with_a_gap_or_missing_end_is_refused():
+    chunks = list(kv_codec.encode(_kv(300), kv_codec.MIN_CHUNK_BYTES))
+    gapped = kv_codec.KvAssembler(4, (3, 300, 64), "float32")
+    gapped.add(chunks[0])
+    with pytest.raises(ValueError, match="expected 1"):
+        gapped.add(chunks[2])
+    truncated = kv_codec.KvAssembler(4, (3, 300, 64), "float32")
+    for chunk in chunks[:-1]:
+        truncated.add(chunk)
+    with pytest.raises(ValueError):
+        truncated.finish(
+            kv_cache_pb2.PullComplete(num_chunks=len(chunks) - 1, total_bytes=truncated.total_bytes)
+        )
+
+
+def test_manifest_catches_truncation_and_bit_flips(tmp_path):
+    directory = tmp_path / "model"
+    directory.mkdir()
+    (directory / "weights.bin").write_bytes(bytes(range(256)) * 64)
+    (directory / "config.json").write_text("{}")
+    artifacts.write_manifest(directory, "test")
+    assert artifacts.manifest_problems(directory) == []
+    flipped = bytearray((directory / "weights.bin").read_bytes())
+    flipped[100] ^= 1
+    (directory / "weights.bin").write_bytes(flipped)
+    assert "sha256" in artifacts.manifest_problems(directory)[0]
+    (directory / "weights.bin").write_bytes(flipped[:-10])
+    assert "bytes" in artifacts.manifest_problems(directory)[0]
+    (directory / "config.json").unlink()
+    assert len(artifacts.manifest_problems(directory)) == 2
+
+
+def test_corrupt_model_cache_is_rebuilt_before_it_is_served(tmp_path, model_dir):
+    """A truncated safetensors file in the cache is detected and rebuilt from the GGUF."""
+    cache = tmp_path / "cache"
+    target = cache / "models" / artifacts.DEFAULT_NAME
+    shutil.copytree(model_dir, target)
+    weights = target / "model.safetensors"
+    with weights.open("r+b") as handle:
+        handle.truncate(weights.stat().st_size // 2)
+    rebuilt = artifacts.default_model(cache)
+    assert rebuilt == target
+    assert artifacts.manifest_problems(rebuilt) == []
+    assert weights.stat().st_size == (model_dir / "model.safetensors").stat().st_size
