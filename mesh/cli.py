@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated
 
@@ -153,6 +154,15 @@ def health(
     all_ready = bool(rows) and all(ready == "SERVING" for *_, ready in rows)
     raise typer.Exit(0 if all_ready else 1)
 
+
+def _add_service_commands() -> None:
+    """Services contribute their own commands (e.g. `generate`) through the
+    `aimesh.commands` entry-point group, so this CLI stays ignorant of them."""
+    for entry in entry_points(group="aimesh.commands"):
+        app.command(entry.name)(entry.load())
+
+
+_add_service_commands()
 
 if __name__ == "__main__":
     app()

@@ -58,9 +58,11 @@ class BreakerSettings(BaseModel, frozen=True):
 
 class ClientSettings(BaseModel):
     deadline_margin_s: float = Field(default=0.01, ge=0)
-    # grpc-timeout is rounded up on the wire (to about 3 significant digits, up to ~0.5%),
-    # so a fixed margin alone can vanish on long budgets; this share of the remaining budget
-    # keeps every hop's deadline strictly earlier than its caller's.
+    # grpc-timeout is rounded up on the wire (about 3 significant digits, up to ~0.5%), so a
+    # fixed margin alone vanishes on long budgets. On a connection that already carried a
+    # similar timeout, grpc's HPACK encoder may even resend that one if it is at most 3%
+    # longer: the callee's time_remaining() can read slightly above what was asked. The
+    # caller's own deadline is exact and cancels the call on time either way.
     deadline_margin_ratio: float = Field(default=0.01, ge=0, lt=0.5)
     default_unary_deadline_s: float = Field(default=10.0, gt=0)
     default_stream_deadline_s: float = Field(default=300.0, gt=0)

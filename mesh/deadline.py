@@ -6,6 +6,10 @@ records when the incoming call expires in a contextvar (`record`); the client si
 margin), or the method's default when there is no budget at all, so no call ever leaves
 without a deadline. Downstream calls are made from the handler's own task, so when the
 handler is cancelled (deadline or client cancel) grpc cancels the calls below it too.
+
+What a callee reads from time_remaining() is what arrived on the wire, which grpc rounds
+up (and, reusing an HPACK entry, may round up by as much as 3%); the caller's side of the
+call keeps the exact deadline and cancels it on time.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# `make demo`: bring the mesh up on its embedded defaults, exercise it the way an engineer
-# would (health, grpcurl, a call chain across hops), then drain it with SIGTERM.
+# `make demo`: bring the whole mesh up on its embedded defaults (each service its own
+# process), ask it real questions the way a user and an engineer would, then drain it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LOGS=var/demo-logs
@@ -10,6 +10,7 @@ aimesh up --log-dir "$LOGS" &
 UP=$!
 trap 'kill -TERM $UP 2>/dev/null; wait $UP 2>/dev/null || true' EXIT
 
+# The first run converts the embedded model once (about 20 s); later runs start in seconds.
 for _ in $(seq 1 600); do
   aimesh health >/dev/null 2>&1 && break
   kill -0 $UP 2>/dev/null || { echo "aimesh up exited; logs in $LOGS"; exit 1; }
@@ -17,21 +18,29 @@ for _ in $(seq 1 600); do
 done
 aimesh health
 
-ECHO=127.0.0.1:50100
-echo; echo "== grpcurl: what the echo process serves (reflection)"
-grpcurl -plaintext $ECHO list
+echo; echo "== aimesh generate --chat: tokenizer -> prefill -> KV pull -> decode -> detokenizer"
+aimesh generate --chat --max-new-tokens 80 "How do I copy a nested list in Python?"
 
-echo; echo "== a call chain: caller -> echo -> echo -> echo, 2 s budget set at the edge"
-echo "   (each hop reports the deadline it saw and the trace id it joined)"
+echo; echo "== the same mesh as JSON, with per-stage timing and the trace id"
+aimesh generate --json --max-new-tokens 16 "The capital of France is"
+
+echo; echo "== grpcurl: JSON straight into the generation service"
+grpcurl -plaintext -max-time 60 \
+  -d '{"prompt": "Three primary colours are", "stopping": {"max_new_tokens": 12}}' \
+  127.0.0.1:50060 aimesh.llm.v1.GenerationService/Generate | grep '"text"' || true
+
+echo; echo "== bad input: INVALID_ARGUMENT with field violations"
+grpcurl -plaintext -d '{"prompt": "", "sampling": {"temperature": -1}}' \
+  127.0.0.1:50060 aimesh.llm.v1.GenerationService/Generate || true
+
+ECHO=127.0.0.1:50100
+echo; echo "== the mesh runtime itself: a 3-hop echo chain under a 2 s budget, one trace and request id"
 grpcurl -plaintext -max-time 2 -d "{\"hops\": [\"$ECHO\", \"$ECHO\"], \"delay_ms\": 50}" \
   $ECHO aimesh.echo.v1.EchoService/RelayUnary
 
-echo; echo "== bad input: INVALID_ARGUMENT with field violations"
-grpcurl -plaintext -d '{"delay_ms": -1, "response_status": {"code": 99}}' \
-  $ECHO aimesh.echo.v1.EchoService/Echo || true
-
-echo; echo "== metrics (Prometheus exposition)"
-curl -s http://127.0.0.1:51100/metrics | grep '^aimesh_rpc_server_handled_total' || true
+echo; echo "== LLM metrics (Prometheus, decode on :51063, router on :51060)"
+curl -s http://127.0.0.1:51063/metrics | grep -E '^aimesh_llm_(num_requests|kv_cache)' || true
+curl -s http://127.0.0.1:51060/metrics | grep -E '^aimesh_llm_time_to_first_token_seconds_(count|sum)' || true
 
 echo; echo "== SIGTERM: every service drains and exits"
 kill -TERM $UP

@@ -1,0 +1,106 @@
+"""`aimesh generate`: stream a completion from the running mesh to the terminal."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from typing import Annotated
+
+import grpc
+import typer
+from google.protobuf import json_format
+from opentelemetry import trace
+
+from aimesh.common.v1 import common_pb2
+from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
+from mesh import tracing
+from mesh.client import create_channel
+from mesh.config import MeshSettings
+from mesh.deadline import budget
+from mesh.errors import field_violations
+from services.generation import SPEC
+from services.generation.servicer import GENERATION
+
+
+def _timing_ms(timing: common_pb2.Timing) -> dict[str, float]:
+    stages = {s.name: round(s.duration_ns / 1e6, 2) for s in timing.stages}
+    return {**stages, "total": round(timing.total_ns / 1e6, 2)}
+
+
+async def _generate(request, chat: bool, as_json: bool) -> dict:
+    settings = MeshSettings()
+    target = settings.target_of(SPEC.name, SPEC.default_port)
+    text = ""
+    complete = None
+    async with create_channel(target, settings, services=[GENERATION]) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        call = stub.Chat(request) if chat else stub.Generate(request)
+        async for message in call:
+            if message.HasField("chunk"):
+                text += message.chunk.text
+                if not as_json:
+                    sys.stdout.write(message.chunk.text)
+                    sys.stdout.flush()
+            else:
+                complete = message.complete
+    return {
+        "text": text,
+        "finish_reason": sampling_pb2.FinishReason.Name(complete.finish_reason),
+        "usage": json_format.MessageToDict(complete.usage, preserving_proto_field_name=True),
+        "timing": _timing_ms(complete.timing),
+        "model": complete.model,
+    }
+
+
+def generate(
+    prompt: Annotated[str, typer.Argument(help="the prompt, or the user message with --chat")],
+    chat: Annotated[bool, typer.Option(help="apply the model's chat template")] = False,
+    max_new_tokens: Annotated[int | None, typer.Option(help="default: the server's")] = None,
+    temperature: Annotated[float, typer.Option(help="0 = greedy")] = 0.0,
+    seed: Annotated[int | None, typer.Option(help="makes sampling reproducible")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object at the end")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds for the whole request")] = 120.0,
+) -> None:
+    """Generate text through the mesh: tokenizer -> prefill -> decode -> detokenizer."""
+    tracing.configure("aimesh-cli")
+    sampling = sampling_pb2.SamplingParameters(temperature=temperature)
+    if seed is not None:
+        sampling.seed = seed
+    stopping = sampling_pb2.StoppingCriteria()
+    if max_new_tokens is not None:
+        stopping.max_new_tokens = max_new_tokens
+    if chat:
+        request = generation_pb2.ChatRequest(
+            messages=[{"role": "user", "content": prompt}], sampling=sampling, stopping=stopping
+        )
+    else:
+        request = generation_pb2.GenerateRequest(
+            prompt=prompt, sampling=sampling, stopping=stopping
+        )
+
+    async def run() -> dict:
+        with (
+            trace.get_tracer("aimesh.cli").start_as_current_span("aimesh generate"),
+            budget(timeout),
+        ):
+            result = await _generate(request, chat, as_json)
+            result["trace_id"] = tracing.current_trace_id()
+            return result
+
+    try:
+        result = asyncio.run(run())
+    except grpc.aio.AioRpcError as error:
+        problems = "; ".join(f"{v.field}: {v.description}" for v in field_violations(error))
+        typer.echo(f"error: {error.code().name}: {problems or error.details()}", err=True)
+        raise typer.Exit(1) from None
+    if as_json:
+        typer.echo(json.dumps(result))
+    else:
+        usage = result["usage"]
+        typer.echo(
+            f"\n[{result['finish_reason']}, {usage.get('prompt_tokens', 0)} prompt + "
+            f"{usage.get('completion_tokens', 0)} completion tokens, "
+            f"{result['timing']['total']:.0f} ms, trace {result['trace_id']}]",
+            err=True,
+        )
