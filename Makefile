@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test lint protos demo bench clean
+.PHONY: install test lint protos demo bench bench-llm clean
 
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,9 @@ demo: install
 
 bench: install
 	$(PY) -m loadtest.mesh_overhead --seconds 5 --rounds 3 --out docs/benchmarks.md
+
+bench-llm: install
+	$(PY) -m loadtest.llm --out docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) var

@@ -233,10 +233,12 @@ def report(results: list[Result], seconds: float, rounds: int) -> str:
 
 
 def write(markdown: str, out: Path) -> None:
+    """Replaces this benchmark's section (between its markers) or appends it."""
+    begin, end = markdown.splitlines()[0], markdown.splitlines()[-1]
     text = out.read_text() if out.exists() else "# Benchmarks\n"
-    if BEGIN in text:
-        head, _, rest = text.partition(BEGIN)
-        _, _, tail = rest.partition(END)
+    if begin in text:
+        head, _, rest = text.partition(begin)
+        _, _, tail = rest.partition(end)
         text = head + markdown + tail
     else:
         text = text.rstrip() + "\n\n" + markdown + "\n"

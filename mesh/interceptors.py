@@ -183,7 +183,12 @@ class MeshClientInterceptor(ClientInterceptor):
         call = await continuation(details, request)
 
         def observe(done: Any) -> None:
-            task = asyncio.ensure_future(self._observe(done, started, details.timeout))
+            observation = self._observe(done, started, details.timeout)
+            try:
+                task = asyncio.ensure_future(observation)
+            except RuntimeError:  # the event loop is already gone: nothing to record into
+                observation.close()
+                return
             self._observers.add(task)
             task.add_done_callback(self._observers.discard)
 

@@ -4,29 +4,28 @@ batch, stream tokens; and GetLoad for routers."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 
 import grpc
+import torch
 
 from aimesh.common.v1 import common_pb2
-from aimesh.llm.v1 import decode_pb2, decode_pb2_grpc, kv_cache_pb2, kv_cache_pb2_grpc, sampling_pb2
-from mesh.failures import NotFound, NotReady
+from aimesh.llm.v1 import decode_pb2, decode_pb2_grpc, sampling_pb2
+from mesh.failures import NotReady
 from mesh.server import MeshServer
 from mesh.validation import Violations
 from services.decode.engine import BLOCK_TOKENS, DecodeEngine, Sequence
-from services.llm import kv_codec
+from services.llm import kv_codec, kv_transfer
 from services.llm.artifacts import resolve_model
 from services.llm.detokenize import IncrementalDetokenizer
-from services.llm.llama import LayerKV, Llama
+from services.llm.kv_transfer import KvReleaser
+from services.llm.llama import Llama
 from services.llm.requests import check_prompt, sampling_params, stopping
 from services.llm.settings import LlmSettings, llm_settings
 from services.llm.stopping import Finish, StopChecker
 
 DECODE = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"]
-KV_CACHE = kv_cache_pb2.DESCRIPTOR.services_by_name["KvCacheService"]
-PULL_CHUNK_BYTES = 4 * 1024 * 1024 - 64 * 1024
 
 FINISH_REASONS = {
     Finish.LENGTH: sampling_pb2.FINISH_REASON_LENGTH,
@@ -45,7 +44,7 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
         self.settings = settings
         self.engine: DecodeEngine | None = None
         self.tokenizer = None
-        self._releases: set[asyncio.Task[None]] = set()
+        self.releaser = KvReleaser(server.channels)
 
     def _engine(self) -> DecodeEngine:
         if self.engine is None:
@@ -122,15 +121,15 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
         if first:
             yield chunk(first)
         if checker.finish is not None:
-            self._release_later(handle)
+            self.releaser.release_later(handle.address, handle.id)
             yield self._complete(checker, received, 0.0, 0.0)
             return
 
         pulled_at = time.perf_counter()
         try:
-            kv = await self._pull(handle, len(prompt))
+            kv = await kv_transfer.pull(self.server.channels, handle)
         finally:
-            self._release_later(handle)
+            self.releaser.release_later(handle.address, handle.id)
         transfer_s = time.perf_counter() - pulled_at
 
         sequence = Sequence(
@@ -181,45 +180,6 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
             )
         )
 
-    async def _pull(self, handle: kv_cache_pb2.KvHandle, num_tokens: int) -> list[LayerKV]:
-        stub = kv_cache_pb2_grpc.KvCacheServiceStub(
-            self.server.channels.get(handle.address, KV_CACHE)
-        )
-        assembler = kv_codec.KvAssembler(
-            handle.num_layers, (handle.num_kv_heads, num_tokens, handle.head_dim), handle.dtype
-        )
-        call = stub.Pull(
-            kv_cache_pb2.PullRequest(handle_id=handle.id, max_chunk_bytes=PULL_CHUNK_BYTES)
-        )
-        try:
-            async for response in call:
-                if response.HasField("complete"):
-                    return assembler.finish(response.complete)
-                assembler.add(response.chunk)
-        except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.NOT_FOUND:
-                raise NotFound(
-                    f"KV handle {handle.id!r} is unknown or expired at {handle.address}",
-                    resource_type="kv_handle",
-                    resource_name=handle.id,
-                ) from error
-            raise
-        raise ValueError("KV stream ended without PullComplete")
-
-    def _release_later(self, handle: kv_cache_pb2.KvHandle) -> None:
-        """Release in a task of its own: it must happen even when this call is cancelled."""
-
-        async def release() -> None:
-            stub = kv_cache_pb2_grpc.KvCacheServiceStub(
-                self.server.channels.get(handle.address, KV_CACHE)
-            )
-            with contextlib.suppress(grpc.aio.AioRpcError):  # else the lease expires
-                await stub.Release(kv_cache_pb2.ReleaseRequest(handle_id=handle.id), timeout=5)
-
-        task = asyncio.create_task(release())
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-
     async def GetLoad(
         self, request: decode_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> decode_pb2.GetLoadResponse:
@@ -244,6 +204,7 @@ async def setup(server: MeshServer) -> None:
     def load() -> DecodeEngine:
         from transformers import AutoTokenizer
 
+        torch.set_num_threads(settings.threads)
         directory = resolve_model(settings.model, server.settings.cache_dir)
         worker.tokenizer = AutoTokenizer.from_pretrained(directory)
         model = Llama.load(directory, kv_codec.torch_dtype(settings.dtype))

@@ -8,8 +8,7 @@ decode took it over (decode releases it once pulled); the lease covers a router 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -20,8 +19,6 @@ from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import (
     decode_pb2,
     decode_pb2_grpc,
-    kv_cache_pb2,
-    kv_cache_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
     sampling_pb2,
@@ -29,11 +26,11 @@ from aimesh.llm.v1 import (
 from aimesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mesh.client import ChannelPool
 from services.generation.workers import DecodePicker, PrefillPicker
+from services.llm.kv_transfer import KvReleaser
 
 TOKENIZER = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"]
 PREFILL = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"]
 DECODE = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"]
-KV_CACHE = kv_cache_pb2.DESCRIPTOR.services_by_name["KvCacheService"]
 
 
 @dataclass
@@ -68,7 +65,7 @@ class Pipeline:
         self.tokenizer_target = tokenizer_target
         self.prefill = prefill
         self.decode = decode
-        self._releases: set[asyncio.Task[None]] = set()
+        self.releaser = KvReleaser(channels)
 
     def _tokenizer(self) -> tokenizer_pb2_grpc.TokenizerServiceStub:
         return tokenizer_pb2_grpc.TokenizerServiceStub(
@@ -102,13 +99,23 @@ class Pipeline:
         stopping: sampling_pb2.StoppingCriteria,
     ) -> AsyncIterator[Delta | Outcome]:
         prefill_target = self.prefill.pick()
-        prefill = await prefill_pb2_grpc.PrefillServiceStub(
-            self.channels.get(prefill_target, PREFILL)
-        ).Prefill(
-            prefill_pb2.PrefillRequest(
-                request_id=request_id, token_ids=prompt_ids, sampling=sampling
+        # Chosen here so the KV can be released even if this call is cancelled while
+        # prefill's answer is on its way (prefill drops a KV released before it exists).
+        handle_id = os.urandom(16).hex()
+        try:
+            prefill = await prefill_pb2_grpc.PrefillServiceStub(
+                self.channels.get(prefill_target, PREFILL)
+            ).Prefill(
+                prefill_pb2.PrefillRequest(
+                    request_id=request_id,
+                    token_ids=prompt_ids,
+                    sampling=sampling,
+                    handle_id=handle_id,
+                )
             )
-        )
+        except BaseException:
+            self.releaser.release_later(prefill_target, handle_id)
+            raise
         handle = prefill.kv_handle
         decode_request = decode_pb2.DecodeRequest(
             request_id=request_id,
@@ -147,7 +154,7 @@ class Pipeline:
                     yield Delta(tail.text, [])
         finally:
             if complete is None:
-                self._release_later(handle)
+                self.releaser.release_later(handle.address, handle.id)
                 detokenizer.cancel()
         if complete is None:
             raise RuntimeError("decode stream ended without its complete message")
@@ -190,13 +197,3 @@ class Pipeline:
                     raise
                 self.decode.report_failure(target)
                 tried = tried | {target}
-
-    def _release_later(self, handle: kv_cache_pb2.KvHandle) -> None:
-        async def release() -> None:
-            stub = kv_cache_pb2_grpc.KvCacheServiceStub(self.channels.get(handle.address, KV_CACHE))
-            with contextlib.suppress(grpc.aio.AioRpcError):  # else the lease expires
-                await stub.Release(kv_cache_pb2.ReleaseRequest(handle_id=handle.id), timeout=5)
-
-        task = asyncio.create_task(release())
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)

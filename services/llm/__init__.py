@@ -1,4 +1,5 @@
-"""Engine code the LLM services share (tokenizer, prefill, decode): the model and its
-artifacts, the KV cache and its wire codec, sampling and stopping. Not a service itself,
-and free of grpc: servicers live in services/<name>/.
+"""Engine code the LLM services share (tokenizer, prefill, decode, the router): the model
+and its artifacts, the KV cache, its wire codec and its transfer client, sampling,
+stopping and request validation. Not a service itself: servicers live in
+services/<name>/.
 """

@@ -13,9 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
-from mesh.failures import NotFound, Overloaded
+from mesh.failures import FieldViolation, InvalidInput, NotFound, Overloaded
 from services.llm import metrics
 from services.llm.llama import LayerKV, Llama
 from services.llm.sampling import SamplingParams, sample
@@ -32,17 +30,30 @@ class Lease:
     traceparent: str = ""
 
 
+# How long a Release for a handle that does not exist yet is remembered: longer than any
+# prefill can take, so a KV made after its caller already gave up is dropped at once.
+TOMBSTONE_S = 300.0
+MAX_TOMBSTONES = 100_000
+
+
 @dataclass
 class KvStore:
     capacity_bytes: int
     clock: Callable[[], float] = time.monotonic
     _leases: dict[str, Lease] = field(default_factory=dict)
+    _tombstones: dict[str, float] = field(default_factory=dict)
     used_bytes: int = 0
 
     def __len__(self) -> int:
         return len(self._leases)
 
-    def put(self, kv: list[LayerKV], ttl_s: float, traceparent: str = "") -> Lease:
+    def put(
+        self, kv: list[LayerKV], ttl_s: float, traceparent: str = "", handle_id: str = ""
+    ) -> Lease:
+        """Leases `kv`; a caller-chosen `handle_id` that was already released is honoured
+        by not keeping the KV at all."""
+        if handle_id in self._leases:
+            raise InvalidInput([FieldViolation("handle_id", "is already in use")])
         nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
         if self.used_bytes + nbytes > self.capacity_bytes:
             self.expire()
@@ -54,7 +65,7 @@ class KvStore:
                 reason="KV_STORE_FULL",
             )
         lease = Lease(
-            handle_id=os.urandom(16).hex(),
+            handle_id=handle_id or os.urandom(16).hex(),
             kv=kv,
             num_tokens=kv[0][0].shape[1],
             nbytes=nbytes,
@@ -62,6 +73,8 @@ class KvStore:
             expires_unix_ms=int((time.time() + ttl_s) * 1000),
             traceparent=traceparent,
         )
+        if self._tombstones.pop(lease.handle_id, None) is not None:
+            return lease  # its caller released it before it existed
         self._leases[lease.handle_id] = lease
         self.used_bytes += nbytes
         metrics.PREFILL_KV_LEASED_BYTES.set(self.used_bytes)
@@ -82,6 +95,8 @@ class KvStore:
     def release(self, handle_id: str) -> bool:
         lease = self._leases.pop(handle_id, None)
         if lease is None:
+            if len(self._tombstones) < MAX_TOMBSTONES:
+                self._tombstones[handle_id] = self.clock() + TOMBSTONE_S
             return False
         self.used_bytes -= lease.nbytes
         metrics.PREFILL_KV_LEASED_BYTES.set(self.used_bytes)
@@ -89,6 +104,8 @@ class KvStore:
 
     def expire(self) -> int:
         now = self.clock()
+        for handle_id in [h for h, until in self._tombstones.items() if until <= now]:
+            del self._tombstones[handle_id]
         expired = [h for h, lease in self._leases.items() if lease.expires_at <= now]
         for handle_id in expired:
             self.release(handle_id)
@@ -116,8 +133,3 @@ class PrefillEngine:
 
     def warm_up(self) -> None:
         self.run([self.model.config.bos_token_id or 0] * 8, SamplingParams())
-
-
-def set_threads(threads: int | None) -> None:
-    if threads:
-        torch.set_num_threads(threads)

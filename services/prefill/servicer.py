@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import torch
 from opentelemetry import propagate
 
 from aimesh.common.v1 import common_pb2
@@ -22,8 +24,9 @@ from services.llm.artifacts import resolve_model
 from services.llm.llama import Llama
 from services.llm.requests import check_prompt, sampling_params
 from services.llm.settings import LlmSettings, llm_settings
-from services.prefill.engine import KvStore, PrefillEngine, set_threads
+from services.prefill.engine import KvStore, PrefillEngine
 
+HANDLE_ID = re.compile(r"[0-9a-zA-Z_-]{16,64}")
 DEFAULT_LEASE_S = 30.0
 MAX_LEASE_S = 300.0
 REAP_INTERVAL_S = 1.0
@@ -69,6 +72,11 @@ class PrefillWorker(
         check_prompt(token_ids, config.vocab_size, self.settings, violations, "token_ids")
         params = sampling_params(request.sampling, config.vocab_size, violations)
         violations.check(request.lease_ttl_ms >= 0, "lease_ttl_ms", "must not be negative")
+        violations.check(
+            not request.handle_id or HANDLE_ID.fullmatch(request.handle_id) is not None,
+            "handle_id",
+            "must be 16 to 64 characters of [0-9a-zA-Z_-]",
+        )
         violations.raise_if_any()
         ttl_s = min(request.lease_ttl_ms / 1000 or DEFAULT_LEASE_S, MAX_LEASE_S)
 
@@ -77,7 +85,9 @@ class PrefillWorker(
         result = await loop.run_in_executor(self.model_thread, engine.run, token_ids, params)
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
-        lease = self.store.put(result.kv, ttl_s, carrier.get("traceparent", ""))
+        lease = self.store.put(
+            result.kv, ttl_s, carrier.get("traceparent", ""), handle_id=request.handle_id
+        )
         waited = time.perf_counter() - queued - result.compute_s
         k0 = result.kv[0][0]
         return prefill_pb2.PrefillResponse(
@@ -156,7 +166,7 @@ async def setup(server: MeshServer) -> None:
     reaper: list[asyncio.Task[None]] = []
 
     def load() -> PrefillEngine:
-        set_threads(settings.threads)
+        torch.set_num_threads(settings.threads)
         directory = resolve_model(settings.model, server.settings.cache_dir)
         engine = PrefillEngine(Llama.load(directory, kv_codec.torch_dtype(settings.dtype)))
         engine.warm_up()

@@ -148,3 +148,17 @@ def test_corrupt_model_cache_is_rebuilt_before_it_is_served(tmp_path, model_dir)
     assert rebuilt == target
     assert artifacts.manifest_problems(rebuilt) == []
     assert weights.stat().st_size == (model_dir / "model.safetensors").stat().st_size
+
+
+def test_kv_released_before_it_exists_is_never_kept():
+    """A router cancelled while prefill's answer was in flight releases by the id it chose;
+    the KV made afterwards must not linger until its lease expires."""
+    from services.prefill.engine import KvStore
+
+    store = KvStore(capacity_bytes=10**9)
+    assert store.release("chosen-by-router-0001") is False
+    lease = store.put(_kv(8), ttl_s=30, handle_id="chosen-by-router-0001")
+    assert lease.handle_id == "chosen-by-router-0001"
+    assert len(store) == 0 and store.used_bytes == 0
+    kept = store.put(_kv(8), ttl_s=30, handle_id="chosen-by-router-0002")
+    assert len(store) == 1 and store.release(kept.handle_id) and store.used_bytes == 0

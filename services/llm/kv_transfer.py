@@ -1,0 +1,66 @@
+"""The client side of KV transfer: pulling a leased KV from a prefill worker, and
+releasing it in a way that survives the caller being cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+
+from aimesh.llm.v1 import kv_cache_pb2, kv_cache_pb2_grpc
+from mesh.client import ChannelPool
+from mesh.failures import NotFound
+from services.llm import kv_codec
+from services.llm.llama import LayerKV
+
+KV_CACHE = kv_cache_pb2.DESCRIPTOR.services_by_name["KvCacheService"]
+PULL_CHUNK_BYTES = kv_codec.MAX_CHUNK_BYTES
+RELEASE_TIMEOUT_S = 5.0
+
+
+async def pull(channels: ChannelPool, handle: kv_cache_pb2.KvHandle) -> list[LayerKV]:
+    """Every layer's K and V of `handle`; NotFound when the lease is gone."""
+    stub = kv_cache_pb2_grpc.KvCacheServiceStub(channels.get(handle.address, KV_CACHE))
+    assembler = kv_codec.KvAssembler(
+        handle.num_layers, (handle.num_kv_heads, handle.num_tokens, handle.head_dim), handle.dtype
+    )
+    call = stub.Pull(
+        kv_cache_pb2.PullRequest(handle_id=handle.id, max_chunk_bytes=PULL_CHUNK_BYTES)
+    )
+    try:
+        async for response in call:
+            if response.HasField("complete"):
+                return assembler.finish(response.complete)
+            assembler.add(response.chunk)
+    except grpc.aio.AioRpcError as error:
+        if error.code() == grpc.StatusCode.NOT_FOUND:
+            raise NotFound(
+                f"KV handle {handle.id!r} is unknown or expired at {handle.address}",
+                resource_type="kv_handle",
+                resource_name=handle.id,
+            ) from error
+        raise
+    raise ValueError("KV stream ended without PullComplete")
+
+
+class KvReleaser:
+    """Fire-and-forget Release calls, each in a task of its own, so that a request being
+    cancelled (the usual reason to release early) cannot cancel its own cleanup. If a
+    Release is lost anyway, the lease expires."""
+
+    def __init__(self, channels: ChannelPool) -> None:
+        self.channels = channels
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def release_later(self, address: str, handle_id: str) -> None:
+        async def release() -> None:
+            stub = kv_cache_pb2_grpc.KvCacheServiceStub(self.channels.get(address, KV_CACHE))
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await stub.Release(
+                    kv_cache_pb2.ReleaseRequest(handle_id=handle_id), timeout=RELEASE_TIMEOUT_S
+                )
+
+        task = asyncio.create_task(release())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
