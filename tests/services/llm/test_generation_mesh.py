@@ -4,6 +4,7 @@ router, each its own process, checked against transformers running in this proce
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import re
@@ -25,6 +26,7 @@ from aimesh.llm.v1 import (
 from mesh.client import create_channel
 from mesh.config import MeshSettings
 from mesh.errors import field_violations
+from tests.conftest import VENV_BIN
 from tests.services.llm.conftest import MAX_SEQ_LEN, generate, greedy_reference, stopping
 
 
@@ -257,6 +259,43 @@ async def test_no_leaks_after_200_streams_cancelled_at_random_points(llm_mesh, p
     for name, url in urls.items():
         after = _metric(url, "aimesh_runtime_asyncio_tasks")
         assert after <= tasks_before[name] + 2, f"{name}: {tasks_before[name]} -> {after} tasks"
+
+
+async def test_aimesh_generate_cli_prints_text_usage_timing_and_trace_id(llm_mesh, reference):
+    process = await asyncio.create_subprocess_exec(
+        str(VENV_BIN / "aimesh"),
+        "generate",
+        "--json",
+        "--max-new-tokens",
+        "8",
+        "The capital of France is",
+        env=llm_mesh.env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 120)
+    assert process.returncode == 0, err.decode()
+    result = json.loads(out)
+    _, tokenizer = reference
+    expected = greedy_reference(reference, tokenizer("The capital of France is")["input_ids"], 8)
+    assert result["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+    assert result["usage"]["completion_tokens"] >= len(expected)
+    assert {"tokenize", "prefill", "kv_transfer", "decode", "total"} <= set(result["timing"])
+    assert len(result["trace_id"]) == 32
+
+    bad = await asyncio.create_subprocess_exec(
+        str(VENV_BIN / "aimesh"),
+        "generate",
+        "--temperature",
+        "-1",
+        "hi",
+        env=llm_mesh.env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(bad.communicate(), 60)
+    assert bad.returncode == 1
+    assert "INVALID_ARGUMENT" in err.decode() and "sampling.temperature" in err.decode()
 
 
 async def test_killing_a_decode_replica_fails_its_stream_and_the_other_keeps_serving(llm_mesh):

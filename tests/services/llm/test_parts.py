@@ -162,3 +162,15 @@ def test_kv_released_before_it_exists_is_never_kept():
     assert len(store) == 0 and store.used_bytes == 0
     kept = store.put(_kv(8), ttl_s=30, handle_id="chosen-by-router-0002")
     assert len(store) == 1 and store.release(kept.handle_id) and store.used_bytes == 0
+
+
+def test_a_local_model_directory_is_used_as_given_and_checked(tmp_path, model_dir):
+    from mesh.failures import NotReady
+
+    assert artifacts.resolve_model(model_dir, tmp_path) == model_dir
+    with pytest.raises(NotReady, match=r"config\.json"):
+        artifacts.resolve_model(tmp_path, tmp_path)
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken, ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(NotReady, match="manifest"):
+        artifacts.resolve_model(broken, tmp_path)
