@@ -14,6 +14,7 @@ from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import decode_pb2, decode_pb2_grpc, sampling_pb2
 from mesh.failures import NotReady
 from mesh.server import MeshServer
+from mesh.timing import stage
 from mesh.validation import Violations
 from services.decode.engine import BLOCK_TOKENS, DecodeEngine, Sequence
 from services.llm import kv_codec, kv_transfer
@@ -32,10 +33,6 @@ FINISH_REASONS = {
     Finish.EOS: sampling_pb2.FINISH_REASON_EOS,
     Finish.STOP_SEQUENCE: sampling_pb2.FINISH_REASON_STOP_SEQUENCE,
 }
-
-
-def _stage(name: str, seconds: float, kind: int) -> common_pb2.Stage:
-    return common_pb2.Stage(name=name, kind=kind, duration_ns=int(max(seconds, 0.0) * 1e9))
 
 
 class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
@@ -169,9 +166,9 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
                 generated_tokens=checker.generated,
                 timing=common_pb2.Timing(
                     stages=[
-                        _stage("kv_transfer", transfer_s, common_pb2.STAGE_KIND_TRANSFER),
-                        _stage("queue", queue_s, common_pb2.STAGE_KIND_QUEUE),
-                        _stage(
+                        stage("kv_transfer", transfer_s, common_pb2.STAGE_KIND_TRANSFER),
+                        stage("queue", queue_s, common_pb2.STAGE_KIND_QUEUE),
+                        stage(
                             "decode", total - transfer_s - queue_s, common_pb2.STAGE_KIND_COMPUTE
                         ),
                     ],

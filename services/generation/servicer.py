@@ -17,6 +17,7 @@ from mesh.config import MeshSettings
 from mesh.health import probe
 from mesh.registry import discover
 from mesh.server import MeshServer
+from mesh.timing import stage
 from mesh.validation import Violations
 from services.generation.pipeline import Delta, Outcome, Pipeline
 from services.generation.workers import DecodePicker, PrefillPicker
@@ -53,10 +54,6 @@ def _targets(settings: MeshSettings, options: RouterOptions) -> tuple[str, list[
         options.prefill or [default("prefill")],
         options.decode or [default("decode")],
     )
-
-
-def _stage(name: str, seconds: float, kind: int) -> common_pb2.Stage:
-    return common_pb2.Stage(name=name, kind=kind, duration_ns=int(max(seconds, 0.0) * 1e9))
 
 
 _KINDS = {
@@ -174,7 +171,7 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
                 total_tokens=outcome.prompt_tokens + outcome.completion_tokens,
             ),
             timing=common_pb2.Timing(
-                stages=[_stage(name, seconds, _KINDS[name]) for name, seconds in stages.items()],
+                stages=[stage(name, seconds, _KINDS[name]) for name, seconds in stages.items()],
                 total_ns=int((time.perf_counter() - received) * 1e9),
             ),
             prefill_worker=outcome.prefill_worker,

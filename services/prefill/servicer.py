@@ -18,6 +18,7 @@ from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import kv_cache_pb2, kv_cache_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from mesh.failures import NotReady
 from mesh.server import MeshServer
+from mesh.timing import stage
 from mesh.validation import Violations
 from services.llm import kv_codec
 from services.llm.artifacts import resolve_model
@@ -33,10 +34,6 @@ REAP_INTERVAL_S = 1.0
 
 PREFILL = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"]
 KV_CACHE = kv_cache_pb2.DESCRIPTOR.services_by_name["KvCacheService"]
-
-
-def _stage(name: str, seconds: float, kind: int) -> common_pb2.Stage:
-    return common_pb2.Stage(name=name, kind=kind, duration_ns=int(seconds * 1e9))
 
 
 class PrefillWorker(
@@ -107,8 +104,8 @@ class PrefillWorker(
             prompt_tokens=len(token_ids),
             timing=common_pb2.Timing(
                 stages=[
-                    _stage("queue", max(waited, 0.0), common_pb2.STAGE_KIND_QUEUE),
-                    _stage("prefill", result.compute_s, common_pb2.STAGE_KIND_COMPUTE),
+                    stage("queue", max(waited, 0.0), common_pb2.STAGE_KIND_QUEUE),
+                    stage("prefill", result.compute_s, common_pb2.STAGE_KIND_COMPUTE),
                 ],
                 total_ns=int((time.perf_counter() - received) * 1e9),
             ),
@@ -135,9 +132,7 @@ class PrefillWorker(
                 total_bytes=total,
                 timing=common_pb2.Timing(
                     stages=[
-                        _stage(
-                            "send", time.perf_counter() - started, common_pb2.STAGE_KIND_TRANSFER
-                        )
+                        stage("send", time.perf_counter() - started, common_pb2.STAGE_KIND_TRANSFER)
                     ],
                     total_ns=int((time.perf_counter() - started) * 1e9),
                 ),

@@ -47,6 +47,19 @@ async def _loads(llm_mesh) -> list[decode_pb2.GetLoadResponse]:
     return loads
 
 
+async def _long_stream_under_way(stub, prompt: str):
+    """A Generate call for 300 tokens that has already streamed three chunks."""
+    call = stub.Generate(
+        generation_pb2.GenerateRequest(prompt=prompt, stopping=stopping(300)), timeout=120
+    )
+    chunks = 0
+    async for message in call:
+        chunks += message.HasField("chunk")
+        if chunks == 3:
+            return call
+    raise AssertionError("the stream ended before three chunks")
+
+
 async def test_greedy_output_equals_transformers_token_for_token(llm_mesh, reference, prompts):
     stub, channel = llm_mesh.stub()
     _, tokenizer = reference
@@ -196,15 +209,7 @@ async def test_unknown_and_expired_kv_handles_are_not_found(llm_mesh, reference)
 async def test_cancelling_a_stream_frees_its_decode_slot_within_a_step(llm_mesh):
     stub, channel = llm_mesh.stub()
     async with channel:
-        call = stub.Generate(
-            generation_pb2.GenerateRequest(prompt="Count slowly:", stopping=stopping(300)),
-            timeout=120,
-        )
-        chunks = 0
-        async for message in call:
-            chunks += message.HasField("chunk")
-            if chunks == 3:
-                break
+        call = await _long_stream_under_way(stub, "Count slowly:")
         assert sum(load.running for load in await _loads(llm_mesh)) == 1
         call.cancel()
         started = time.monotonic()
@@ -302,15 +307,7 @@ async def test_killing_a_decode_replica_fails_its_stream_and_the_other_keeps_ser
     """Runs last in this module: it kills one decode process."""
     stub, channel = llm_mesh.stub()
     async with channel:
-        call = stub.Generate(
-            generation_pb2.GenerateRequest(prompt="Write a long essay:", stopping=stopping(400)),
-            timeout=120,
-        )
-        chunks = 0
-        async for message in call:
-            chunks += message.HasField("chunk")
-            if chunks == 3:
-                break
+        call = await _long_stream_under_way(stub, "Write a long essay:")
         loads = await _loads(llm_mesh)
         victim = next(i for i, load in enumerate(loads) if load.running == 1)
         llm_mesh.processes[f"decode-{victim}"].kill()

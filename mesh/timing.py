@@ -1,0 +1,13 @@
+"""Building the aimesh.common.v1 Timing every response ends with (TEI's Metadata, Qdrant's
+`time`): named stages of queue, compute, transfer or call time, in nanoseconds."""
+
+from __future__ import annotations
+
+from aimesh.common.v1 import common_pb2
+
+
+def stage(name: str, seconds: float, kind: int, service: str = "") -> common_pb2.Stage:
+    """A stage of `seconds` (clamped at 0: clocks of different hops can disagree)."""
+    return common_pb2.Stage(
+        name=name, kind=kind, duration_ns=int(max(seconds, 0.0) * 1e9), service=service
+    )
