@@ -56,6 +56,7 @@ def serve(
             port=chosen_port,
             host=settings.service(name).host,
             exempt_methods=spec.exempt_methods,
+            default_max_concurrency=spec.max_concurrency,
         )
         await spec.load_setup()(server)
         if metrics_port:

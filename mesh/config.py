@@ -35,7 +35,9 @@ class ServiceSettings(BaseModel):
     metrics_port: int | None = Field(
         default=None, ge=0, le=65535, description="None: port + 1000; 0: no exposition"
     )
-    max_concurrency: int = Field(default=4, ge=1)
+    max_concurrency: int | None = Field(
+        default=None, ge=1, description="compute slots; None: the service's own default"
+    )
     max_queue: int = Field(default=64, ge=0)
     grace_s: float = Field(default=15.0, ge=0, description="SIGTERM drain period")
     options: dict[str, Any] = Field(default_factory=dict, description="engine-specific settings")

@@ -17,6 +17,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from mesh.failures import (
+    AlreadyExists,
     Conflict,
     Failure,
     FieldViolation,
@@ -39,6 +40,7 @@ FAILURE_CODES: Mapping[type[Failure], grpc.StatusCode] = {
     OutOfMemory: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotReady: grpc.StatusCode.UNAVAILABLE,
     NotFound: grpc.StatusCode.NOT_FOUND,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     Conflict: grpc.StatusCode.FAILED_PRECONDITION,
 }
 

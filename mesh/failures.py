@@ -78,6 +78,12 @@ class NotFound(Failure):
         self.resource_name = resource_name
 
 
+class AlreadyExists(Failure):
+    """Something with this name exists and differs from what the request asks for."""
+
+    reason = "ALREADY_EXISTS"
+
+
 class Conflict(Failure):
     """The request is valid but the target's state does not allow it (FAILED_PRECONDITION)."""
 

@@ -30,6 +30,9 @@ class ServiceSpec:
     setup: str
     # Full method names ('/pkg.Service/Method') that bypass admission: cheap control calls.
     exempt_methods: tuple[str, ...] = field(default=())
+    # Compute slots when the config sets none: a service whose calls are long streams that
+    # batch together (decode, the router) needs far more than one doing CPU work per call.
+    max_concurrency: int = 4
 
     def load_setup(self) -> Callable[[MeshServer], Awaitable[None]]:
         module_name, _, function = self.setup.partition(":")

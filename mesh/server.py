@@ -45,6 +45,7 @@ class MeshServer:
         port: int,
         host: str = "127.0.0.1",
         exempt_methods: Iterable[str] = (),
+        default_max_concurrency: int = 4,
     ) -> None:
         self.name = name
         self.settings = settings
@@ -53,7 +54,9 @@ class MeshServer:
         self.port = 0
         service = settings.service(name)
         self.admission = Admission(
-            name, max_concurrency=service.max_concurrency, max_queue=service.max_queue
+            name,
+            max_concurrency=service.max_concurrency or default_max_concurrency,
+            max_queue=service.max_queue,
         )
         self.grace_s = service.grace_s
         self.options = service.options

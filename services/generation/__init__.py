@@ -7,4 +7,6 @@ SPEC = ServiceSpec(
     default_port=50060,
     description="Generate and Chat: tokenize -> prefill -> decode -> detokenize, streamed",
     setup="services.generation.servicer:setup",
+    # A slot per generation in flight: each is a long stream that mostly waits on decode.
+    max_concurrency=64,
 )

@@ -7,6 +7,7 @@ import pytest
 
 from mesh import errors
 from mesh.failures import (
+    AlreadyExists,
     Conflict,
     FieldViolation,
     InvalidInput,
@@ -39,6 +40,7 @@ def _as_error(status: grpc.Status) -> grpc.aio.AioRpcError:
             "NOT_FOUND",
         ),
         (Conflict("job already finished"), grpc.StatusCode.FAILED_PRECONDITION, "CONFLICT"),
+        (AlreadyExists("collection differs"), grpc.StatusCode.ALREADY_EXISTS, "ALREADY_EXISTS"),
     ],
 )
 def test_every_failure_maps_to_one_code_with_error_info(failure, code, reason):

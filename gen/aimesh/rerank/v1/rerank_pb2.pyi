@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RerankRequest(_message.Message):
-    __slots__ = ("request_id", "query", "documents", "top_n", "truncate", "return_text", "raw_scores")
+    __slots__ = ("request_id", "query", "documents", "top_n", "truncate", "return_text", "raw_scores", "return_documents")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
     DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class RerankRequest(_message.Message):
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     RETURN_TEXT_FIELD_NUMBER: _ClassVar[int]
     RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
+    RETURN_DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     query: str
     documents: _containers.RepeatedCompositeFieldContainer[Document]
@@ -25,7 +26,8 @@ class RerankRequest(_message.Message):
     truncate: bool
     return_text: bool
     raw_scores: bool
-    def __init__(self, request_id: _Optional[str] = ..., query: _Optional[str] = ..., documents: _Optional[_Iterable[_Union[Document, _Mapping]]] = ..., top_n: _Optional[int] = ..., truncate: _Optional[bool] = ..., return_text: _Optional[bool] = ..., raw_scores: _Optional[bool] = ...) -> None: ...
+    return_documents: bool
+    def __init__(self, request_id: _Optional[str] = ..., query: _Optional[str] = ..., documents: _Optional[_Iterable[_Union[Document, _Mapping]]] = ..., top_n: _Optional[int] = ..., truncate: _Optional[bool] = ..., return_text: _Optional[bool] = ..., raw_scores: _Optional[bool] = ..., return_documents: _Optional[bool] = ...) -> None: ...
 
 class Document(_message.Message):
     __slots__ = ("id", "text")

@@ -1,0 +1,12 @@
+"""embedder: sentence embeddings (all-MiniLM-L6-v2) on torch or ONNX Runtime, batched."""
+
+from mesh.registry import ServiceSpec
+
+SPEC = ServiceSpec(
+    name="embedder",
+    default_port=50070,
+    description="Embed: dense sentence embeddings, requests arriving together batched",
+    setup="services.embedder.servicer:setup",
+    # Requests arriving together share a forward pass; slots let them arrive together.
+    max_concurrency=32,
+)

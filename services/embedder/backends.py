@@ -1,0 +1,120 @@
+"""Two ways to run the pooled transformer, behind one small interface: torch, and ONNX
+Runtime on a graph exported once from the same torch module.
+
+Both take padded token ids and return mean-pooled, unnormalised vectors; tokenizing,
+batching and normalising happen above them and are shared. torch is imported only where
+it is needed: an ONNX Runtime process whose graph is already built never loads it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Literal, Protocol
+
+import numpy as np
+import onnxruntime
+
+from mesh.artifacts import build_once
+from services.embedder.model import SentenceModel
+
+log = logging.getLogger(__name__)
+
+BackendName = Literal["onnx", "torch"]
+ONNX_DIRECTORY = "all-MiniLM-L6-v2-onnx"
+ONNX_FILE = "model.onnx"
+OPSET = 18  # torch's dynamo exporter's own opset: no version conversion after export
+_GPU_PROVIDER = "CUDAExecutionProvider"
+_CPU_PROVIDER = "CPUExecutionProvider"
+
+
+class Backend(Protocol):
+    def pool(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """int64 [batch, tokens] twice -> float32 [batch, dimensions], unnormalised."""
+        ...
+
+
+class TorchBackend:
+    def __init__(self, model: SentenceModel, threads: int) -> None:
+        # Imported here: see the module docstring.
+        import torch
+
+        from services.embedder.pooled import load_pooled
+
+        torch.set_num_threads(threads)
+        self._torch = torch
+        self._module = load_pooled(model)
+
+    def pool(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        with self._torch.inference_mode():
+            pooled = self._module(
+                self._torch.from_numpy(input_ids), self._torch.from_numpy(attention_mask)
+            )
+        return pooled.numpy()
+
+
+class OnnxBackend:
+    def __init__(self, graph: Path, threads: int) -> None:
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+        # The -gpu wheel lists CUDA even on a machine without a GPU, logs why it cannot
+        # load it and falls back to the CPU: the log below says what the session really got.
+        wanted = [_CPU_PROVIDER]
+        if _GPU_PROVIDER in onnxruntime.get_available_providers():
+            wanted.insert(0, _GPU_PROVIDER)
+        self._session = onnxruntime.InferenceSession(str(graph), options, providers=wanted)
+        self.providers = self._session.get_providers()
+        log.info(
+            "onnx runtime session",
+            extra={"graph": str(graph), "requested": wanted, "providers": self.providers},
+        )
+
+    def pool(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        (pooled,) = self._session.run(
+            None, {"input_ids": input_ids, "attention_mask": attention_mask}
+        )
+        return pooled
+
+
+def onnx_graph(model: SentenceModel, cache_dir: Path) -> Path:
+    """The exported graph's verified path, exporting (or re-exporting a corrupt one) first."""
+    target = cache_dir / "models" / ONNX_DIRECTORY
+    build_once(target, lambda scratch: _export(model, scratch / ONNX_FILE), str(model.path))
+    return target / ONNX_FILE
+
+
+def _export(model: SentenceModel, path: Path) -> None:
+    """torch.onnx's dynamo exporter, batch and sequence axes dynamic, weights inside the
+    one file (90 MB, far below protobuf's 2 GB limit), so the manifest covers one file."""
+    import torch
+
+    from services.embedder.pooled import load_pooled
+
+    # The exporter's optimizer logs each of its hundreds of rewrites at INFO.
+    for name in ("onnxscript", "onnx_ir"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    batch, tokens = torch.export.Dim("batch"), torch.export.Dim("tokens", max=model.max_tokens)
+    # Two distinct tensors: the exporter would take one tensor passed twice for one input.
+    example = (torch.ones((2, 8), dtype=torch.int64), torch.ones((2, 8), dtype=torch.int64))
+    torch.onnx.export(
+        load_pooled(model),
+        example,
+        str(path),
+        input_names=["input_ids", "attention_mask"],
+        output_names=["sentence_embedding"],
+        dynamic_shapes={
+            "input_ids": {0: batch, 1: tokens},
+            "attention_mask": {0: batch, 1: tokens},
+        },
+        opset_version=OPSET,
+        external_data=False,
+        verbose=False,
+    )
+
+
+def load_backend(name: BackendName, model: SentenceModel, cache_dir: Path, threads: int) -> Backend:
+    if name == "torch":
+        return TorchBackend(model, threads)
+    return OnnxBackend(onnx_graph(model, cache_dir), threads)

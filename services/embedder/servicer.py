@@ -1,0 +1,154 @@
+"""The embedder's gRPC surface: validate at the boundary, tokenize, batch, answer.
+
+Tokenizing happens here, before the request joins a batch, because whether an input fits
+the model is part of validating it: with truncate unset, an input over the model's 256
+tokens is INVALID_ARGUMENT naming `inputs[i]`, as TEI answers. Inputs are capped at
+64 KiB of UTF-8 each: with truncate set a client may send a whole document and have its
+first (or last) 256 tokens embedded, and 64 KiB bounds what tokenizing one costs (~25 ms
+here) far above any text that fits the model uncut (~1-2 KB of English).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator, Sequence
+from itertools import islice
+
+import grpc
+
+from aimesh.common.v1 import common_pb2
+from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
+from mesh.failures import NotReady
+from mesh.server import MeshServer
+from mesh.timing import stage
+from mesh.validation import Violations
+from services.embedder.encoder import Encoder
+from services.embedder.engine import EmbedEngine
+from services.embedder.settings import embedder_settings
+from services.embedder.tokens import Side, Tokenized
+
+SERVICE = embedder_pb2.DESCRIPTOR.services_by_name["EmbedderService"]
+
+MAX_INPUTS = 32  # the proto's limit (TEI's default max client batch size)
+MAX_INPUT_BYTES = 64 * 1024
+# BadRequest travels in trailing metadata (8 KiB by default): report the first few.
+MAX_ELEMENT_VIOLATIONS = 16
+# Below this many characters in all, tokenizing inline costs less than a thread hop.
+THREAD_MIN_CHARS = 8 * 1024
+WARMUP_TEXT = "Embedded once before readiness, so the first caller does not pay for it."
+
+_SIDES: dict[int, Side] = {
+    embedder_pb2.TRUNCATION_DIRECTION_UNSPECIFIED: "right",
+    embedder_pb2.TRUNCATION_DIRECTION_RIGHT: "right",
+    embedder_pb2.TRUNCATION_DIRECTION_LEFT: "left",
+}
+
+
+def _check_request(violations: Violations, request: embedder_pb2.EmbedRequest) -> None:
+    count = len(request.inputs)
+    violations.check(count > 0, "inputs", "must hold at least one text")
+    violations.check(
+        count <= MAX_INPUTS, "inputs", f"must hold at most {MAX_INPUTS} texts, got {count}"
+    )
+    for field, problem in islice(_input_problems(request.inputs), MAX_ELEMENT_VIOLATIONS):
+        violations.add(field, problem)
+    direction = request.truncation_direction
+    violations.check(
+        direction in _SIDES,
+        "truncation_direction",
+        f"must be one of {', '.join(embedder_pb2.TruncationDirection.keys())}, got {direction}",
+    )
+
+
+def _input_problems(inputs: Sequence[str]) -> Iterator[tuple[str, str]]:
+    for index, text in enumerate(inputs):
+        size = len(text.encode())
+        if size == 0:
+            yield f"inputs[{index}]", "must not be empty"
+        elif size > MAX_INPUT_BYTES:
+            problem = f"must be at most {MAX_INPUT_BYTES} bytes of UTF-8, got {size}"
+            yield f"inputs[{index}]", problem
+
+
+def _check_lengths(violations: Violations, tokenized: Sequence[Tokenized], limit: int) -> None:
+    too_long = ((index, each.length) for index, each in enumerate(tokenized) if each.length > limit)
+    for index, length in islice(too_long, MAX_ELEMENT_VIOLATIONS):
+        violations.add(
+            f"inputs[{index}]",
+            f"is {length} tokens, over the model's maximum of {limit}; set truncate to cut it",
+        )
+
+
+class EmbedderServicer(embedder_pb2_grpc.EmbedderServiceServicer):
+    """Answers NotReady until the warm-up hands it a loaded engine."""
+
+    def __init__(self) -> None:
+        self.engine: EmbedEngine | None = None
+
+    def _loaded(self) -> EmbedEngine:
+        if self.engine is None:
+            raise NotReady("the embedding model is still loading")
+        return self.engine
+
+    async def Embed(
+        self, request: embedder_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> embedder_pb2.EmbedResponse:
+        received = time.perf_counter()
+        engine = self._loaded()
+        violations = Violations()
+        _check_request(violations, request)
+        violations.raise_if_any()
+
+        encoder = engine.encoder
+        cut = _SIDES[request.truncation_direction] if request.truncate else None
+        texts = list(request.inputs)
+        if sum(map(len, texts)) > THREAD_MIN_CHARS:
+            tokenized = await asyncio.to_thread(encoder.tokenizer.tokenize, texts, cut)
+        else:
+            tokenized = encoder.tokenizer.tokenize(texts, cut)
+        if cut is None:
+            _check_lengths(violations, tokenized, encoder.model.max_tokens)
+            violations.raise_if_any()
+        tokenize_s = time.perf_counter() - received
+
+        normalize = request.normalize if request.HasField("normalize") else True
+        embedded = await engine.embed([each.ids for each in tokenized], normalize)
+        tokens = sum(len(each.ids) for each in tokenized)
+        return embedder_pb2.EmbedResponse(
+            embeddings=[embedder_pb2.Embedding(values=row.tolist()) for row in embedded.vectors],
+            dimensions=encoder.model.dimensions,
+            model=encoder.model.name,
+            usage=common_pb2.Usage(prompt_tokens=tokens, total_tokens=tokens),
+            timing=common_pb2.Timing(
+                stages=[
+                    stage("tokenize", tokenize_s, common_pb2.STAGE_KIND_COMPUTE),
+                    stage("queue", embedded.queue_s, common_pb2.STAGE_KIND_QUEUE),
+                    stage("inference", embedded.inference_s, common_pb2.STAGE_KIND_COMPUTE),
+                ],
+                total_ns=int((time.perf_counter() - received) * 1e9),
+            ),
+        )
+
+
+async def setup(server: MeshServer) -> None:
+    """Registers the servicer now; loads the model in a thread in the warm-up (exporting
+    its ONNX graph takes ~10 s the first time, and liveness must answer meanwhile), then
+    embeds one text through the batching engine before readiness."""
+    settings = embedder_settings(server.settings)
+    servicer = EmbedderServicer()
+    server.add_service(embedder_pb2_grpc.add_EmbedderServiceServicer_to_server, servicer, SERVICE)
+
+    async def load() -> None:
+        encoder = await asyncio.to_thread(Encoder.load, settings, server.settings.cache_dir)
+        engine = EmbedEngine(encoder, settings.max_batch_texts, settings.max_wait_ms / 1000)
+        (warmup,) = encoder.tokenizer.tokenize([WARMUP_TEXT], "right")
+        await engine.embed([warmup.ids], normalize=True)
+        servicer.engine = engine
+
+    async def close() -> None:
+        if servicer.engine is not None:
+            await servicer.engine.close()
+
+    server.add_warmup(load)
+    server.add_shutdown(close)

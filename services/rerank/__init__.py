@@ -1,0 +1,10 @@
+"""rerank: reorders retrieved passages by a model-based relevance score."""
+
+from mesh.registry import ServiceSpec
+
+SPEC = ServiceSpec(
+    name="rerank",
+    default_port=50072,
+    description="Rerank: candidates scored against the query, best first",
+    setup="services.rerank.servicer:setup",
+)

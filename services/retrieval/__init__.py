@@ -1,0 +1,12 @@
+"""retrieval: collections of passages in Qdrant, searched dense, sparse or hybrid."""
+
+from mesh.registry import ServiceSpec
+
+SPEC = ServiceSpec(
+    name="retrieval",
+    default_port=50071,
+    description="CreateCollection, Upsert, Search (dense + BM25 fused by RRF), Delete",
+    setup="services.retrieval.servicer:setup",
+    # Calls mostly wait on the embedder and the store's own thread.
+    max_concurrency=16,
+)

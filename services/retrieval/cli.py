@@ -1,0 +1,159 @@
+"""`aimesh ingest` and `aimesh search`: fill a collection and query it from the terminal."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from itertools import islice
+from pathlib import Path
+from typing import Annotated
+
+import grpc
+import typer
+from google.protobuf import struct_pb2
+from opentelemetry import trace
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
+from aimesh.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
+from mesh import tracing
+from mesh.client import create_channel
+from mesh.config import MeshSettings
+from mesh.deadline import budget
+from mesh.errors import field_violations
+from mesh.registry import discover
+from services.retrieval.corpus import Passage, dedupe, file_passages, stdlib_passages
+
+DEFAULT_COLLECTION = "knowledge"
+UPLOAD_BATCH = 64
+MODES = {
+    "hybrid": retrieval_pb2.SEARCH_MODE_HYBRID,
+    "dense": retrieval_pb2.SEARCH_MODE_DENSE,
+    "sparse": retrieval_pb2.SEARCH_MODE_SPARSE,
+}
+
+
+def _target(settings: MeshSettings, name: str) -> str:
+    return settings.target_of(name, discover()[name].default_port)
+
+
+def _fail(error: grpc.aio.AioRpcError) -> typer.Exit:
+    problems = "; ".join(f"{v.field}: {v.description}" for v in field_violations(error))
+    typer.echo(f"error: {error.code().name}: {problems or error.details()}", err=True)
+    return typer.Exit(1)
+
+
+def _document(passage: Passage) -> retrieval_pb2.Document:
+    payload = struct_pb2.Struct()
+    payload.update(passage.payload)
+    return retrieval_pb2.Document(id=passage.id, text=passage.text, payload=payload)
+
+
+def _batches(passages: list[Passage]) -> Iterator[list[Passage]]:
+    iterator = iter(passages)
+    while batch := list(islice(iterator, UPLOAD_BATCH)):
+        yield batch
+
+
+def ingest(
+    sources: Annotated[
+        list[Path] | None, typer.Argument(help="files or folders of .txt/.md; none: the stdlib")
+    ] = None,
+    collection: Annotated[str, typer.Option(help="collection to fill")] = DEFAULT_COLLECTION,
+) -> None:
+    """Chunk, deduplicate, embed and upsert documents; re-ingesting writes nothing new."""
+    try:
+        passages = list(dedupe(file_passages(sources) if sources else stdlib_passages()))
+    except (ValueError, FileNotFoundError) as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(1) from None
+    settings = MeshSettings()
+
+    async def run() -> retrieval_pb2.UpsertResponse:
+        async with create_channel(_target(settings, "retrieval"), settings) as channel:
+            stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+            await stub.CreateCollection(
+                retrieval_pb2.CreateCollectionRequest(collection=collection, sparse_enabled=True)
+            )
+            with Progress(
+                TextColumn("[bold]ingest[/bold] {task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+            ) as progress:
+                task = progress.add_task(collection, total=len(passages))
+
+                async def messages() -> AsyncIterator[retrieval_pb2.UpsertRequest]:
+                    for batch in _batches(passages):
+                        yield retrieval_pb2.UpsertRequest(
+                            collection=collection, documents=[_document(p) for p in batch]
+                        )
+                        progress.advance(task, len(batch))
+
+                return await stub.Upsert(messages(), timeout=3600)
+
+    try:
+        summary = asyncio.run(run())
+    except grpc.aio.AioRpcError as error:
+        raise _fail(error) from None
+    typer.echo(
+        f"{summary.received} passages: {summary.upserted} written, {summary.unchanged} unchanged "
+        f"({summary.timing.total_ns / 1e9:.1f} s)"
+    )
+
+
+def search(
+    query: Annotated[str, typer.Argument(help="what to look for")],
+    top_k: Annotated[int, typer.Option(help="hits to show")] = 5,
+    rerank: Annotated[bool, typer.Option(help="rerank the top candidates")] = False,
+    mode: Annotated[str, typer.Option(help="hybrid, dense or sparse")] = "hybrid",
+    collection: Annotated[str, typer.Option()] = DEFAULT_COLLECTION,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object")] = False,
+) -> None:
+    """Search a collection; --rerank reorders a deeper candidate list with the rerank service."""
+    if mode not in MODES:
+        raise typer.BadParameter(f"mode must be one of {', '.join(MODES)}")
+    tracing.configure("aimesh-cli")
+    settings = MeshSettings()
+
+    async def run() -> dict:
+        candidates = max(top_k * 4, 20) if rerank else top_k
+        async with create_channel(_target(settings, "retrieval"), settings) as channel:
+            found = await retrieval_pb2_grpc.RetrievalServiceStub(channel).Search(
+                retrieval_pb2.SearchRequest(
+                    collection=collection, query=query, top_k=candidates, mode=MODES[mode]
+                )
+            )
+        hits = [{"id": h.id, "score": h.score, "text": h.text} for h in found.hits]
+        timing = {s.name: s.duration_ns / 1e6 for s in found.timing.stages}
+        if rerank and hits:
+            async with create_channel(_target(settings, "rerank"), settings) as channel:
+                ranked = await rerank_pb2_grpc.RerankServiceStub(channel).Rerank(
+                    rerank_pb2.RerankRequest(
+                        query=query,
+                        documents=[rerank_pb2.Document(id=h["id"], text=h["text"]) for h in hits],
+                        top_n=top_k,
+                    )
+                )
+            hits = [{**hits[r.index], "score": r.score} for r in ranked.results]
+            timing["rerank"] = ranked.timing.total_ns / 1e6
+        return {"hits": hits[:top_k], "timing": timing}
+
+    async def traced() -> dict:
+        with trace.get_tracer("aimesh.cli").start_as_current_span("aimesh search"), budget(60):
+            result = await run()
+            result["trace_id"] = tracing.current_trace_id()
+            return result
+
+    try:
+        result = asyncio.run(traced())
+    except grpc.aio.AioRpcError as error:
+        raise _fail(error) from None
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    for rank, hit in enumerate(result["hits"], start=1):
+        first_line = hit["text"].splitlines()[0] if hit["text"] else ""
+        typer.echo(f"{rank:2}. {hit['id']}  ({hit['score']:.4f})\n    {first_line[:100]}")
+    typer.echo(f"[trace {result['trace_id']}]", err=True)

@@ -1,0 +1,30 @@
+"""Reciprocal rank fusion of the dense and sparse retrievers, keeping each one's verdict.
+
+Qdrant's Query API fuses prefetches with RRF too; fusing here instead lets every hit
+report where each retriever ranked it (HitSource), which is what makes a hybrid result
+explainable. score = sum over retrievers of 1 / (k + rank), rank 1-based.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.retrieval.store import Found
+
+
+@dataclass
+class Fused:
+    hit: Found
+    score: float
+    # retriever name -> (1-based rank, that retriever's score)
+    sources: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+
+def reciprocal_rank_fusion(ranked: dict[str, list[Found]], k: int) -> list[Fused]:
+    fused: dict[str, Fused] = {}
+    for retriever, hits in ranked.items():
+        for rank, hit in enumerate(hits, start=1):
+            entry = fused.setdefault(hit.doc_id, Fused(hit, 0.0))
+            entry.score += 1.0 / (k + rank)
+            entry.sources[retriever] = (rank, hit.score)
+    return sorted(fused.values(), key=lambda f: (-f.score, f.hit.doc_id))

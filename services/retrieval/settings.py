@@ -1,0 +1,28 @@
+"""Retrieval settings ([engines.retrieval] in the mesh config)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from mesh.config import MeshSettings
+
+
+class RetrievalSettings(BaseModel, extra="forbid"):
+    url: str | None = Field(
+        default=None,
+        description="A Qdrant server or cluster (http[s]://host:6333); None: embedded on disk",
+    )
+    api_key: str | None = Field(default=None, description="Qdrant API key, sent over TLS only")
+    path: Path | None = Field(default=None, description="embedded store; None: <cache_dir>/qdrant")
+    embedder: str | None = Field(default=None, description="None: the embedder's configured target")
+    rrf_k: int = Field(default=60, ge=1, description="reciprocal rank fusion constant")
+    # Each retriever of a hybrid search looks this many times deeper than top_k, so fusion
+    # can promote a document that one retriever ranks low.
+    prefetch_factor: int = Field(default=4, ge=1)
+    embed_batch: int = Field(default=32, ge=1, le=32)
+
+
+def retrieval_settings(settings: MeshSettings) -> RetrievalSettings:
+    return RetrievalSettings.model_validate(settings.engines.get("retrieval", {}))

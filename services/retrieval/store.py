@@ -1,0 +1,205 @@
+"""Qdrant behind the few operations retrieval needs; no grpc here.
+
+Each document is one Qdrant point: a dense vector ("dense"), a BM25 sparse vector ("bm25",
+IDF applied by Qdrant) when the collection has one, and the caller's payload plus reserved
+keys: its aimesh id (Qdrant ids must be integers or UUIDs, so the point id is a UUID5 of
+it), its text, and a hash of text and payload that lets a re-upsert skip what did not
+change. Calls are synchronous: the servicer runs them on one thread of their own, which
+also serialises access to the embedded store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from qdrant_client import QdrantClient, models
+
+from mesh.failures import AlreadyExists, NotFound
+
+log = logging.getLogger(__name__)
+
+DENSE = "dense"
+SPARSE = "bm25"
+ID_KEY = "_aimesh_id"
+TEXT_KEY = "_aimesh_text"
+HASH_KEY = "_aimesh_hash"
+RESERVED_PREFIX = "_aimesh"
+# Qdrant's embedded mode is brute force; past this many points, searches slow down enough
+# that a server (or cluster) is the better home (docs/benchmarks.md has the curve).
+LOCAL_MODE_POINTS_WARNING = 20_000
+
+_NAMESPACE = uuid.UUID("6f1c2b0e-7d5c-4a43-9b8e-3a8f6b0b2c11")
+_DISTANCES = {
+    "cosine": models.Distance.COSINE,
+    "dot": models.Distance.DOT,
+    "euclid": models.Distance.EUCLID,
+}
+
+
+def point_id(doc_id: str) -> str:
+    return str(uuid.uuid5(_NAMESPACE, doc_id))
+
+
+def content_hash(text: str, payload: dict[str, Any]) -> str:
+    blob = json.dumps([text, payload], sort_keys=True, ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+@dataclass(frozen=True)
+class CollectionInfo:
+    vector_size: int
+    distance: str
+    sparse: bool
+    on_disk: bool
+    points: int
+
+
+@dataclass(frozen=True)
+class Prepared:
+    doc_id: str
+    text: str
+    payload: dict[str, Any]
+    digest: str
+    dense: list[float]
+    sparse: tuple[list[int], list[float]] | None
+
+
+@dataclass(frozen=True)
+class Found:
+    doc_id: str
+    score: float
+    text: str
+    payload: dict[str, Any]
+
+
+class Store:
+    def __init__(self, client: QdrantClient, local: bool) -> None:
+        self.client = client
+        self.local = local
+
+    def info(self, collection: str) -> CollectionInfo:
+        if not self.client.collection_exists(collection):
+            raise NotFound(
+                f"collection {collection!r} does not exist",
+                resource_type="collection",
+                resource_name=collection,
+            )
+        config = self.client.get_collection(collection).config.params
+        dense = config.vectors[DENSE]
+        return CollectionInfo(
+            vector_size=dense.size,
+            distance=dense.distance.value.lower(),
+            sparse=SPARSE in (config.sparse_vectors or {}),
+            on_disk=bool(dense.on_disk),
+            points=self.client.count(collection, exact=True).count,
+        )
+
+    def create(
+        self, collection: str, size: int, distance: str, sparse: bool, on_disk: bool
+    ) -> bool:
+        """True when created; False when it already exists with exactly these settings."""
+        if self.client.collection_exists(collection):
+            have = self.info(collection)
+            if (have.vector_size, have.distance, have.sparse, have.on_disk) != (
+                size,
+                distance,
+                sparse,
+                on_disk,
+            ):
+                raise AlreadyExists(
+                    f"collection {collection!r} exists with vector_size={have.vector_size}, "
+                    f"distance={have.distance}, sparse={have.sparse}, on_disk={have.on_disk}"
+                )
+            return False
+        self.client.create_collection(
+            collection,
+            vectors_config={
+                DENSE: models.VectorParams(
+                    size=size, distance=_DISTANCES[distance], on_disk=on_disk or None
+                )
+            },
+            sparse_vectors_config=(
+                {SPARSE: models.SparseVectorParams(modifier=models.Modifier.IDF)}
+                if sparse
+                else None
+            ),
+        )
+        return True
+
+    def hashes(self, collection: str, doc_ids: list[str]) -> dict[str, str]:
+        """The stored content hash of each of `doc_ids` that exists."""
+        points = self.client.retrieve(
+            collection, ids=[point_id(d) for d in doc_ids], with_payload=[ID_KEY, HASH_KEY]
+        )
+        return {p.payload[ID_KEY]: p.payload[HASH_KEY] for p in points if p.payload}
+
+    def upsert(self, collection: str, documents: list[Prepared]) -> None:
+        """Writes one batch, waiting until it is applied, so an acknowledged batch stays."""
+        points = []
+        for doc in documents:
+            vector: dict[str, Any] = {DENSE: doc.dense}
+            if doc.sparse is not None:
+                vector[SPARSE] = models.SparseVector(indices=doc.sparse[0], values=doc.sparse[1])
+            payload = {**doc.payload, ID_KEY: doc.doc_id, TEXT_KEY: doc.text, HASH_KEY: doc.digest}
+            points.append(
+                models.PointStruct(id=point_id(doc.doc_id), vector=vector, payload=payload)
+            )
+        self.client.upsert(collection, points=points, wait=True)
+        if self.local:
+            total = self.client.count(collection).count
+            if total > LOCAL_MODE_POINTS_WARNING:
+                log.warning(
+                    "embedded Qdrant is brute force and slows past %d points; configure "
+                    "[engines.retrieval] url for a server",
+                    LOCAL_MODE_POINTS_WARNING,
+                    extra={"collection": collection, "points": total},
+                )
+
+    def search(
+        self,
+        collection: str,
+        query: list[float] | models.SparseVector,
+        using: str,
+        limit: int,
+        query_filter: models.Filter | None,
+    ) -> list[Found]:
+        result = self.client.query_points(
+            collection,
+            query=query,
+            using=using,
+            limit=limit,
+            query_filter=query_filter,
+            with_payload=True,
+        )
+        return [
+            Found(
+                doc_id=p.payload[ID_KEY],
+                score=p.score,
+                text=p.payload[TEXT_KEY],
+                payload={k: v for k, v in p.payload.items() if not k.startswith(RESERVED_PREFIX)},
+            )
+            for p in result.points
+        ]
+
+    def delete_ids(self, collection: str, doc_ids: list[str]) -> int:
+        existing = self.hashes(collection, doc_ids)
+        if existing:
+            self.client.delete(
+                collection,
+                points_selector=models.PointIdsList(points=[point_id(d) for d in existing]),
+                wait=True,
+            )
+        return len(existing)
+
+    def delete_matching(self, collection: str, query_filter: models.Filter) -> int:
+        count = self.client.count(collection, count_filter=query_filter, exact=True).count
+        if count:
+            self.client.delete(
+                collection, points_selector=models.FilterSelector(filter=query_filter), wait=True
+            )
+        return count
