@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test lint protos demo bench bench-llm clean
+.PHONY: install test lint protos demo bench bench-llm bench-retrieval clean
 
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ bench: install
 
 bench-llm: install
 	$(PY) -m loadtest.llm --out docs/benchmarks.md
+
+bench-retrieval: install
+	$(PY) -m loadtest.embed --out docs/benchmarks.md
+	$(PY) -m loadtest.retrieval_eval --out docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) var

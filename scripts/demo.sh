@@ -33,6 +33,10 @@ echo; echo "== bad input: INVALID_ARGUMENT with field violations"
 grpcurl -plaintext -d '{"prompt": "", "sampling": {"temperature": -1}}' \
   127.0.0.1:50060 aimesh.llm.v1.GenerationService/Generate || true
 
+echo; echo "== the knowledge base: the stdlib's own docs, embedded once (about a minute the first time)"
+aimesh ingest
+aimesh search --rerank --top-k 3 "how do I copy a nested list?"
+
 ECHO=127.0.0.1:50100
 echo; echo "== the mesh runtime itself: a 3-hop echo chain under a 2 s budget, one trace and request id"
 grpcurl -plaintext -max-time 2 -d "{\"hops\": [\"$ECHO\", \"$ECHO\"], \"delay_ms\": 50}" \
