@@ -16,12 +16,11 @@ from aimesh.rerank.v1 import rerank_pb2_grpc
 from aimesh.retrieval.v1 import retrieval_pb2_grpc
 from loadtest.retrieval_eval import quality, questions, rankings
 from mesh.client import create_channel
-from mesh.config import MeshSettings, ServiceSettings
+from mesh.config import MeshSettings
 from mesh.server import MeshServer
-from services.embedder.servicer import setup as embedder_setup
 from services.rerank.servicer import setup as rerank_setup
-from services.retrieval.servicer import setup as retrieval_setup
 from tests.conftest import VENV_BIN, subprocess_env
+from tests.services.retrieval.conftest import start_retrieval
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -35,27 +34,10 @@ class KnowledgeMesh:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def mesh(tmp_path_factory) -> AsyncIterator[KnowledgeMesh]:
-    cache = MeshSettings().cache_dir
-    embedder = MeshServer(
-        "embedder", MeshSettings(cache_dir=cache), port=0, default_max_concurrency=32
-    )
-    await embedder_setup(embedder)
-    await embedder.start()
-    settings = MeshSettings(
-        cache_dir=cache,
-        services={"retrieval": ServiceSettings(max_concurrency=16)},
-        engines={
-            "retrieval": {
-                "path": str(tmp_path_factory.mktemp("kb")),
-                "embedder": f"127.0.0.1:{embedder.port}",
-            }
-        },
-    )
-    retrieval = MeshServer("retrieval", settings, port=0)
-    await retrieval_setup(retrieval)
+    embedder, retrieval = await start_retrieval(tmp_path_factory.mktemp("kb"))
     rerank = MeshServer("rerank", MeshSettings(), port=0)
     await rerank_setup(rerank)
-    await asyncio.gather(retrieval.start(), rerank.start())
+    await rerank.start()
     env = subprocess_env(
         AIMESH_SERVICES__RETRIEVAL__TARGET=f"127.0.0.1:{retrieval.port}",
         AIMESH_SERVICES__RERANK__TARGET=f"127.0.0.1:{rerank.port}",

@@ -13,12 +13,10 @@ from google.protobuf import struct_pb2
 
 from aimesh.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 from mesh.client import create_channel
-from mesh.config import MeshSettings, ServiceSettings
+from mesh.config import MeshSettings
 from mesh.errors import field_violations
-from mesh.server import MeshServer
-from services.embedder.servicer import setup as embedder_setup
 from services.retrieval.servicer import SERVICE, derived_id
-from services.retrieval.servicer import setup as retrieval_setup
+from tests.services.retrieval.conftest import start_retrieval
 
 DOCS = {
     "json.load": "json.load(fp): deserialize a JSON document read from a file object to a "
@@ -37,25 +35,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stub(tmp_path_factory) -> AsyncIterator[retrieval_pb2_grpc.RetrievalServiceStub]:
-    cache = MeshSettings().cache_dir
-    embedder = MeshServer(
-        "embedder", MeshSettings(cache_dir=cache), port=0, default_max_concurrency=32
-    )
-    await embedder_setup(embedder)
-    await embedder.start()
-    settings = MeshSettings(
-        cache_dir=cache,
-        services={"retrieval": ServiceSettings(max_concurrency=8)},
-        engines={
-            "retrieval": {
-                "path": str(tmp_path_factory.mktemp("qdrant")),
-                "embedder": f"127.0.0.1:{embedder.port}",
-            }
-        },
-    )
-    retrieval = MeshServer("retrieval", settings, port=0)
-    await retrieval_setup(retrieval)
-    await retrieval.start()
+    embedder, retrieval = await start_retrieval(tmp_path_factory.mktemp("qdrant"))
     channel = create_channel(f"127.0.0.1:{retrieval.port}", MeshSettings(), services=[SERVICE])
     stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
     await stub.CreateCollection(
