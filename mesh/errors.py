@@ -18,6 +18,7 @@ from grpc_status import rpc_status
 
 from mesh.failures import (
     AlreadyExists,
+    Cancelled,
     Conflict,
     Failure,
     FieldViolation,
@@ -42,6 +43,7 @@ FAILURE_CODES: Mapping[type[Failure], grpc.StatusCode] = {
     NotFound: grpc.StatusCode.NOT_FOUND,
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     Conflict: grpc.StatusCode.FAILED_PRECONDITION,
+    Cancelled: grpc.StatusCode.CANCELLED,
 }
 
 # A dependency's failure that the handler did not handle: these codes mean the same thing

@@ -58,12 +58,17 @@ class NotReady(Failure):
 
 
 class OutOfMemory(Failure):
-    """A request did not fit in memory; the engine freed what it took and keeps serving."""
+    """A request did not fit in memory; the engine freed what it took and keeps serving.
+
+    `retry_after_s` is None for a request that can never fit (no RetryInfo is sent).
+    """
 
     reason = "OUT_OF_MEMORY"
 
-    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
-        super().__init__(message)
+    def __init__(
+        self, message: str, *, retry_after_s: float | None = 1.0, reason: str | None = None
+    ) -> None:
+        super().__init__(message, reason=reason)
         self.retry_after_s = retry_after_s
 
 
@@ -82,6 +87,12 @@ class AlreadyExists(Failure):
     """Something with this name exists and differs from what the request asks for."""
 
     reason = "ALREADY_EXISTS"
+
+
+class Cancelled(Failure):
+    """The work was stopped on purpose, e.g. by a cancel call from another connection."""
+
+    reason = "CANCELLED"
 
 
 class Conflict(Failure):

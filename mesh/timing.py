@@ -11,3 +11,9 @@ def stage(name: str, seconds: float, kind: int, service: str = "") -> common_pb2
     return common_pb2.Stage(
         name=name, kind=kind, duration_ns=int(max(seconds, 0.0) * 1e9), service=service
     )
+
+
+def timing_ms(timing: common_pb2.Timing) -> dict[str, float]:
+    """A Timing as {stage: ms, ..., "total": ms}, the shape the CLIs print as JSON."""
+    stages = {s.name: round(s.duration_ns / 1e6, 2) for s in timing.stages}
+    return {**stages, "total": round(timing.total_ns / 1e6, 2)}

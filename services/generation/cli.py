@@ -12,20 +12,15 @@ import typer
 from google.protobuf import json_format
 from opentelemetry import trace
 
-from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 from mesh import tracing
 from mesh.client import create_channel
 from mesh.config import MeshSettings
 from mesh.deadline import budget
 from mesh.errors import field_violations
+from mesh.timing import timing_ms
 from services.generation import SPEC
 from services.generation.servicer import GENERATION
-
-
-def _timing_ms(timing: common_pb2.Timing) -> dict[str, float]:
-    stages = {s.name: round(s.duration_ns / 1e6, 2) for s in timing.stages}
-    return {**stages, "total": round(timing.total_ns / 1e6, 2)}
 
 
 async def _generate(request, chat: bool, as_json: bool) -> dict:
@@ -48,7 +43,7 @@ async def _generate(request, chat: bool, as_json: bool) -> dict:
         "text": text,
         "finish_reason": sampling_pb2.FinishReason.Name(complete.finish_reason),
         "usage": json_format.MessageToDict(complete.usage, preserving_proto_field_name=True),
-        "timing": _timing_ms(complete.timing),
+        "timing": timing_ms(complete.timing),
         "model": complete.model,
     }
 

@@ -8,6 +8,7 @@ import pytest
 from mesh import errors
 from mesh.failures import (
     AlreadyExists,
+    Cancelled,
     Conflict,
     FieldViolation,
     InvalidInput,
@@ -41,6 +42,7 @@ def _as_error(status: grpc.Status) -> grpc.aio.AioRpcError:
         ),
         (Conflict("job already finished"), grpc.StatusCode.FAILED_PRECONDITION, "CONFLICT"),
         (AlreadyExists("collection differs"), grpc.StatusCode.ALREADY_EXISTS, "ALREADY_EXISTS"),
+        (Cancelled("job cancelled"), grpc.StatusCode.CANCELLED, "CANCELLED"),
     ],
 )
 def test_every_failure_maps_to_one_code_with_error_info(failure, code, reason):
@@ -79,6 +81,14 @@ def test_overload_and_oom_say_when_to_retry():
         _as_error(errors.status_for_failure(Overloaded("busy", retry_after_s=0.25)))
     ) == pytest.approx(0.25)
     assert errors.retry_delay_s(_as_error(errors.status_for_failure(OutOfMemory("oom")))) > 0
+
+
+def test_a_request_that_can_never_fit_carries_no_retry_hint():
+    never = OutOfMemory("4 GiB job, 1 GiB budget", retry_after_s=None, reason="JOB_TOO_LARGE")
+    error = _as_error(errors.status_for_failure(never))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert errors.retry_delay_s(error) is None
+    assert errors.error_info(error).reason == "JOB_TOO_LARGE"
 
 
 def test_not_found_names_the_resource():

@@ -27,7 +27,7 @@ from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#aimesh/diffusion/v1/diffusion.proto\x12\x13\x61imesh.diffusion.v1\x1a\x1d\x61imesh/common/v1/common.proto\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/api/field_behavior.proto\"\xf0\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x05model\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x12\n\nnum_images\x18\x04 \x01(\x05\x12\r\n\x05steps\x18\x05 \x01(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0eguidance_scale\x18\x07 \x01(\x02\x12-\n\x07sampler\x18\x08 \x01(\x0e\x32\x1c.aimesh.diffusion.v1.Sampler\x12\x1b\n\x13preview_every_steps\x18\t \x01(\x05\x12L\n\x0c\x63onditioning\x18\n \x03(\x0b\x32\x36.aimesh.diffusion.v1.GenerateRequest.ConditioningEntry\x1a\x33\n\x11\x43onditioningEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seed\"\x8c\x02\n\x10GenerateResponse\x12-\n\x06queued\x18\x01 \x01(\x0b\x32\x1b.aimesh.diffusion.v1.QueuedH\x00\x12\x31\n\x08progress\x18\x02 \x01(\x0b\x32\x1d.aimesh.diffusion.v1.ProgressH\x00\x12/\n\x07preview\x18\x03 \x01(\x0b\x32\x1c.aimesh.diffusion.v1.PreviewH\x00\x12+\n\x05image\x18\x04 \x01(\x0b\x32\x1a.aimesh.diffusion.v1.ImageH\x00\x12/\n\x07summary\x18\x05 \x01(\x0b\x32\x1c.aimesh.diffusion.v1.SummaryH\x00\x42\x07\n\x05\x65vent\"*\n\x06Queued\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x05\"=\n\x08Progress\x12\x0c\n\x04step\x18\x01 \x01(\x05\x12\x13\n\x0btotal_steps\x18\x02 \x01(\x05\x12\x0e\n\x06\x65ta_ms\x18\x03 \x01(\x03\"3\n\x07Preview\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x05\x12\x0b\n\x03png\x18\x03 \x01(\x0c\"P\n\x05Image\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x0b\n\x03png\x18\x03 \x01(\x0c\x12\r\n\x05width\x18\x04 \x01(\x05\x12\x0e\n\x06height\x18\x05 \x01(\x05\"R\n\x07Summary\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05seeds\x18\x02 \x03(\x04\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\"%\n\rCancelRequest\x12\x14\n\x06job_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"D\n\x12ListModelsResponse\x12.\n\x06models\x18\x01 \x03(\x0b\x32\x1e.aimesh.diffusion.v1.ModelInfo\"\xd1\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x14\n\x0c\x63onditioning\x18\x03 \x01(\t\x12\r\n\x05width\x18\x04 \x01(\x05\x12\x0e\n\x06height\x18\x05 \x01(\x05\x12\x11\n\tmax_steps\x18\x06 \x01(\x05\x12\x12\n\nmax_images\x18\x07 \x01(\x05\x12.\n\x08samplers\x18\x08 \x03(\x0e\x32\x1c.aimesh.diffusion.v1.Sampler\x12\x15\n\rdefault_steps\x18\t \x01(\x05*_\n\x07Sampler\x12\x17\n\x13SAMPLER_UNSPECIFIED\x10\x00\x12\x10\n\x0cSAMPLER_DDPM\x10\x01\x12\x10\n\x0cSAMPLER_DDIM\x10\x02\x12\x17\n\x13SAMPLER_CONSISTENCY\x10\x03\x32\x8d\x03\n\x10\x44iffusionService\x12y\n\x08Generate\x12$.aimesh.diffusion.v1.GenerateRequest\x1a%.aimesh.diffusion.v1.GenerateResponse\"\x1e\x82\xd3\xe4\x93\x02\x18\"\x13/v1/images:generate:\x01*0\x01\x12\x80\x01\n\x06\x43\x61ncel\x12\".aimesh.diffusion.v1.CancelRequest\x1a#.aimesh.diffusion.v1.CancelResponse\"-\x90\x02\x02\x82\xd3\xe4\x93\x02$\"\x1f/v1/images/jobs/{job_id}:cancel:\x01*\x12{\n\nListModels\x12&.aimesh.diffusion.v1.ListModelsRequest\x1a\'.aimesh.diffusion.v1.ListModelsResponse\"\x1c\x90\x02\x01\x82\xd3\xe4\x93\x02\x13\x12\x11/v1/images/modelsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#aimesh/diffusion/v1/diffusion.proto\x12\x13\x61imesh.diffusion.v1\x1a\x1d\x61imesh/common/v1/common.proto\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/api/field_behavior.proto\"\xca\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x05model\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x17\n\nnum_images\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\x05steps\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x02\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12-\n\x07sampler\x18\x08 \x01(\x0e\x32\x1c.aimesh.diffusion.v1.Sampler\x12\x1b\n\x13preview_every_steps\x18\t \x01(\x05\x12L\n\x0c\x63onditioning\x18\n \x03(\x0b\x32\x36.aimesh.diffusion.v1.GenerateRequest.ConditioningEntry\x12\r\n\x05width\x18\x0b \x01(\x05\x12\x0e\n\x06height\x18\x0c \x01(\x05\x1a\x33\n\x11\x43onditioningEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_num_imagesB\x08\n\x06_stepsB\x07\n\x05_seedB\x11\n\x0f_guidance_scale\"\x8c\x02\n\x10GenerateResponse\x12-\n\x06queued\x18\x01 \x01(\x0b\x32\x1b.aimesh.diffusion.v1.QueuedH\x00\x12\x31\n\x08progress\x18\x02 \x01(\x0b\x32\x1d.aimesh.diffusion.v1.ProgressH\x00\x12/\n\x07preview\x18\x03 \x01(\x0b\x32\x1c.aimesh.diffusion.v1.PreviewH\x00\x12+\n\x05image\x18\x04 \x01(\x0b\x32\x1a.aimesh.diffusion.v1.ImageH\x00\x12/\n\x07summary\x18\x05 \x01(\x0b\x32\x1c.aimesh.diffusion.v1.SummaryH\x00\x42\x07\n\x05\x65vent\"*\n\x06Queued\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x05\"=\n\x08Progress\x12\x0c\n\x04step\x18\x01 \x01(\x05\x12\x13\n\x0btotal_steps\x18\x02 \x01(\x05\x12\x0e\n\x06\x65ta_ms\x18\x03 \x01(\x03\"3\n\x07Preview\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04step\x18\x02 \x01(\x05\x12\x0b\n\x03png\x18\x03 \x01(\x0c\"P\n\x05Image\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04seed\x18\x02 \x01(\x04\x12\x0b\n\x03png\x18\x03 \x01(\x0c\x12\r\n\x05width\x18\x04 \x01(\x05\x12\x0e\n\x06height\x18\x05 \x01(\x05\"R\n\x07Summary\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05seeds\x18\x02 \x03(\x04\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\"%\n\rCancelRequest\x12\x14\n\x06job_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"D\n\x12ListModelsResponse\x12.\n\x06models\x18\x01 \x03(\x0b\x32\x1e.aimesh.diffusion.v1.ModelInfo\"\xbb\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x14\n\x0c\x63onditioning\x18\x03 \x01(\t\x12\r\n\x05width\x18\x04 \x01(\x05\x12\x0e\n\x06height\x18\x05 \x01(\x05\x12\x11\n\tmax_steps\x18\x06 \x01(\x05\x12\x12\n\nmax_images\x18\x07 \x01(\x05\x12.\n\x08samplers\x18\x08 \x03(\x0e\x32\x1c.aimesh.diffusion.v1.Sampler\x12\x15\n\rdefault_steps\x18\t \x01(\x05\x12(\n\x05sizes\x18\n \x03(\x0b\x32\x19.aimesh.diffusion.v1.Size\x12#\n\x16\x64\x65\x66\x61ult_guidance_scale\x18\x0b \x01(\x02H\x00\x88\x01\x01\x42\x19\n\x17_default_guidance_scale\"%\n\x04Size\x12\r\n\x05width\x18\x01 \x01(\x05\x12\x0e\n\x06height\x18\x02 \x01(\x05*_\n\x07Sampler\x12\x17\n\x13SAMPLER_UNSPECIFIED\x10\x00\x12\x10\n\x0cSAMPLER_DDPM\x10\x01\x12\x10\n\x0cSAMPLER_DDIM\x10\x02\x12\x17\n\x13SAMPLER_CONSISTENCY\x10\x03\x32\x8d\x03\n\x10\x44iffusionService\x12y\n\x08Generate\x12$.aimesh.diffusion.v1.GenerateRequest\x1a%.aimesh.diffusion.v1.GenerateResponse\"\x1e\x82\xd3\xe4\x93\x02\x18\"\x13/v1/images:generate:\x01*0\x01\x12\x80\x01\n\x06\x43\x61ncel\x12\".aimesh.diffusion.v1.CancelRequest\x1a#.aimesh.diffusion.v1.CancelResponse\"-\x90\x02\x02\x82\xd3\xe4\x93\x02$\"\x1f/v1/images/jobs/{job_id}:cancel:\x01*\x12{\n\nListModels\x12&.aimesh.diffusion.v1.ListModelsRequest\x1a\'.aimesh.diffusion.v1.ListModelsResponse\"\x1c\x90\x02\x01\x82\xd3\xe4\x93\x02\x13\x12\x11/v1/images/modelsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,34 +46,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DIFFUSIONSERVICE'].methods_by_name['Cancel']._serialized_options = b'\220\002\002\202\323\344\223\002$\"\037/v1/images/jobs/{job_id}:cancel:\001*'
   _globals['_DIFFUSIONSERVICE'].methods_by_name['ListModels']._loaded_options = None
   _globals['_DIFFUSIONSERVICE'].methods_by_name['ListModels']._serialized_options = b'\220\002\001\202\323\344\223\002\023\022\021/v1/images/models'
-  _globals['_SAMPLER']._serialized_start=1501
-  _globals['_SAMPLER']._serialized_end=1596
+  _globals['_SAMPLER']._serialized_start=1736
+  _globals['_SAMPLER']._serialized_end=1831
   _globals['_GENERATEREQUEST']._serialized_start=155
-  _globals['_GENERATEREQUEST']._serialized_end=523
-  _globals['_GENERATEREQUEST_CONDITIONINGENTRY']._serialized_start=463
-  _globals['_GENERATEREQUEST_CONDITIONINGENTRY']._serialized_end=514
-  _globals['_GENERATERESPONSE']._serialized_start=526
-  _globals['_GENERATERESPONSE']._serialized_end=794
-  _globals['_QUEUED']._serialized_start=796
-  _globals['_QUEUED']._serialized_end=838
-  _globals['_PROGRESS']._serialized_start=840
-  _globals['_PROGRESS']._serialized_end=901
-  _globals['_PREVIEW']._serialized_start=903
-  _globals['_PREVIEW']._serialized_end=954
-  _globals['_IMAGE']._serialized_start=956
-  _globals['_IMAGE']._serialized_end=1036
-  _globals['_SUMMARY']._serialized_start=1038
-  _globals['_SUMMARY']._serialized_end=1120
-  _globals['_CANCELREQUEST']._serialized_start=1122
-  _globals['_CANCELREQUEST']._serialized_end=1159
-  _globals['_CANCELRESPONSE']._serialized_start=1161
-  _globals['_CANCELRESPONSE']._serialized_end=1196
-  _globals['_LISTMODELSREQUEST']._serialized_start=1198
-  _globals['_LISTMODELSREQUEST']._serialized_end=1217
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1219
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1287
-  _globals['_MODELINFO']._serialized_start=1290
-  _globals['_MODELINFO']._serialized_end=1499
-  _globals['_DIFFUSIONSERVICE']._serialized_start=1599
-  _globals['_DIFFUSIONSERVICE']._serialized_end=1996
+  _globals['_GENERATEREQUEST']._serialized_end=613
+  _globals['_GENERATEREQUEST_CONDITIONINGENTRY']._serialized_start=509
+  _globals['_GENERATEREQUEST_CONDITIONINGENTRY']._serialized_end=560
+  _globals['_GENERATERESPONSE']._serialized_start=616
+  _globals['_GENERATERESPONSE']._serialized_end=884
+  _globals['_QUEUED']._serialized_start=886
+  _globals['_QUEUED']._serialized_end=928
+  _globals['_PROGRESS']._serialized_start=930
+  _globals['_PROGRESS']._serialized_end=991
+  _globals['_PREVIEW']._serialized_start=993
+  _globals['_PREVIEW']._serialized_end=1044
+  _globals['_IMAGE']._serialized_start=1046
+  _globals['_IMAGE']._serialized_end=1126
+  _globals['_SUMMARY']._serialized_start=1128
+  _globals['_SUMMARY']._serialized_end=1210
+  _globals['_CANCELREQUEST']._serialized_start=1212
+  _globals['_CANCELREQUEST']._serialized_end=1249
+  _globals['_CANCELRESPONSE']._serialized_start=1251
+  _globals['_CANCELRESPONSE']._serialized_end=1286
+  _globals['_LISTMODELSREQUEST']._serialized_start=1288
+  _globals['_LISTMODELSREQUEST']._serialized_end=1307
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1309
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1377
+  _globals['_MODELINFO']._serialized_start=1380
+  _globals['_MODELINFO']._serialized_end=1695
+  _globals['_SIZE']._serialized_start=1697
+  _globals['_SIZE']._serialized_end=1734
+  _globals['_DIFFUSIONSERVICE']._serialized_start=1834
+  _globals['_DIFFUSIONSERVICE']._serialized_end=2231
 # @@protoc_insertion_point(module_scope)

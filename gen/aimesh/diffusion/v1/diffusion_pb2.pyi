@@ -22,7 +22,7 @@ SAMPLER_DDIM: Sampler
 SAMPLER_CONSISTENCY: Sampler
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt", "num_images", "steps", "seed", "guidance_scale", "sampler", "preview_every_steps", "conditioning")
+    __slots__ = ("request_id", "model", "prompt", "num_images", "steps", "seed", "guidance_scale", "sampler", "preview_every_steps", "conditioning", "width", "height")
     class ConditioningEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,8 @@ class GenerateRequest(_message.Message):
     SAMPLER_FIELD_NUMBER: _ClassVar[int]
     PREVIEW_EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
     CONDITIONING_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt: str
@@ -50,7 +52,9 @@ class GenerateRequest(_message.Message):
     sampler: Sampler
     preview_every_steps: int
     conditioning: _containers.ScalarMap[str, float]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., num_images: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., sampler: _Optional[_Union[Sampler, str]] = ..., preview_every_steps: _Optional[int] = ..., conditioning: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    width: int
+    height: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., num_images: _Optional[int] = ..., steps: _Optional[int] = ..., seed: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., sampler: _Optional[_Union[Sampler, str]] = ..., preview_every_steps: _Optional[int] = ..., conditioning: _Optional[_Mapping[str, float]] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("queued", "progress", "preview", "image", "summary")
@@ -141,7 +145,7 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "description", "conditioning", "width", "height", "max_steps", "max_images", "samplers", "default_steps")
+    __slots__ = ("name", "description", "conditioning", "width", "height", "max_steps", "max_images", "samplers", "default_steps", "sizes", "default_guidance_scale")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     CONDITIONING_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +155,8 @@ class ModelInfo(_message.Message):
     MAX_IMAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLERS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     conditioning: str
@@ -160,4 +166,14 @@ class ModelInfo(_message.Message):
     max_images: int
     samplers: _containers.RepeatedScalarFieldContainer[Sampler]
     default_steps: int
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., conditioning: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., max_steps: _Optional[int] = ..., max_images: _Optional[int] = ..., samplers: _Optional[_Iterable[_Union[Sampler, str]]] = ..., default_steps: _Optional[int] = ...) -> None: ...
+    sizes: _containers.RepeatedCompositeFieldContainer[Size]
+    default_guidance_scale: float
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., conditioning: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., max_steps: _Optional[int] = ..., max_images: _Optional[int] = ..., samplers: _Optional[_Iterable[_Union[Sampler, str]]] = ..., default_steps: _Optional[int] = ..., sizes: _Optional[_Iterable[_Union[Size, _Mapping]]] = ..., default_guidance_scale: _Optional[float] = ...) -> None: ...
+
+class Size(_message.Message):
+    __slots__ = ("width", "height")
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    width: int
+    height: int
+    def __init__(self, width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,18 @@
+"""diffusion: image generation jobs (digits DDPM, terrain ONNX UNet) with streamed progress."""
+
+from mesh.registry import ServiceSpec
+
+SPEC = ServiceSpec(
+    name="diffusion",
+    default_port=50080,
+    description="Diffusion: per-job streams of queue position, steps, previews and images",
+    setup="services.diffusion.servicer:setup",
+    # Calls are admitted at once and wait in the job queue, which reports their position
+    # and holds compute slots and memory ([engines.diffusion] slots, max_queue).
+    max_concurrency=256,
+    # Cancel must reach a job while every slot is busy; ListModels is a cheap lookup.
+    exempt_methods=(
+        "/aimesh.diffusion.v1.DiffusionService/Cancel",
+        "/aimesh.diffusion.v1.DiffusionService/ListModels",
+    ),
+)

@@ -1,0 +1,153 @@
+"""`aimesh imagine`: run one diffusion job through the mesh and save its images."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Annotated
+
+import grpc
+import typer
+from opentelemetry import trace
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from aimesh.diffusion.v1 import diffusion_pb2, diffusion_pb2_grpc
+from mesh import tracing
+from mesh.client import create_channel
+from mesh.config import MeshSettings
+from mesh.deadline import budget
+from mesh.errors import field_violations
+from mesh.timing import timing_ms
+from services.diffusion import SPEC
+from services.diffusion.servicer import SERVICE
+
+SAMPLERS = {
+    "ddpm": diffusion_pb2.SAMPLER_DDPM,
+    "ddim": diffusion_pb2.SAMPLER_DDIM,
+    "consistency": diffusion_pb2.SAMPLER_CONSISTENCY,
+}
+
+
+def image_path(out: Path, model: str, image: diffusion_pb2.Image, count: int) -> Path:
+    """`out` itself for one image named *.png, `stem-k.png` beside it for more, else
+    `out/<model>-<seed>.png`."""
+    if out.suffix == ".png":
+        return out if count == 1 else out.with_name(f"{out.stem}-{image.index}.png")
+    return out / f"{model}-{image.seed}.png"
+
+
+async def _imagine(
+    request: diffusion_pb2.GenerateRequest, out: Path, progress: Progress | None
+) -> dict:
+    settings = MeshSettings()
+    target = settings.target_of(SPEC.name, SPEC.default_port)
+    count = request.num_images if request.HasField("num_images") else 1
+    task = progress.add_task("connecting", total=None) if progress else None
+    paths: list[str] = []
+    async with create_channel(target, settings, services=[SERVICE]) as channel:
+        stub = diffusion_pb2_grpc.DiffusionServiceStub(channel)
+        async for event in stub.Generate(request):
+            kind = event.WhichOneof("event")
+            if kind == "queued" and progress:
+                where = (
+                    "running"
+                    if event.queued.position == 0
+                    else (f"queued, position {event.queued.position}")
+                )
+                progress.update(task, description=f"job {event.queued.job_id[:8]} {where}")
+            elif kind == "progress" and progress:
+                progress.update(
+                    task, total=event.progress.total_steps, completed=event.progress.step
+                )
+            elif kind == "image":
+                path = image_path(out, request.model, event.image, count)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(event.image.png)
+                paths.append(str(path))
+            elif kind == "summary":
+                summary = event.summary
+    return {
+        "images": paths,
+        "seeds": list(summary.seeds),
+        "timing": timing_ms(summary.timing),
+        "job_id": summary.job_id,
+    }
+
+
+def parse_conditioning(pairs: list[str]) -> dict[str, float]:
+    conditioning = {}
+    for pair in pairs:
+        key, separator, value = pair.partition("=")
+        try:
+            conditioning[key] = float(value)
+        except ValueError:
+            separator = ""
+        if not separator:
+            raise typer.BadParameter(f"{pair!r} is not KEY=NUMBER", param_hint="--condition")
+    return conditioning
+
+
+def imagine(
+    model: Annotated[str, typer.Option(help="a model from ListModels: digits, terrain")],
+    prompt: Annotated[str, typer.Option(help="digits: 0-9 or a digit's English word")] = "",
+    steps: Annotated[int | None, typer.Option(help="default: the model's")] = None,
+    seed: Annotated[int | None, typer.Option(help="image k uses seed + k")] = None,
+    n: Annotated[int, typer.Option("--n", help="images in the batch")] = 1,
+    sampler: Annotated[str | None, typer.Option(help="ddim, ddpm or consistency")] = None,
+    guidance: Annotated[float | None, typer.Option(help="classifier-free guidance")] = None,
+    size: Annotated[int, typer.Option(help="square side in pixels; 0: the model's")] = 0,
+    condition: Annotated[
+        list[str] | None, typer.Option(help="KEY=NUMBER, e.g. difficulty=60; repeatable")
+    ] = None,
+    out: Annotated[Path, typer.Option(help="a directory, or a .png path")] = Path("."),
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object at the end")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds for the whole job")] = 300.0,
+) -> None:
+    """Generate images through the diffusion service, with a progress bar."""
+    tracing.configure("aimesh-cli")
+    if sampler is not None and sampler not in SAMPLERS:
+        raise typer.BadParameter(f"one of {', '.join(SAMPLERS)}", param_hint="--sampler")
+    request = diffusion_pb2.GenerateRequest(
+        model=model,
+        prompt=prompt,
+        num_images=n,
+        sampler=SAMPLERS.get(sampler or "", diffusion_pb2.SAMPLER_UNSPECIFIED),
+        width=size,
+        height=size,
+        conditioning=parse_conditioning(condition or []),
+    )
+    for field, value in (("steps", steps), ("seed", seed), ("guidance_scale", guidance)):
+        if value is not None:
+            setattr(request, field, value)
+
+    async def run(progress: Progress | None) -> dict:
+        with (
+            trace.get_tracer("aimesh.cli").start_as_current_span("aimesh imagine"),
+            budget(timeout),
+        ):
+            result = await _imagine(request, out, progress)
+            result["trace_id"] = tracing.current_trace_id()
+            return result
+
+    try:
+        if as_json:
+            result = asyncio.run(run(None))
+        else:
+            columns = (TextColumn("{task.description}"), BarColumn(), TimeRemainingColumn())
+            with Progress(*columns, transient=True) as progress:
+                result = asyncio.run(run(progress))
+    except grpc.aio.AioRpcError as error:
+        problems = "; ".join(f"{v.field}: {v.description}" for v in field_violations(error))
+        typer.echo(f"error: {error.code().name}: {problems or error.details()}", err=True)
+        raise typer.Exit(1) from None
+    if as_json:
+        typer.echo(json.dumps(result))
+    else:
+        for path in result["images"]:
+            typer.echo(path)
+        typer.echo(
+            f"[{len(result['images'])} image(s), seeds {result['seeds']}, "
+            f"{result['timing']['total']:.0f} ms, trace {result['trace_id']}]",
+            err=True,
+        )

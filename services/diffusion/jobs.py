@@ -1,0 +1,141 @@
+"""Diffusion jobs: ids, the compute slots and memory they wait for, and cancellation.
+
+The mesh's own admission control (mesh/admission.py) queues whole calls before a handler
+runs, so a caller cannot see its place in line. Diffusion needs what ComfyUI users ask
+for instead: the stream opens at once, reports its queue position as it changes, and a
+job only starts when a compute slot is free AND its estimated memory fits beside the
+running jobs'. A job that could never fit is refused up front. Cancellation is per job:
+an Event the worker checks between (step, image) units, so one job's cancel can never
+touch another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from dataclasses import dataclass, field
+
+from prometheus_client import Gauge
+
+from mesh.failures import Cancelled, OutOfMemory, Overloaded
+from services.diffusion.engine import DiffusionModel, Plan
+
+RUNNING = Gauge("aimesh_diffusion_running_jobs", "Diffusion jobs holding a compute slot.")
+WAITING = Gauge("aimesh_diffusion_queued_jobs", "Diffusion jobs waiting for a slot or memory.")
+RESERVED = Gauge(
+    "aimesh_diffusion_memory_reserved_bytes", "Estimated memory held by running diffusion jobs."
+)
+
+
+@dataclass(eq=False)
+class Job:
+    model: DiffusionModel
+    plan: Plan
+    estimated_bytes: int
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def check_cancelled(self) -> None:
+        if self.cancelled.is_set():
+            raise Cancelled(f"job {self.id} was cancelled")
+
+
+class JobQueue:
+    """FIFO admission to `slots` concurrent jobs within `budget_bytes` of estimated memory."""
+
+    def __init__(self, *, slots: int, budget_bytes: int, max_queue: int) -> None:
+        self.slots = slots
+        self.budget_bytes = budget_bytes
+        self.max_queue = max_queue
+        self._waiting: list[Job] = []
+        self._running: set[Job] = set()
+        self._reserved = 0
+        self._changed = asyncio.Event()
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def _notify(self) -> None:
+        """Wakes every waiter to look again; each waits on the Event current when it looked."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+        RUNNING.set(len(self._running))
+        WAITING.set(len(self._waiting))
+        RESERVED.set(self._reserved)
+
+    def submit(self, job: Job) -> None:
+        if job.estimated_bytes > self.budget_bytes:
+            raise OutOfMemory(
+                f"the job needs about {job.estimated_bytes / 2**20:.0f} MiB, more than this "
+                f"worker's {self.budget_bytes / 2**20:.0f} MiB budget; use fewer images or a "
+                "smaller size",
+                retry_after_s=None,
+                reason="JOB_TOO_LARGE",
+            )
+        if len(self._waiting) >= self.max_queue:
+            raise Overloaded(
+                f"{len(self._waiting)} diffusion jobs are queued already",
+                retry_after_s=1.0,
+                reason="QUEUE_FULL",
+            )
+        self._waiting.append(job)
+        self._notify()
+
+    def _try_start(self, job: Job) -> bool:
+        fits = self._reserved + job.estimated_bytes <= self.budget_bytes
+        if self._waiting[0] is not job or len(self._running) >= self.slots or not fits:
+            return False
+        self._waiting.pop(0)
+        self._running.add(job)
+        self._reserved += job.estimated_bytes
+        self._notify()
+        return True
+
+    async def next_position(self, job: Job, last: int | None) -> int:
+        """0 once `job` holds a slot; otherwise its 1-based place in line once it is not `last`.
+
+        Raises Cancelled (and leaves the line) if the job is cancelled while it waits.
+        """
+        while True:
+            changed = self._changed
+            if job.cancelled.is_set():
+                self.withdraw(job)
+                job.check_cancelled()
+            if self._try_start(job):
+                return 0
+            position = self._waiting.index(job) + 1
+            if position != last:
+                return position
+            await changed.wait()
+
+    def withdraw(self, job: Job) -> None:
+        """Takes a job that never started out of the line (its caller went away)."""
+        if job in self._waiting:
+            self._waiting.remove(job)
+            self._notify()
+
+    def finish(self, job: Job) -> None:
+        """Frees a started job's slot and memory; called when its worker has returned."""
+        if job in self._running:
+            self._running.remove(job)
+            self._reserved -= job.estimated_bytes
+            self._notify()
+
+    def job_ids(self) -> list[str]:
+        return [job.id for job in (*self._waiting, *self._running)]
+
+    def cancel(self, job_id: str) -> bool:
+        """Stops the waiting or running job `job_id`; False if there is none or it was
+        cancelled already. The running one stops at its next unit of work."""
+        for job in (*self._waiting, *self._running):
+            if job.id == job_id and not job.cancelled.is_set():
+                job.cancelled.set()
+                self._notify()
+                return True
+        return False

@@ -1,0 +1,81 @@
+"""GenerateRequest -> (model, Plan), or every field violation at once."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+
+from aimesh.diffusion.v1 import diffusion_pb2
+from mesh.validation import Violations
+from services.diffusion.engine import DiffusionModel, Plan
+
+MAX_PROMPT_BYTES = 1024
+SEED_LIMIT = 2**64
+
+
+def plan_job(
+    request: diffusion_pb2.GenerateRequest, models: Mapping[str, DiffusionModel]
+) -> tuple[DiffusionModel, Plan]:
+    violations = Violations()
+    model = models.get(request.model)
+    violations.check(
+        model is not None,
+        "model",
+        f"unknown model {request.model!r}; known: {', '.join(sorted(models))}",
+    )
+    violations.max_length(request.prompt.encode(), "prompt", MAX_PROMPT_BYTES)
+    violations.check(request.preview_every_steps >= 0, "preview_every_steps", "must be >= 0")
+    if model is None:
+        violations.raise_if_any()
+    assert model is not None
+    card = model.card
+
+    images = request.num_images if request.HasField("num_images") else 1
+    violations.check(
+        1 <= images <= card.max_images,
+        "num_images",
+        f"must be 1 to {card.max_images} for {card.name}, got {images}",
+    )
+    steps = request.steps if request.HasField("steps") else card.default_steps
+    violations.check(
+        1 <= steps <= card.max_steps,
+        "steps",
+        f"must be 1 to {card.max_steps} for {card.name}, got {steps}",
+    )
+    sampler = request.sampler or card.samplers[0]
+    violations.check(
+        sampler in card.samplers,
+        "sampler",
+        f"{card.name} supports {', '.join(diffusion_pb2.Sampler.Name(s) for s in card.samplers)}",
+    )
+    guidance = card.default_guidance
+    if request.HasField("guidance_scale"):
+        if card.default_guidance is None:
+            violations.add("guidance_scale", f"{card.name} takes no guidance; leave it unset")
+        elif violations.in_range(request.guidance_scale, "guidance_scale", 0, card.max_guidance):
+            guidance = request.guidance_scale
+    size = card.sizes[0]
+    if request.width or request.height:
+        size = request.width
+        violations.check(
+            request.width == request.height and request.width in card.sizes,
+            "width",
+            f"{request.width}x{request.height} is not a size of {card.name}; sizes: "
+            + ", ".join(f"{s}x{s}" for s in card.sizes),
+        )
+    seed = request.seed if request.HasField("seed") else secrets.randbelow(2**63)
+    violations.check(
+        seed + images <= SEED_LIMIT,
+        "seed",
+        f"seed + num_images must stay below 2^64 (image k uses seed + k), got {seed}",
+    )
+    condition = model.parse_condition(request.prompt, dict(request.conditioning), violations)
+    violations.raise_if_any()
+    return model, Plan(
+        condition=condition,
+        size=size,
+        steps=steps,
+        sampler=sampler,
+        guidance=guidance,
+        seeds=tuple(range(seed, seed + images)),
+    )

@@ -1,0 +1,89 @@
+"""Runs one admitted job on a worker thread and turns its progress into stream events."""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from aimesh.diffusion.v1 import diffusion_pb2
+from mesh.failures import OutOfMemory
+from services.diffusion.jobs import Job
+from services.diffusion.png import encode_png
+
+Emit = Callable[[diffusion_pb2.GenerateResponse], None]
+
+
+@dataclass(frozen=True)
+class RunTimes:
+    denoise_s: float
+    encode_s: float
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """numpy and the CPU raise MemoryError, torch its OutOfMemoryError; ONNX Runtime has no
+    type of its own for it, only its allocator's message."""
+    return isinstance(error, MemoryError | torch.OutOfMemoryError) or (
+        "failed to allocate memory" in str(error).lower()
+    )
+
+
+def run_job(job: Job, emit: Emit, *, preview_every: int, preview_interval_s: float) -> RunTimes:
+    """Steps every image of `job`, emitting Progress, throttled Previews and the Images.
+
+    A real out-of-memory error frees what the job allocated and fails this job alone.
+    """
+    try:
+        return _run(job, emit, preview_every, preview_interval_s)
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        raise OutOfMemory(f"job {job.id} ran out of memory and was stopped: {error}") from None
+
+
+def _run(job: Job, emit: Emit, preview_every: int, preview_interval_s: float) -> RunTimes:
+    plan = job.plan
+    sampling = job.model.start(plan)
+    started = time.perf_counter()
+    last_preview = float("-inf")
+    for step in range(1, plan.steps + 1):
+        for index in range(len(plan.seeds)):
+            job.check_cancelled()
+            sampling.advance(index)
+        elapsed = time.perf_counter() - started
+        emit(
+            diffusion_pb2.GenerateResponse(
+                progress=diffusion_pb2.Progress(
+                    step=step,
+                    total_steps=plan.steps,
+                    eta_ms=round(elapsed / step * (plan.steps - step) * 1000),
+                )
+            )
+        )
+        due = preview_every and step % preview_every == 0 and step < plan.steps
+        if due and time.perf_counter() - last_preview >= preview_interval_s:
+            last_preview = time.perf_counter()
+            for index in range(len(plan.seeds)):
+                preview = diffusion_pb2.Preview(
+                    index=index, step=step, png=encode_png(sampling.preview(index))
+                )
+                emit(diffusion_pb2.GenerateResponse(preview=preview))
+    denoised = time.perf_counter()
+    for index, seed in enumerate(plan.seeds):
+        job.check_cancelled()
+        pixels = sampling.result(index)
+        image = diffusion_pb2.Image(
+            index=index,
+            seed=seed,
+            png=encode_png(pixels),
+            width=pixels.shape[1],
+            height=pixels.shape[0],
+        )
+        emit(diffusion_pb2.GenerateResponse(image=image))
+    return RunTimes(denoise_s=denoised - started, encode_s=time.perf_counter() - denoised)

@@ -1,0 +1,202 @@
+"""The diffusion service's gRPC surface: validate, queue with a visible position, stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import psutil
+import torch
+
+from aimesh.common.v1 import common_pb2
+from aimesh.diffusion.v1 import diffusion_pb2, diffusion_pb2_grpc
+from mesh.failures import NotReady
+from mesh.server import MeshServer
+from mesh.timing import stage
+from mesh.validation import Violations
+from services.diffusion.engine import DiffusionModel, ModelCard, Plan
+from services.diffusion.jobs import Job, JobQueue
+from services.diffusion.requests import plan_job
+from services.diffusion.runner import RunTimes, run_job
+from services.diffusion.settings import DiffusionSettings, diffusion_settings
+
+SERVICE = diffusion_pb2.DESCRIPTOR.services_by_name["DiffusionService"]
+MAX_JOB_ID = 64
+
+
+def model_info(card: ModelCard) -> diffusion_pb2.ModelInfo:
+    info = diffusion_pb2.ModelInfo(
+        name=card.name,
+        description=card.description,
+        conditioning=card.conditioning,
+        width=card.sizes[0],
+        height=card.sizes[0],
+        max_steps=card.max_steps,
+        max_images=card.max_images,
+        samplers=card.samplers,
+        default_steps=card.default_steps,
+        sizes=[diffusion_pb2.Size(width=s, height=s) for s in card.sizes],
+    )
+    if card.default_guidance is not None:
+        info.default_guidance_scale = card.default_guidance
+    return info
+
+
+def uses_cuda(settings: DiffusionSettings) -> bool:
+    return settings.device == "cuda" or (settings.device == "auto" and torch.cuda.is_available())
+
+
+def memory_budget_bytes(settings: DiffusionSettings) -> int:
+    if settings.memory_budget_mb is not None:
+        return settings.memory_budget_mb * 2**20
+    if uses_cuda(settings):
+        free, _ = torch.cuda.mem_get_info()
+        return int(free * 0.8)
+    return psutil.virtual_memory().available // 2
+
+
+def load_models(settings: DiffusionSettings) -> dict[str, DiffusionModel]:
+    # Imported here: each pulls in its runtime only when configured.
+    from services.diffusion.digits import DigitsModel
+    from services.diffusion.terrain import TerrainModel
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    device = "cuda" if uses_cuda(settings) else "cpu"
+    loaders: dict[str, Callable[[], DiffusionModel]] = {
+        "digits": lambda: DigitsModel(device=device),
+        "terrain": lambda: TerrainModel(device=settings.device, threads=settings.threads),
+    }
+    return {name: loaders[name]() for name in settings.models}
+
+
+class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
+    def __init__(self, settings: DiffusionSettings) -> None:
+        self.settings = settings
+        self.models: dict[str, DiffusionModel] = {}
+        self.queue = JobQueue(
+            slots=settings.slots,
+            budget_bytes=memory_budget_bytes(settings),
+            max_queue=settings.max_queue,
+        )
+        self.workers = ThreadPoolExecutor(settings.slots, thread_name_prefix="diffusion")
+
+    async def Generate(
+        self, request: diffusion_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[diffusion_pb2.GenerateResponse]:
+        received = time.perf_counter()
+        if not self.models:
+            raise NotReady("the diffusion models are still loading")
+        model, plan = plan_job(request, self.models)
+        job = Job(model, plan, model.estimate_bytes(len(plan.seeds), plan.size))
+        self.queue.submit(job)
+        try:
+            position = await self.queue.next_position(job, None)
+            yield queued(job, position)
+            while position:
+                position = await self.queue.next_position(job, position)
+                yield queued(job, position)
+            started = time.perf_counter()
+            events: asyncio.Queue[diffusion_pb2.GenerateResponse | None] = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+
+            def emit(event: diffusion_pb2.GenerateResponse | None) -> None:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+            def work() -> RunTimes:
+                try:
+                    return run_job(
+                        job,
+                        emit,
+                        preview_every=request.preview_every_steps,
+                        preview_interval_s=self.settings.preview_min_interval_s,
+                    )
+                finally:
+                    emit(None)
+
+            running = loop.run_in_executor(self.workers, work)
+            # The slot is freed when the worker thread has really returned, never before.
+            running.add_done_callback(lambda _: self.queue.finish(job))
+            while (event := await events.get()) is not None:
+                yield event
+            times = await asyncio.shield(running)
+            yield diffusion_pb2.GenerateResponse(
+                summary=diffusion_pb2.Summary(
+                    job_id=job.id,
+                    seeds=plan.seeds,
+                    timing=common_pb2.Timing(
+                        stages=[
+                            stage("queue", started - received, common_pb2.STAGE_KIND_QUEUE),
+                            stage("denoise", times.denoise_s, common_pb2.STAGE_KIND_COMPUTE),
+                            stage("encode", times.encode_s, common_pb2.STAGE_KIND_COMPUTE),
+                        ],
+                        total_ns=int((time.perf_counter() - received) * 1e9),
+                    ),
+                )
+            )
+        finally:
+            # The caller left (cancel, deadline, disconnect) or the job ended: a waiting job
+            # leaves the line; a running one stops at its next unit and frees its slot then.
+            job.cancelled.set()
+            self.queue.withdraw(job)
+
+    async def Cancel(
+        self, request: diffusion_pb2.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> diffusion_pb2.CancelResponse:
+        violations = Violations()
+        violations.check(bool(request.job_id), "job_id", "must name a job (Queued.job_id)")
+        violations.max_length(request.job_id, "job_id", MAX_JOB_ID)
+        violations.raise_if_any()
+        return diffusion_pb2.CancelResponse(cancelled=self.queue.cancel(request.job_id))
+
+    async def ListModels(
+        self, request: diffusion_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> diffusion_pb2.ListModelsResponse:
+        if not self.models:
+            raise NotReady("the diffusion models are still loading")
+        return diffusion_pb2.ListModelsResponse(
+            models=[model_info(model.card) for model in self.models.values()]
+        )
+
+
+def queued(job: Job, position: int) -> diffusion_pb2.GenerateResponse:
+    return diffusion_pb2.GenerateResponse(
+        queued=diffusion_pb2.Queued(job_id=job.id, position=position)
+    )
+
+
+def warm_up_plan(model: DiffusionModel) -> Plan:
+    card = model.card
+    condition = model.parse_condition("", {}, Violations())
+    return Plan(condition, card.sizes[0], 1, card.samplers[0], card.default_guidance, (0,))
+
+
+def warm_up(model: DiffusionModel) -> None:
+    """One step of one image, so the first real job does not pay for lazy initialisation."""
+    sampling = model.start(warm_up_plan(model))
+    sampling.advance(0)
+    sampling.result(0)
+
+
+async def setup(server: MeshServer) -> None:
+    settings = diffusion_settings(server.settings)
+    servicer = DiffusionServicer(settings)
+    server.add_service(diffusion_pb2_grpc.add_DiffusionServiceServicer_to_server, servicer, SERVICE)
+
+    async def load() -> None:
+        loop = asyncio.get_running_loop()
+        models = await loop.run_in_executor(servicer.workers, load_models, settings)
+        for model in models.values():
+            await loop.run_in_executor(servicer.workers, warm_up, model)
+        servicer.models = models
+
+    async def shut_down() -> None:
+        for job_id in servicer.queue.job_ids():
+            servicer.queue.cancel(job_id)
+        servicer.workers.shutdown(wait=False, cancel_futures=True)
+
+    server.add_warmup(load)
+    server.add_shutdown(shut_down)

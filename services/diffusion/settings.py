@@ -1,0 +1,32 @@
+"""The diffusion service's settings ([engines.diffusion] in the mesh config)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from mesh.config import MeshSettings
+
+
+class DiffusionSettings(BaseModel, extra="forbid"):
+    models: list[Literal["digits", "terrain"]] = Field(default=["digits", "terrain"], min_length=1)
+    # auto: CUDA when torch / ONNX Runtime can use it, else the CPU.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int | None = Field(
+        default=None, ge=1, description="intra-op threads; None: the runtimes' defaults"
+    )
+    # The compute semaphore: jobs that run at once on this worker's device.
+    slots: int = Field(default=1, ge=1)
+    max_queue: int = Field(default=32, ge=0, description="jobs waiting beyond the slots")
+    memory_budget_mb: int | None = Field(
+        default=None,
+        ge=1,
+        description="estimated memory running jobs may hold; None: half the free RAM, "
+        "or 80% of the free GPU memory on CUDA",
+    )
+    preview_min_interval_s: float = Field(default=0.25, ge=0)
+
+
+def diffusion_settings(settings: MeshSettings) -> DiffusionSettings:
+    return DiffusionSettings.model_validate(settings.engines.get("diffusion", {}))

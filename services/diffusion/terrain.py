@@ -1,0 +1,177 @@
+"""The terrain model: the pretrained one-step consistency UNet of `adaptive-terrain-diffusion`.
+
+The ONNX file ships in that package; aimesh runs it with its own ONNX Runtime session
+(CUDA provider when present) and its own sampling loop so that jobs step, cancel and
+report like every other model. Native output is 128x128; larger squares are generated as
+overlapping 128-pixel views of one noise canvas, blended with a Hann window, as the
+package does. The model is endpoint-distilled: one step only (a multistep consistency
+schedule makes its heightfields measurably rougher, so it is not offered).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from aimesh.diffusion.v1 import diffusion_pb2
+from mesh.artifacts import sha256_of
+from mesh.failures import NotReady
+from mesh.validation import Violations
+from services.diffusion.engine import ModelCard, Plan
+
+# The file the package's wheel RECORD lists; checked at every load.
+ONNX_RESOURCE = "weights/terrain_consistency_unet_difficulty100.onnx"
+ONNX_SIZE = 45_458_109
+ONNX_SHA256 = "95be54b4a39d58320e187a7ec533351c957f16a00be58773c86074828ee67887"
+
+NATIVE = 128
+OVERLAP = 32
+SIGMA_MAX = 80.0
+DIFFICULTIES = 100
+# Model space [-1, 1] maps to heights in metres through an asinh curve.
+HEIGHT_RANGE_M = 22.16864013671875
+ASINH_SCALE = 0.1
+# Bytes ONNX Runtime's CPU arena grows by for one 128x128 forward pass (measured, with
+# headroom); a CUDA arena is of the same order.
+WORKSPACE_BYTES = 256 * 1024 * 1024
+
+CARD = ModelCard(
+    name="terrain",
+    description=(
+        "Pretrained consistency UNet (adaptive-terrain-diffusion) run on ONNX Runtime: "
+        f"heightfields as 16-bit grayscale PNG, 0 = 0 m, 65535 = {HEIGHT_RANGE_M:.2f} m."
+    ),
+    conditioning=(
+        "conditioning: difficulty, a whole number 1-100 (default 50); the prompt must be empty"
+    ),
+    sizes=(NATIVE, 256, 512),
+    max_steps=1,
+    default_steps=1,
+    max_images=16,
+    samplers=(diffusion_pb2.Sampler.SAMPLER_CONSISTENCY,),
+    default_guidance=None,
+)
+
+
+def bundled_onnx() -> Path:
+    return Path(str(importlib.resources.files("terrain_diffusion").joinpath(ONNX_RESOURCE)))
+
+
+def create_session(path: Path, device: str, threads: int | None) -> ort.InferenceSession:
+    """A session on CUDA when asked for or (device "auto") when the provider exists."""
+    available = ort.get_available_providers()
+    use_cuda = device == "cuda" or (device == "auto" and "CUDAExecutionProvider" in available)
+    if device == "cuda" and "CUDAExecutionProvider" not in available:
+        raise NotReady("device cuda was asked for, but ONNX Runtime has no CUDA provider")
+    providers = (
+        ["CUDAExecutionProvider", "CPUExecutionProvider"] if use_cuda else ["CPUExecutionProvider"]
+    )
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        options.intra_op_num_threads = threads
+    return ort.InferenceSession(str(path), sess_options=options, providers=providers)
+
+
+class TerrainModel:
+    card = CARD
+
+    def __init__(self, device: str = "auto", threads: int | None = None) -> None:
+        path = bundled_onnx()
+        if not path.is_file() or path.stat().st_size != ONNX_SIZE or sha256_of(path) != ONNX_SHA256:
+            raise NotReady(
+                f"{path} is missing or does not match its pinned size and sha256; "
+                "reinstall adaptive-terrain-diffusion==0.4.2"
+            )
+        self.session = create_session(path, device, threads)
+        self.providers = tuple(self.session.get_providers())
+
+    def parse_condition(
+        self, prompt: str, conditioning: Mapping[str, float], violations: Violations
+    ) -> int:
+        violations.check(
+            not prompt.strip(),
+            "prompt",
+            "the terrain model takes no prompt; set conditioning[difficulty] instead",
+        )
+        for key in conditioning:
+            violations.check(
+                key == "difficulty",
+                f"conditioning[{key}]",
+                "unknown key; the only one is difficulty",
+            )
+        difficulty = conditioning.get("difficulty", 50.0)
+        if violations.in_range(difficulty, "conditioning[difficulty]", 1, DIFFICULTIES):
+            violations.check(
+                float(difficulty).is_integer(),
+                "conditioning[difficulty]",
+                f"must be a whole number, got {difficulty}",
+            )
+        return int(difficulty) if np.isfinite(difficulty) else 50
+
+    def estimate_bytes(self, images: int, size: int) -> int:
+        # One image's canvas in flight (noise, blended sum, blend weights, heights:
+        # float32 each), and every finished uint16 heightfield kept until the end.
+        return WORKSPACE_BYTES + 16 * size * size + images * 2 * size * size
+
+    def denoise(self, noisy: np.ndarray, difficulty: int) -> np.ndarray:
+        feeds = {
+            "noisy": np.ascontiguousarray(noisy, dtype=np.float32),
+            "sigma": np.full(len(noisy), SIGMA_MAX, dtype=np.float32),
+            "difficulty": np.full(len(noisy), (difficulty - 1) / (DIFFICULTIES - 1), np.float32),
+        }
+        return self.session.run(["denoised"], feeds)[0]
+
+    def start(self, plan: Plan) -> TerrainSampling:
+        return TerrainSampling(self, plan)
+
+
+def tile_starts(length: int) -> list[int]:
+    if length <= NATIVE:
+        return [0]
+    starts = list(range(0, length - NATIVE + 1, NATIVE - OVERLAP))
+    if starts[-1] != length - NATIVE:
+        starts.append(length - NATIVE)
+    return starts
+
+
+def heights_from_model_space(values: np.ndarray) -> np.ndarray:
+    unit = np.clip((values + 1.0) * 0.5, 0.0, 1.0)
+    heights = ASINH_SCALE * np.sinh(unit * np.arcsinh(HEIGHT_RANGE_M / ASINH_SCALE))
+    heights = np.clip(heights, 0.0, HEIGHT_RANGE_M)
+    return heights - heights.min()
+
+
+class TerrainSampling:
+    def __init__(self, model: TerrainModel, plan: Plan) -> None:
+        self.model = model
+        self.plan = plan
+        self.images: list[np.ndarray | None] = [None] * len(plan.seeds)
+
+    def advance(self, index: int) -> None:
+        size = self.plan.size
+        rng = np.random.default_rng(self.plan.seeds[index])
+        canvas = rng.standard_normal((1, 1, size, size), dtype=np.float32) * np.float32(SIGMA_MAX)
+        hann = np.maximum(np.hanning(NATIVE).astype(np.float32), 1e-3)
+        blend = np.outer(hann, hann)
+        total = np.zeros((size, size), dtype=np.float32)
+        weight = np.zeros((size, size), dtype=np.float32)
+        for y in tile_starts(size):
+            for x in tile_starts(size):
+                view = canvas[:, :, y : y + NATIVE, x : x + NATIVE]
+                denoised = self.model.denoise(view, self.plan.condition)[0, 0]
+                total[y : y + NATIVE, x : x + NATIVE] += denoised * blend
+                weight[y : y + NATIVE, x : x + NATIVE] += blend
+        heights = heights_from_model_space(total / weight)
+        self.images[index] = np.rint(heights / HEIGHT_RANGE_M * 65535).astype(np.uint16)
+
+    def preview(self, index: int) -> np.ndarray:
+        return self.result(index)
+
+    def result(self, index: int) -> np.ndarray:
+        image = self.images[index]
+        return np.zeros((self.plan.size, self.plan.size), np.uint16) if image is None else image
