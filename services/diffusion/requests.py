@@ -23,7 +23,7 @@ def plan_job(
         "model",
         f"unknown model {request.model!r}; known: {', '.join(sorted(models))}",
     )
-    violations.max_length(request.prompt.encode(), "prompt", MAX_PROMPT_BYTES)
+    prompt_fits = violations.max_length(request.prompt.encode(), "prompt", MAX_PROMPT_BYTES)
     violations.check(request.preview_every_steps >= 0, "preview_every_steps", "must be >= 0")
     if model is None:
         violations.raise_if_any()
@@ -69,7 +69,8 @@ def plan_job(
         "seed",
         f"seed + num_images must stay below 2^64 (image k uses seed + k), got {seed}",
     )
-    condition = model.parse_condition(request.prompt, dict(request.conditioning), violations)
+    prompt = request.prompt if prompt_fits else ""  # one violation per field is enough
+    condition = model.parse_condition(prompt, dict(request.conditioning), violations)
     violations.raise_if_any()
     return model, Plan(
         condition=condition,

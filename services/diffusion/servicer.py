@@ -181,7 +181,8 @@ def warm_up(model: DiffusionModel) -> None:
     sampling.result(0)
 
 
-async def setup(server: MeshServer) -> None:
+async def setup(server: MeshServer) -> DiffusionServicer:
+    """Registers the service; returns the servicer so tests can watch its job queue."""
     settings = diffusion_settings(server.settings)
     servicer = DiffusionServicer(settings)
     server.add_service(diffusion_pb2_grpc.add_DiffusionServiceServicer_to_server, servicer, SERVICE)
@@ -200,3 +201,4 @@ async def setup(server: MeshServer) -> None:
 
     server.add_warmup(load)
     server.add_shutdown(shut_down)
+    return servicer

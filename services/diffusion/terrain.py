@@ -48,7 +48,7 @@ CARD = ModelCard(
     conditioning=(
         "conditioning: difficulty, a whole number 1-100 (default 50); the prompt must be empty"
     ),
-    sizes=(NATIVE, 256, 512),
+    sizes=(NATIVE, 256, 512, 1024, 2048),
     max_steps=1,
     default_steps=1,
     max_images=16,
@@ -114,9 +114,9 @@ class TerrainModel:
         return int(difficulty) if np.isfinite(difficulty) else 50
 
     def estimate_bytes(self, images: int, size: int) -> int:
-        # One image's canvas in flight (noise, blended sum, blend weights, heights:
-        # float32 each), and every finished uint16 heightfield kept until the end.
-        return WORKSPACE_BYTES + 16 * size * size + images * 2 * size * size
+        # One image's canvas in flight (noise, blended sum, blend weights as float32, the
+        # height conversion in float64) and the batch's uint16 heightfields.
+        return WORKSPACE_BYTES + 28 * size * size + images * 2 * size * size
 
     def denoise(self, noisy: np.ndarray, difficulty: int) -> np.ndarray:
         feeds = {
@@ -150,7 +150,8 @@ class TerrainSampling:
     def __init__(self, model: TerrainModel, plan: Plan) -> None:
         self.model = model
         self.plan = plan
-        self.images: list[np.ndarray | None] = [None] * len(plan.seeds)
+        # Allocated up front: a batch that does not fit fails before any compute.
+        self.heights = np.zeros((len(plan.seeds), plan.size, plan.size), np.uint16)
 
     def advance(self, index: int) -> None:
         size = self.plan.size
@@ -167,11 +168,10 @@ class TerrainSampling:
                 total[y : y + NATIVE, x : x + NATIVE] += denoised * blend
                 weight[y : y + NATIVE, x : x + NATIVE] += blend
         heights = heights_from_model_space(total / weight)
-        self.images[index] = np.rint(heights / HEIGHT_RANGE_M * 65535).astype(np.uint16)
+        self.heights[index] = np.rint(heights / HEIGHT_RANGE_M * 65535)
 
     def preview(self, index: int) -> np.ndarray:
-        return self.result(index)
+        return self.heights[index]
 
     def result(self, index: int) -> np.ndarray:
-        image = self.images[index]
-        return np.zeros((self.plan.size, self.plan.size), np.uint16) if image is None else image
+        return self.heights[index]

@@ -1,0 +1,79 @@
+"""Diffusion servers over real loopback gRPC, each with the settings a test needs."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+
+import numpy as np
+import pytest
+import pytest_asyncio
+from PIL import Image
+from sklearn.datasets import load_digits
+from sklearn.svm import SVC
+
+from aimesh.diffusion.v1 import diffusion_pb2, diffusion_pb2_grpc
+from mesh.client import create_channel
+from mesh.config import MeshSettings
+from mesh.server import MeshServer
+from services.diffusion import SPEC
+from services.diffusion.servicer import SERVICE, DiffusionServicer, setup
+
+
+class Diffusion:
+    """A running diffusion server's stub, and its servicer (to watch slots free)."""
+
+    def __init__(
+        self, stub: diffusion_pb2_grpc.DiffusionServiceStub, servicer: DiffusionServicer
+    ) -> None:
+        self.stub = stub
+        self.servicer = servicer
+
+
+StartDiffusion = Callable[..., Awaitable[Diffusion]]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def start_diffusion() -> AsyncIterator[StartDiffusion]:
+    started = []
+
+    async def start(**engine_settings: object) -> Diffusion:
+        settings = MeshSettings(engines={"diffusion": {"device": "cpu", **engine_settings}})
+        server = MeshServer(
+            "diffusion",
+            settings,
+            port=0,
+            exempt_methods=SPEC.exempt_methods,
+            default_max_concurrency=SPEC.max_concurrency,
+        )
+        servicer = await setup(server)
+        await server.start()
+        channel = create_channel(f"127.0.0.1:{server.port}", settings, services=[SERVICE])
+        started.append((server, channel))
+        return Diffusion(diffusion_pb2_grpc.DiffusionServiceStub(channel), servicer)
+
+    yield start
+    for server, channel in started:
+        await channel.close()
+        await server.drain(0)
+
+
+async def events(call) -> list[diffusion_pb2.GenerateResponse]:
+    return [event async for event in call]
+
+
+def of_kind(responses, kind: str) -> list:
+    return [getattr(r, kind) for r in responses if r.WhichOneof("event") == kind]
+
+
+@pytest.fixture(scope="session")
+def digit_classifier() -> Callable[[Iterable[bytes]], np.ndarray]:
+    """An SVM trained on the real digits: PNG bytes -> the digit each one shows."""
+    digits = load_digits()
+    classifier = SVC(gamma=0.001).fit(digits.data, digits.target)
+
+    def classify(pngs: Iterable[bytes]) -> np.ndarray:
+        rows = [np.array(Image.open(io.BytesIO(png)), float).reshape(64) / 255 * 16 for png in pngs]
+        return classifier.predict(np.stack(rows))
+
+    return classify
