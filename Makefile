@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test lint protos demo bench bench-llm bench-retrieval clean
+.PHONY: install test lint protos demo bench bench-llm bench-retrieval bench-diffusion clean
 
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,9 @@ bench-llm: install
 bench-retrieval: install
 	$(PY) -m loadtest.embed --out docs/benchmarks.md
 	$(PY) -m loadtest.retrieval_eval --out docs/benchmarks.md
+
+bench-diffusion: install
+	$(PY) -m loadtest.diffusion --out docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) var

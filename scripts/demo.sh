@@ -37,6 +37,15 @@ echo; echo "== the knowledge base: the stdlib's own docs, embedded once (about a
 aimesh ingest
 aimesh search --rerank --top-k 3 "how do I copy a nested list?"
 
+echo; echo "== aimesh imagine: the project's own digits DDPM, then a terrain heightfield (ONNX Runtime)"
+aimesh imagine --model digits --prompt seven --n 4 --seed 7 --out var/demo-images
+aimesh imagine --model terrain --condition difficulty=70 --out var/demo-images/terrain.png --json
+
+echo; echo "== grpcurl: one diffusion job's event stream (queued, progress, image, summary)"
+grpcurl -plaintext -max-time 60 \
+  -d '{"model": "digits", "prompt": "3", "steps": 10, "seed": 1}' \
+  127.0.0.1:50080 aimesh.diffusion.v1.DiffusionService/Generate
+
 ECHO=127.0.0.1:50100
 echo; echo "== the mesh runtime itself: a 3-hop echo chain under a 2 s budget, one trace and request id"
 grpcurl -plaintext -max-time 2 -d "{\"hops\": [\"$ECHO\", \"$ECHO\"], \"delay_ms\": 50}" \

@@ -9,7 +9,7 @@ convolutions may sum in another order for another batch size).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,8 +53,9 @@ class Plan:
 class Sampling(Protocol):
     """One job's images in flight."""
 
-    def advance(self, index: int) -> None:
-        """Run the next denoising step of image `index`."""
+    def advance(self, index: int, interrupt: Callable[[], None]) -> None:
+        """Run the next denoising step of image `index`. A step that takes long (a tiled
+        terrain image) calls `interrupt()` between its parts; it raises to stop the job."""
 
     def preview(self, index: int) -> np.ndarray:
         """The current guess of the clean image `index`, as the final image would look."""

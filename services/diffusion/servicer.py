@@ -20,7 +20,7 @@ from mesh.validation import Violations
 from services.diffusion.engine import DiffusionModel, ModelCard, Plan
 from services.diffusion.jobs import Job, JobQueue
 from services.diffusion.requests import plan_job
-from services.diffusion.runner import RunTimes, run_job
+from services.diffusion.runner import RunTimes, Throttle, run_job
 from services.diffusion.settings import DiffusionSettings, diffusion_settings
 
 SERVICE = diffusion_pb2.DESCRIPTOR.services_by_name["DiffusionService"]
@@ -83,6 +83,7 @@ class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
             max_queue=settings.max_queue,
         )
         self.workers = ThreadPoolExecutor(settings.slots, thread_name_prefix="diffusion")
+        self.throttle = Throttle(settings.progress_min_interval_s, settings.preview_min_interval_s)
 
     async def Generate(
         self, request: diffusion_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -112,7 +113,7 @@ class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
                         job,
                         emit,
                         preview_every=request.preview_every_steps,
-                        preview_interval_s=self.settings.preview_min_interval_s,
+                        throttle=self.throttle,
                     )
                 finally:
                     emit(None)
@@ -120,7 +121,7 @@ class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
             running = loop.run_in_executor(self.workers, work)
             # The slot is freed when the worker thread has really returned, never before.
             running.add_done_callback(lambda _: self.queue.finish(job))
-            while (event := await events.get()) is not None:
+            async for event in newest_progress(events):
                 yield event
             times = await asyncio.shield(running)
             yield diffusion_pb2.GenerateResponse(
@@ -162,6 +163,31 @@ class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
         )
 
 
+async def newest_progress(
+    events: asyncio.Queue[diffusion_pb2.GenerateResponse | None],
+) -> AsyncIterator[diffusion_pb2.GenerateResponse]:
+    """The worker's events in order until its None, except that of Progress messages waiting
+    back to back only the newest is sent: a job that steps faster than its stream is read
+    (an 8x8 digit steps in a fraction of a millisecond) would otherwise spend the GIL it
+    computes with on messages nobody needs, and a slow reader would get a backlog."""
+    while True:
+        event = await events.get()
+        while is_progress(event) and not events.empty():
+            following = events.get_nowait()
+            if not is_progress(following):
+                yield event
+                event = following
+                break
+            event = following
+        if event is None:
+            return
+        yield event
+
+
+def is_progress(event: diffusion_pb2.GenerateResponse | None) -> bool:
+    return event is not None and event.WhichOneof("event") == "progress"
+
+
 def queued(job: Job, position: int) -> diffusion_pb2.GenerateResponse:
     return diffusion_pb2.GenerateResponse(
         queued=diffusion_pb2.Queued(job_id=job.id, position=position)
@@ -177,7 +203,7 @@ def warm_up_plan(model: DiffusionModel) -> Plan:
 def warm_up(model: DiffusionModel) -> None:
     """One step of one image, so the first real job does not pay for lazy initialisation."""
     sampling = model.start(warm_up_plan(model))
-    sampling.advance(0)
+    sampling.advance(0, interrupt=lambda: None)
     sampling.result(0)
 
 

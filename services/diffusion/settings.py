@@ -25,6 +25,8 @@ class DiffusionSettings(BaseModel, extra="forbid"):
         description="estimated memory running jobs may hold; None: half the free RAM, "
         "or 80% of the free GPU memory on CUDA",
     )
+    # A progress bar needs no more than ~20 updates a second; previews cost a PNG each.
+    progress_min_interval_s: float = Field(default=0.05, ge=0)
     preview_min_interval_s: float = Field(default=0.25, ge=0)
 
 

@@ -11,7 +11,7 @@ schedule makes its heightfields measurably rougher, so it is not offered).
 from __future__ import annotations
 
 import importlib.resources
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -153,7 +153,7 @@ class TerrainSampling:
         # Allocated up front: a batch that does not fit fails before any compute.
         self.heights = np.zeros((len(plan.seeds), plan.size, plan.size), np.uint16)
 
-    def advance(self, index: int) -> None:
+    def advance(self, index: int, interrupt: Callable[[], None]) -> None:
         size = self.plan.size
         rng = np.random.default_rng(self.plan.seeds[index])
         canvas = rng.standard_normal((1, 1, size, size), dtype=np.float32) * np.float32(SIGMA_MAX)
@@ -163,6 +163,7 @@ class TerrainSampling:
         weight = np.zeros((size, size), dtype=np.float32)
         for y in tile_starts(size):
             for x in tile_starts(size):
+                interrupt()
                 view = canvas[:, :, y : y + NATIVE, x : x + NATIVE]
                 denoised = self.model.denoise(view, self.plan.condition)[0, 0]
                 total[y : y + NATIVE, x : x + NATIVE] += denoised * blend

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stub(start_diffusion):
-    return (await start_diffusion(preview_min_interval_s=0)).stub
+    return (await start_diffusion(preview_min_interval_s=0, progress_min_interval_s=0)).stub
 
 
 def pixels(png: bytes) -> np.ndarray:
@@ -31,12 +31,14 @@ async def test_a_job_streams_queued_progress_images_then_summary(stub):
     responses = await events(stub.Generate(request))
     kinds = [r.WhichOneof("event") for r in responses]
     assert kinds[0] == "queued" and kinds[-1] == "summary"
-    assert kinds.count("progress") == 20 and kinds.count("image") == 2
+    assert kinds.count("image") == 2
     assert "preview" not in kinds  # previews are off unless asked for
     job_id = responses[0].queued.job_id
     assert len(job_id) == 32 and of_kind(responses, "queued")[-1].position == 0
     progress = of_kind(responses, "progress")
-    assert [p.step for p in progress] == list(range(1, 21))
+    # Unthrottled here; a reader slower than the job may still see steps coalesced.
+    steps = [p.step for p in progress]
+    assert steps == sorted(set(steps)) and steps[-1] == 20 and len(steps) >= 2
     assert {p.total_steps for p in progress} == {20} and progress[-1].eta_ms == 0
     images = of_kind(responses, "image")
     assert [(i.index, i.seed) for i in images] == [(0, 11), (1, 12)]

@@ -158,3 +158,18 @@ async def test_jobs_on_two_slots_run_side_by_side(start_diffusion):
     assert [f.queued.position for f in firsts] == [0, 0]
     for call in calls:
         assert of_kind(await events(call), "summary")
+
+
+async def test_a_long_tiled_image_stops_between_tiles(diffusion):
+    """One 2048x2048 heightfield is ~440 tiles (tens of seconds on a CPU): a cancel must
+    not wait for the whole image."""
+    queue = diffusion.servicer.queue
+    call = diffusion.stub.Generate(Request(model="terrain", width=2048, height=2048))
+    job_id = (await until(call, "queued")).queued.job_id
+    await eventually(lambda: queue.running == 1, timeout_s=5)
+    await asyncio.sleep(0.5)
+    assert await cancel(diffusion, job_id) is True
+    await eventually(lambda: queue.running == 0, timeout_s=10)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await events(call)
+    assert caught.value.code() == grpc.StatusCode.CANCELLED
