@@ -134,6 +134,9 @@ def search(
                         query=query,
                         documents=[rerank_pb2.Document(id=h["id"], text=h["text"]) for h in hits],
                         top_n=top_k,
+                        # Ingested passages may run past the scorer's 512 tokens; ranking
+                        # on their first 512 beats failing the search.
+                        truncate=True,
                     )
                 )
             hits = [{**hits[r.index], "score": r.score} for r in ranked.results]

@@ -85,6 +85,14 @@ async def test_ingest_is_idempotent_and_search_answers(mesh):
     assert {"embed", "search", "rerank"} <= set(result["timing"])
     assert len(result["trace_id"]) == 32
 
+    # Candidates past the scorer's 512 tokens are cut, not refused (the demo's question
+    # draws two such passages).
+    code, out, err = await aimesh(
+        mesh, "search", "--json", "--rerank", "--top-k", "3", "how do I copy a nested list?"
+    )
+    assert code == 0, err
+    assert {"copy", "copy.deepcopy"} & {h["id"] for h in json.loads(out)["hits"]}
+
 
 async def test_rerank_beats_retrieval_alone_on_the_labelled_questions(mesh):
     labelled = questions()
