@@ -16,16 +16,9 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 
-from prometheus_client import Gauge
-
 from mesh.failures import Cancelled, OutOfMemory, Overloaded
 from services.diffusion.engine import DiffusionModel, Plan
-
-RUNNING = Gauge("aimesh_diffusion_running_jobs", "Diffusion jobs holding a compute slot.")
-WAITING = Gauge("aimesh_diffusion_queued_jobs", "Diffusion jobs waiting for a slot or memory.")
-RESERVED = Gauge(
-    "aimesh_diffusion_memory_reserved_bytes", "Estimated memory held by running diffusion jobs."
-)
+from services.diffusion.metrics import RESERVED, RUNNING, WAITING
 
 
 @dataclass(eq=False)

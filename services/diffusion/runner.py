@@ -12,6 +12,7 @@ import torch
 from aimesh.diffusion.v1 import diffusion_pb2
 from mesh.failures import OutOfMemory
 from services.diffusion.jobs import Job
+from services.diffusion.metrics import IMAGES, STEP_SECONDS
 from services.diffusion.png import encode_png
 
 Emit = Callable[[diffusion_pb2.GenerateResponse], None]
@@ -51,10 +52,12 @@ def run_job(job: Job, emit: Emit, *, preview_every: int, throttle: Throttle) -> 
     except Exception as error:
         if not is_out_of_memory(error):
             raise
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        raise OutOfMemory(f"job {job.id} ran out of memory and was stopped: {error}") from None
+        message = f"job {job.id} ran out of memory and was stopped: {error}"
+    # Outside the except block, the error's traceback (which holds the job's arrays) is gone.
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    raise OutOfMemory(message)
 
 
 def _run(job: Job, emit: Emit, preview_every: int, throttle: Throttle) -> RunTimes:
@@ -62,11 +65,15 @@ def _run(job: Job, emit: Emit, preview_every: int, throttle: Throttle) -> RunTim
     sampling = job.model.start(plan)
     started = time.perf_counter()
     last_progress = last_preview = float("-inf")
+    step_seconds = STEP_SECONDS.labels(job.model.card.name)
+    step_started = started
     for step in range(1, plan.steps + 1):
         for index in range(len(plan.seeds)):
             job.check_cancelled()
             sampling.advance(index, job.check_cancelled)
         now = time.perf_counter()
+        step_seconds.observe(now - step_started)
+        step_started = now
         if step == plan.steps or now - last_progress >= throttle.progress_s:
             last_progress = now
             progress = diffusion_pb2.Progress(
@@ -95,4 +102,5 @@ def _run(job: Job, emit: Emit, preview_every: int, throttle: Throttle) -> RunTim
             height=pixels.shape[0],
         )
         emit(diffusion_pb2.GenerateResponse(image=image))
+        IMAGES.labels(job.model.card.name).inc()
     return RunTimes(denoise_s=denoised - started, encode_s=time.perf_counter() - denoised)

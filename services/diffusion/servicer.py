@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -10,20 +11,23 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import psutil
 import torch
+from opentelemetry import trace
 
 from aimesh.common.v1 import common_pb2
 from aimesh.diffusion.v1 import diffusion_pb2, diffusion_pb2_grpc
-from mesh.failures import NotReady
+from mesh.failures import Cancelled, NotReady, OutOfMemory
 from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
 from services.diffusion.engine import DiffusionModel, ModelCard, Plan
 from services.diffusion.jobs import Job, JobQueue
+from services.diffusion.metrics import JOBS
 from services.diffusion.requests import plan_job
 from services.diffusion.runner import RunTimes, Throttle, run_job
 from services.diffusion.settings import DiffusionSettings, diffusion_settings
 
 SERVICE = diffusion_pb2.DESCRIPTOR.services_by_name["DiffusionService"]
+log = logging.getLogger(__name__)
 MAX_JOB_ID = 64
 
 
@@ -93,7 +97,11 @@ class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
             raise NotReady("the diffusion models are still loading")
         model, plan = plan_job(request, self.models)
         job = Job(model, plan, model.estimate_bytes(len(plan.seeds), plan.size))
+        span = trace.get_current_span()
+        span.set_attribute("gen_ai.request.model", model.card.name)
+        span.set_attribute("aimesh.diffusion.job_id", job.id)
         self.queue.submit(job)
+        outcome = "cancelled"  # unless it ends otherwise; a caller that left raises no error
         try:
             position = await self.queue.next_position(job, None)
             yield queued(job, position)
@@ -124,25 +132,34 @@ class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
             async for event in newest_progress(events):
                 yield event
             times = await asyncio.shield(running)
-            yield diffusion_pb2.GenerateResponse(
-                summary=diffusion_pb2.Summary(
-                    job_id=job.id,
-                    seeds=plan.seeds,
-                    timing=common_pb2.Timing(
-                        stages=[
-                            stage("queue", started - received, common_pb2.STAGE_KIND_QUEUE),
-                            stage("denoise", times.denoise_s, common_pb2.STAGE_KIND_COMPUTE),
-                            stage("encode", times.encode_s, common_pb2.STAGE_KIND_COMPUTE),
-                        ],
-                        total_ns=int((time.perf_counter() - received) * 1e9),
-                    ),
-                )
-            )
+            outcome = "completed"
+            yield summary(job, queue_s=started - received, times=times, received=received)
+        except Cancelled:  # by Cancel: the outcome it already says, not "failed"
+            raise
+        except OutOfMemory:
+            outcome = "out_of_memory"
+            raise
+        except Exception:
+            outcome = "failed"
+            raise
         finally:
             # The caller left (cancel, deadline, disconnect) or the job ended: a waiting job
             # leaves the line; a running one stops at its next unit and frees its slot then.
             job.cancelled.set()
             self.queue.withdraw(job)
+            JOBS.labels(model.card.name, outcome).inc()
+            log.info(
+                "diffusion job ended",
+                extra={
+                    "job_id": job.id,
+                    "model": model.card.name,
+                    "images": len(plan.seeds),
+                    "steps": plan.steps,
+                    "size": plan.size,
+                    "outcome": outcome,
+                    "seconds": round(time.perf_counter() - received, 3),
+                },
+            )
 
     async def Cancel(
         self, request: diffusion_pb2.CancelRequest, context: grpc.aio.ServicerContext
@@ -186,6 +203,22 @@ async def newest_progress(
 
 def is_progress(event: diffusion_pb2.GenerateResponse | None) -> bool:
     return event is not None and event.WhichOneof("event") == "progress"
+
+
+def summary(
+    job: Job, *, queue_s: float, times: RunTimes, received: float
+) -> diffusion_pb2.GenerateResponse:
+    timing = common_pb2.Timing(
+        stages=[
+            stage("queue", queue_s, common_pb2.STAGE_KIND_QUEUE),
+            stage("denoise", times.denoise_s, common_pb2.STAGE_KIND_COMPUTE),
+            stage("encode", times.encode_s, common_pb2.STAGE_KIND_COMPUTE),
+        ],
+        total_ns=int((time.perf_counter() - received) * 1e9),
+    )
+    return diffusion_pb2.GenerateResponse(
+        summary=diffusion_pb2.Summary(job_id=job.id, seeds=job.plan.seeds, timing=timing)
+    )
 
 
 def queued(job: Job, position: int) -> diffusion_pb2.GenerateResponse:

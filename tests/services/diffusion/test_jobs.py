@@ -12,7 +12,7 @@ import pytest_asyncio
 
 from aimesh.diffusion.v1 import diffusion_pb2
 from mesh import errors
-from tests.conftest import eventually
+from tests.conftest import eventually, metric
 from tests.services.diffusion.conftest import events, of_kind
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -63,7 +63,12 @@ async def test_cancelling_a_queued_job_leaves_the_running_one_alone(diffusion):
     assert await cancel(diffusion, first.queued.job_id) is False  # finished already
 
 
+def jobs_ended(outcome: str) -> float:
+    return metric("aimesh_diffusion_jobs_total", model="digits", outcome=outcome)
+
+
 async def test_cancelling_the_running_job_starts_the_next_one(diffusion):
+    cancelled, completed = jobs_ended("cancelled"), jobs_ended("completed")
     running = diffusion.stub.Generate(LONG)
     job_id = (await until(running, "queued")).queued.job_id
     await until(running, "progress")
@@ -79,6 +84,8 @@ async def test_cancelling_the_running_job_starts_the_next_one(diffusion):
         await events(running)
     assert caught.value.code() == grpc.StatusCode.CANCELLED
     assert errors.error_info(caught.value).reason == "CANCELLED"
+    await eventually(lambda: jobs_ended("cancelled") == cancelled + 1)
+    await eventually(lambda: jobs_ended("completed") == completed + 1)
 
 
 async def test_a_caller_that_goes_away_frees_the_slot(diffusion):
