@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 from typing import Annotated
 
-import grpc
 import typer
-from opentelemetry import trace
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from aimesh.diffusion.v1 import diffusion_pb2, diffusion_pb2_grpc
-from mesh import tracing
 from mesh.client import create_channel
+from mesh.commands import run_command
 from mesh.config import MeshSettings
-from mesh.deadline import budget
-from mesh.errors import field_violations
 from mesh.timing import timing_ms
 from services.diffusion import SPEC
 from services.diffusion.servicer import SERVICE
@@ -105,7 +100,6 @@ def imagine(
     timeout: Annotated[float, typer.Option(help="seconds for the whole job")] = 300.0,
 ) -> None:
     """Generate images through the diffusion service, with a progress bar."""
-    tracing.configure("aimesh-cli")
     if sampler is not None and sampler not in SAMPLERS:
         raise typer.BadParameter(f"one of {', '.join(SAMPLERS)}", param_hint="--sampler")
     request = diffusion_pb2.GenerateRequest(
@@ -121,26 +115,17 @@ def imagine(
         if value is not None:
             setattr(request, field, value)
 
-    async def run(progress: Progress | None) -> dict:
-        with (
-            trace.get_tracer("aimesh.cli").start_as_current_span("aimesh imagine"),
-            budget(timeout),
-        ):
-            result = await _imagine(request, out, progress)
-            result["trace_id"] = tracing.current_trace_id()
-            return result
-
-    try:
-        if as_json:
-            result = asyncio.run(run(None))
-        else:
-            columns = (TextColumn("{task.description}"), BarColumn(), TimeRemainingColumn())
-            with Progress(*columns, transient=True) as progress:
-                result = asyncio.run(run(progress))
-    except grpc.aio.AioRpcError as error:
-        problems = "; ".join(f"{v.field}: {v.description}" for v in field_violations(error))
-        typer.echo(f"error: {error.code().name}: {problems or error.details()}", err=True)
-        raise typer.Exit(1) from None
+    if as_json:
+        result, trace_id = run_command(
+            "imagine", lambda: _imagine(request, out, None), timeout_s=timeout
+        )
+    else:
+        columns = (TextColumn("{task.description}"), BarColumn(), TimeRemainingColumn())
+        with Progress(*columns, transient=True) as progress:
+            result, trace_id = run_command(
+                "imagine", lambda: _imagine(request, out, progress), timeout_s=timeout
+            )
+    result["trace_id"] = trace_id
     if as_json:
         typer.echo(json.dumps(result))
     else:

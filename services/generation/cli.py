@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 from typing import Annotated
 
-import grpc
 import typer
 from google.protobuf import json_format
-from opentelemetry import trace
 
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
-from mesh import tracing
 from mesh.client import create_channel
+from mesh.commands import run_command
 from mesh.config import MeshSettings
-from mesh.deadline import budget
-from mesh.errors import field_violations
 from mesh.timing import timing_ms
 from services.generation import SPEC
 from services.generation.servicer import GENERATION
@@ -58,7 +53,6 @@ def generate(
     timeout: Annotated[float, typer.Option(help="seconds for the whole request")] = 120.0,
 ) -> None:
     """Generate text through the mesh: tokenizer -> prefill -> decode -> detokenizer."""
-    tracing.configure("aimesh-cli")
     sampling = sampling_pb2.SamplingParameters(temperature=temperature)
     if seed is not None:
         sampling.seed = seed
@@ -74,21 +68,10 @@ def generate(
             prompt=prompt, sampling=sampling, stopping=stopping
         )
 
-    async def run() -> dict:
-        with (
-            trace.get_tracer("aimesh.cli").start_as_current_span("aimesh generate"),
-            budget(timeout),
-        ):
-            result = await _generate(request, chat, as_json)
-            result["trace_id"] = tracing.current_trace_id()
-            return result
-
-    try:
-        result = asyncio.run(run())
-    except grpc.aio.AioRpcError as error:
-        problems = "; ".join(f"{v.field}: {v.description}" for v in field_violations(error))
-        typer.echo(f"error: {error.code().name}: {problems or error.details()}", err=True)
-        raise typer.Exit(1) from None
+    result, trace_id = run_command(
+        "generate", lambda: _generate(request, chat, as_json), timeout_s=timeout
+    )
+    result["trace_id"] = trace_id
     if as_json:
         typer.echo(json.dumps(result))
     else:

@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
 from itertools import islice
 from pathlib import Path
 from typing import Annotated
 
-import grpc
 import typer
 from google.protobuf import struct_pb2
-from opentelemetry import trace
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 from aimesh.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
-from mesh import tracing
 from mesh.client import create_channel
+from mesh.commands import run_command
 from mesh.config import MeshSettings
-from mesh.deadline import budget
-from mesh.errors import field_violations
 from mesh.registry import discover
 from services.retrieval.corpus import Passage, dedupe, file_passages, stdlib_passages
 
@@ -36,12 +31,6 @@ MODES = {
 
 def _target(settings: MeshSettings, name: str) -> str:
     return settings.target_of(name, discover()[name].default_port)
-
-
-def _fail(error: grpc.aio.AioRpcError) -> typer.Exit:
-    problems = "; ".join(f"{v.field}: {v.description}" for v in field_violations(error))
-    typer.echo(f"error: {error.code().name}: {problems or error.details()}", err=True)
-    return typer.Exit(1)
 
 
 def _document(passage: Passage) -> retrieval_pb2.Document:
@@ -93,10 +82,7 @@ def ingest(
 
                 return await stub.Upsert(messages(), timeout=3600)
 
-    try:
-        summary = asyncio.run(run())
-    except grpc.aio.AioRpcError as error:
-        raise _fail(error) from None
+    summary, _ = run_command("ingest", run, timeout_s=3600)
     typer.echo(
         f"{summary.received} passages: {summary.upserted} written, {summary.unchanged} unchanged "
         f"({summary.timing.total_ns / 1e9:.1f} s)"
@@ -114,7 +100,6 @@ def search(
     """Search a collection; --rerank reorders a deeper candidate list with the rerank service."""
     if mode not in MODES:
         raise typer.BadParameter(f"mode must be one of {', '.join(MODES)}")
-    tracing.configure("aimesh-cli")
     settings = MeshSettings()
 
     async def run() -> dict:
@@ -143,16 +128,8 @@ def search(
             timing["rerank"] = ranked.timing.total_ns / 1e6
         return {"hits": hits[:top_k], "timing": timing}
 
-    async def traced() -> dict:
-        with trace.get_tracer("aimesh.cli").start_as_current_span("aimesh search"), budget(60):
-            result = await run()
-            result["trace_id"] = tracing.current_trace_id()
-            return result
-
-    try:
-        result = asyncio.run(traced())
-    except grpc.aio.AioRpcError as error:
-        raise _fail(error) from None
+    result, trace_id = run_command("search", run, timeout_s=60)
+    result["trace_id"] = trace_id
     if as_json:
         typer.echo(json.dumps(result))
         return
