@@ -1,0 +1,13 @@
+"""tools: MCP's tool model over gRPC; built-in tools wrap retrieval, rerank and diffusion."""
+
+from mesh.registry import ServiceSpec
+
+SPEC = ServiceSpec(
+    name="tools",
+    default_port=50090,
+    description="Tools: JSON-Schema'd tools with progress and structured results",
+    setup="services.tools.servicer:setup",
+    # A tool call mostly waits on the service it wraps; the agent runs several at once.
+    max_concurrency=64,
+    exempt_methods=("/aimesh.tools.v1.ToolsService/ListTools",),
+)

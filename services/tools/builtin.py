@@ -1,0 +1,309 @@
+"""The built-in tools: knowledge_search, python_doc, generate_image, calculator."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from aimesh.diffusion.v1 import diffusion_pb2, diffusion_pb2_grpc
+from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
+from aimesh.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
+from aimesh.tools.v1 import tools_pb2
+from mesh.errors import field_violations
+from services.tools.calculator import (
+    EXPRESSION_PATTERN,
+    MAX_EXPRESSION,
+    CalculationError,
+    calculate,
+)
+from services.tools.tool import ToolContext, ToolDefinition, ToolError, ToolEvent, ToolOutput
+
+PASSAGE_CHARS = 700  # of each passage's text shown to the model
+RETRIEVAL = retrieval_pb2.DESCRIPTOR.services_by_name["RetrievalService"]
+RERANK = rerank_pb2.DESCRIPTOR.services_by_name["RerankService"]
+DIFFUSION = diffusion_pb2.DESCRIPTOR.services_by_name["DiffusionService"]
+
+
+def unavailable(what: str, error: grpc.aio.AioRpcError) -> ToolError:
+    problems = "; ".join(f"{v.field}: {v.description}" for v in field_violations(error))
+    return ToolError(f"{what} failed ({error.code().name}): {problems or error.details()}")
+
+
+def progress(done: float, total: float | None, message: str) -> tools_pb2.Progress:
+    event = tools_pb2.Progress(progress=done, message=message)
+    if total is not None:
+        event.total = total
+    return event
+
+
+def passages_text(passages: list[dict[str, Any]]) -> str:
+    return "\n\n".join(f"[{p['id']}] {p['text'][:PASSAGE_CHARS]}" for p in passages)
+
+
+async def knowledge_search(
+    arguments: dict[str, Any], context: ToolContext
+) -> AsyncIterator[ToolEvent]:
+    query, top_k = arguments["query"], int(arguments.get("top_k", 5))
+    rerank = arguments.get("rerank", True)
+    retrieval = retrieval_pb2_grpc.RetrievalServiceStub(context.channel("retrieval", RETRIEVAL))
+    yield progress(0, 2 if rerank else 1, "searching the knowledge base")
+    try:
+        found = await retrieval.Search(
+            retrieval_pb2.SearchRequest(
+                collection=context.settings.knowledge_collection,
+                query=query,
+                top_k=max(top_k * 4, 20) if rerank else top_k,
+                mode=retrieval_pb2.SEARCH_MODE_HYBRID,
+            )
+        )
+    except grpc.aio.AioRpcError as error:
+        raise unavailable("knowledge search", error) from None
+    hits = [{"id": h.id, "text": h.text, "score": h.score} for h in found.hits]
+    if not hits:
+        raise ToolError(f"no passage in the knowledge base matches {query!r}")
+    if rerank:
+        yield progress(1, 2, f"reranking {len(hits)} passages")
+        stub = rerank_pb2_grpc.RerankServiceStub(context.channel("rerank", RERANK))
+        try:
+            ranked = await stub.Rerank(
+                rerank_pb2.RerankRequest(
+                    query=query,
+                    documents=[rerank_pb2.Document(id=h["id"], text=h["text"]) for h in hits],
+                    top_n=top_k,
+                    truncate=True,
+                )
+            )
+            hits = [{**hits[r.index], "score": r.score} for r in ranked.results]
+        except grpc.aio.AioRpcError as error:
+            raise unavailable("rerank", error) from None
+    passages = hits[:top_k]
+    yield ToolOutput(passages_text(passages), {"passages": passages})
+
+
+async def python_doc(arguments: dict[str, Any], context: ToolContext) -> AsyncIterator[ToolEvent]:
+    name = arguments["name"]
+    retrieval = retrieval_pb2_grpc.RetrievalServiceStub(context.channel("retrieval", RETRIEVAL))
+    exact = retrieval_pb2.Filter(
+        must=[
+            retrieval_pb2.Condition(key="title", keyword=name),
+            retrieval_pb2.Condition(key="source", keyword="stdlib"),
+        ]
+    )
+    yield progress(0, 1, f"looking up {name}")
+    try:
+        found = await retrieval.Search(
+            retrieval_pb2.SearchRequest(
+                collection=context.settings.knowledge_collection,
+                query=name,
+                top_k=50,
+                filter=exact,
+                with_payload=True,
+                mode=retrieval_pb2.SEARCH_MODE_DENSE,
+            )
+        )
+    except grpc.aio.AioRpcError as error:
+        raise unavailable("documentation lookup", error) from None
+    if not found.hits:
+        raise ToolError(f"the stdlib has no documented name {name!r}; try knowledge_search")
+    parts = sorted(found.hits, key=lambda h: h.payload.fields["part"].number_value)
+    text = "\n\n".join(h.text for h in parts)
+    yield ToolOutput(text, {"name": name, "passage_ids": [h.id for h in parts], "text": text})
+
+
+async def generate_image(
+    arguments: dict[str, Any], context: ToolContext
+) -> AsyncIterator[ToolEvent]:
+    model = arguments.get("model", "digits")
+    request = diffusion_pb2.GenerateRequest(
+        model=model,
+        prompt=arguments.get("prompt", ""),
+        num_images=int(arguments.get("num_images", 1)),
+    )
+    if "seed" in arguments:
+        request.seed = int(arguments["seed"])
+    if "difficulty" in arguments:
+        request.conditioning["difficulty"] = float(arguments["difficulty"])
+    stub = diffusion_pb2_grpc.DiffusionServiceStub(context.channel("diffusion", DIFFUSION))
+    images: list[diffusion_pb2.Image] = []
+    job_id = ""
+    try:
+        async for event in stub.Generate(request):
+            kind = event.WhichOneof("event")
+            if kind == "queued":
+                job_id = event.queued.job_id
+                where = (
+                    "running"
+                    if event.queued.position == 0
+                    else f"queued, position {event.queued.position}"
+                )
+                yield progress(0, None, f"image job {where}")
+            elif kind == "progress":
+                step = event.progress
+                yield progress(
+                    step.step, step.total_steps, f"denoising step {step.step}/{step.total_steps}"
+                )
+            elif kind == "image":
+                images.append(event.image)
+    except grpc.aio.AioRpcError as error:
+        raise unavailable("image generation", error) from None
+    seeds = [image.seed for image in images]
+    described = (
+        f"{len(images)} {model} image(s) of {images[0].width}x{images[0].height}, seeds {seeds}"
+    )
+    yield ToolOutput(
+        described,
+        {
+            "job_id": job_id,
+            "model": model,
+            "seeds": [float(s) for s in seeds],
+            "width": images[0].width,
+            "height": images[0].height,
+        },
+        [(image.png, "image/png") for image in images],
+    )
+
+
+async def calculator(arguments: dict[str, Any], context: ToolContext) -> AsyncIterator[ToolEvent]:
+    expression = arguments["expression"]
+    try:
+        value = calculate(expression)
+        as_float = float(value)
+    except CalculationError as error:
+        raise ToolError(str(error)) from None
+    except OverflowError:
+        raise ToolError(f"{expression!r} is too large to report") from None
+    yield ToolOutput(
+        f"{expression} = {value}",
+        {"expression": expression, "value": as_float, "exact": str(value)},
+    )
+
+
+def _object(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
+
+
+PASSAGE = _object(
+    {"id": {"type": "string"}, "text": {"type": "string"}, "score": {"type": "number"}},
+    ["id", "text", "score"],
+)
+READ_ONLY = tools_pb2.ToolAnnotations(read_only=True, idempotent=True)
+
+BUILTIN = (
+    ToolDefinition(
+        name="knowledge_search",
+        title="Search the knowledge base",
+        description=(
+            "Searches the Python standard library documentation (hybrid dense + keyword "
+            "search, then rerank) and returns the best passages with their ids. Use it for "
+            "any question about Python; cite the ids of the passages you use."
+        ),
+        input_schema=_object(
+            {
+                "query": {"type": "string", "minLength": 1, "maxLength": 1000},
+                "top_k": {"type": "integer", "minimum": 1, "maximum": 20, "default": 5},
+                "rerank": {"type": "boolean", "default": True},
+            },
+            ["query"],
+        ),
+        output_schema=_object({"passages": {"type": "array", "items": PASSAGE}}, ["passages"]),
+        annotations=READ_ONLY,
+        body=knowledge_search,
+        timeout_s=20,
+        idle_timeout_s=10,
+    ),
+    ToolDefinition(
+        name="python_doc",
+        title="Python documentation for one name",
+        description=(
+            "Returns the full documentation of one exact standard-library name, such as "
+            "'copy.deepcopy' or 'json.loads'. Use knowledge_search when the name is unknown."
+        ),
+        input_schema=_object(
+            {"name": {"type": "string", "pattern": r"^[A-Za-z_][A-Za-z0-9_.]*$", "maxLength": 200}},
+            ["name"],
+        ),
+        output_schema=_object(
+            {
+                "name": {"type": "string"},
+                "passage_ids": {"type": "array", "items": {"type": "string"}},
+                "text": {"type": "string"},
+            },
+            ["name", "passage_ids", "text"],
+        ),
+        annotations=READ_ONLY,
+        body=python_doc,
+        timeout_s=10,
+        idle_timeout_s=10,
+    ),
+    ToolDefinition(
+        name="generate_image",
+        title="Generate an image",
+        description=(
+            "Draws a handwritten digit (model 'digits', prompt a digit 0-9) or a terrain "
+            "heightfield (model 'terrain', difficulty 1-100) with the diffusion service."
+        ),
+        input_schema=_object(
+            {
+                "model": {"enum": ["digits", "terrain"], "default": "digits"},
+                "prompt": {"type": "string", "maxLength": 64},
+                "difficulty": {"type": "integer", "minimum": 1, "maximum": 100},
+                "seed": {"type": "integer", "minimum": 0, "maximum": 2**53},
+                "num_images": {"type": "integer", "minimum": 1, "maximum": 4, "default": 1},
+            },
+            [],
+        ),
+        output_schema=_object(
+            {
+                "job_id": {"type": "string"},
+                "model": {"type": "string"},
+                "seeds": {"type": "array", "items": {"type": "number"}},
+                "width": {"type": "integer"},
+                "height": {"type": "integer"},
+            },
+            ["job_id", "model", "seeds", "width", "height"],
+        ),
+        annotations=tools_pb2.ToolAnnotations(read_only=True, idempotent=False),
+        body=generate_image,
+        timeout_s=120,
+        idle_timeout_s=30,
+    ),
+    ToolDefinition(
+        name="calculator",
+        title="Calculator",
+        description=(
+            "Evaluates arithmetic exactly: + - * / // % ^ (power), parentheses, sqrt, log, "
+            "exp, sin, cos, tan, abs, round, floor, ceil, min, max, pi, e. No variables or "
+            "code. Use it for any computation instead of doing it in your head."
+        ),
+        input_schema=_object(
+            {
+                "expression": {
+                    "type": "string",
+                    "minLength": 1,
+                    "maxLength": MAX_EXPRESSION,
+                    "pattern": EXPRESSION_PATTERN,
+                }
+            },
+            ["expression"],
+        ),
+        output_schema=_object(
+            {
+                "expression": {"type": "string"},
+                "value": {"type": "number"},
+                "exact": {"type": "string"},
+            },
+            ["expression", "value", "exact"],
+        ),
+        annotations=READ_ONLY,
+        body=calculator,
+        timeout_s=5,
+        idle_timeout_s=5,
+    ),
+)

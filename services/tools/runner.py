@@ -1,0 +1,82 @@
+"""Runs one tool body under its limits and turns what it yields into CallTool messages."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from google.protobuf import struct_pb2
+
+from aimesh.common.v1 import common_pb2
+from aimesh.tools.v1 import tools_pb2
+from mesh.timing import stage
+from services.tools.tool import ToolContext, ToolDefinition, ToolError, ToolOutput
+
+
+def error_result(message: str) -> tools_pb2.CallToolResult:
+    return tools_pb2.CallToolResult(content=[tools_pb2.Content(text=message)], is_error=True)
+
+
+def output_result(output: ToolOutput) -> tools_pb2.CallToolResult:
+    result = tools_pb2.CallToolResult(content=[tools_pb2.Content(text=output.text)])
+    for data, mime_type in output.images:
+        result.content.append(
+            tools_pb2.Content(image=tools_pb2.ImageContent(data=data, mime_type=mime_type))
+        )
+    if output.structured is not None:
+        result.structured_content.CopyFrom(as_struct(output.structured))
+    return result
+
+
+def as_struct(value: dict[str, Any]) -> struct_pb2.Struct:
+    struct = struct_pb2.Struct()
+    struct.update(value)
+    return struct
+
+
+async def run_tool(
+    tool: ToolDefinition,
+    arguments: dict[str, Any],
+    context: ToolContext,
+    *,
+    timeout_s: float,
+    idle_timeout_s: float,
+) -> AsyncIterator[tools_pb2.CallToolResponse]:
+    """Progress messages, then exactly one result. Every way a tool can fail (ToolError,
+    no sign of life for idle_timeout_s, running past timeout_s) is a result with is_error,
+    written for the model; only cancellation and bugs propagate."""
+    started = time.monotonic()
+    body = tool.body(arguments, context)
+    result: tools_pb2.CallToolResult | None = None
+    try:
+        while result is None:
+            left = timeout_s - (time.monotonic() - started)
+            try:
+                event = await asyncio.wait_for(anext(body), timeout=min(idle_timeout_s, left))
+            except TimeoutError:
+                ran = time.monotonic() - started
+                why = (
+                    f"ran past its {timeout_s:g} s limit"
+                    if ran >= timeout_s - 0.01
+                    else f"sent no progress for {idle_timeout_s:g} s"
+                )
+                result = error_result(f"{tool.name} {why} and was stopped")
+            except ToolError as error:
+                result = error_result(str(error))
+            else:
+                if isinstance(event, ToolOutput):
+                    result = output_result(event)
+                else:
+                    yield tools_pb2.CallToolResponse(progress=event)
+    finally:
+        await body.aclose()
+    elapsed = time.monotonic() - started
+    result.timing.CopyFrom(
+        common_pb2.Timing(
+            stages=[stage(tool.name, elapsed, common_pb2.STAGE_KIND_COMPUTE, "tools")],
+            total_ns=int(elapsed * 1e9),
+        )
+    )
+    yield tools_pb2.CallToolResponse(result=result)

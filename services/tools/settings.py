@@ -1,0 +1,35 @@
+"""The tools service's settings ([engines.tools] in the mesh config)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from mesh.config import MeshSettings
+from mesh.registry import discover
+
+WRAPPED = ("retrieval", "rerank", "diffusion")
+
+
+class ToolsSettings(BaseModel, extra="forbid"):
+    knowledge_collection: str = "knowledge"
+    # Addresses of the services the built-in tools wrap; None: each one's configured target.
+    retrieval: str | None = None
+    rerank: str | None = None
+    diffusion: str | None = None
+    # How long a repeated idempotency key returns the first call's result.
+    idempotency_window_s: float = Field(default=600, gt=0)
+    # Per-tool overrides of the built-in limits, e.g. {"generate_image": 300}.
+    timeout_s: dict[str, float] = Field(default_factory=dict)
+    idle_timeout_s: dict[str, float] = Field(default_factory=dict)
+
+
+def tools_settings(settings: MeshSettings) -> ToolsSettings:
+    return ToolsSettings.model_validate(settings.engines.get("tools", {}))
+
+
+def wrapped_targets(settings: MeshSettings, tools: ToolsSettings) -> dict[str, str]:
+    specs = discover()
+    return {
+        name: getattr(tools, name) or settings.target_of(name, specs[name].default_port)
+        for name in WRAPPED
+    }

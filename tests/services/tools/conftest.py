@@ -1,0 +1,108 @@
+"""A tools server wired to real retrieval (a small knowledge collection), rerank and
+diffusion servers, all on 127.0.0.1."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import pytest_asyncio
+from google.protobuf import struct_pb2
+
+from aimesh.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
+from aimesh.tools.v1 import tools_pb2_grpc
+from mesh.client import create_channel
+from mesh.config import MeshSettings
+from mesh.server import MeshServer
+from services.diffusion import SPEC as DIFFUSION
+from services.diffusion.servicer import setup as diffusion_setup
+from services.rerank.servicer import setup as rerank_setup
+from services.tools import SPEC as TOOLS
+from services.tools.servicer import SERVICE
+from services.tools.servicer import setup as tools_setup
+from tests.services.retrieval.conftest import start_retrieval
+
+PASSAGES = [
+    ("copy.deepcopy", "copy.deepcopy(x, memo=None)\n\nDeep copy operation on arbitrary Python "
+     "objects: nested lists and dicts are copied recursively.", 1),
+    ("json.loads", "json.loads(s)\n\nDeserialize s (a str containing a JSON document) to a "
+     "Python object.", 1),
+    ("json.loads#2", "json.loads (continued)\n\nIf s is a bytes instance it is decoded first.", 2),
+    ("shutil.rmtree", "shutil.rmtree(path)\n\nRecursively delete a directory tree.", 1),
+]  # fmt: skip
+
+
+@dataclass
+class ToolsMesh:
+    stub: tools_pb2_grpc.ToolsServiceStub
+    tools: MeshServer
+    diffusion: str
+
+
+StartTools = Callable[..., Awaitable[ToolsMesh]]
+
+
+async def fill_knowledge(target: str) -> None:
+    async with create_channel(target, MeshSettings()) as channel:
+        stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+        await stub.CreateCollection(
+            retrieval_pb2.CreateCollectionRequest(collection="knowledge", sparse_enabled=True)
+        )
+
+        async def documents():
+            for name, text, part in PASSAGES:
+                payload = struct_pb2.Struct()
+                payload.update({"title": name.partition("#")[0], "source": "stdlib", "part": part})
+                yield retrieval_pb2.UpsertRequest(
+                    collection="knowledge",
+                    documents=[retrieval_pb2.Document(id=name, text=text, payload=payload)],
+                )
+
+        await stub.Upsert(documents())
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def start_tools(tmp_path_factory) -> AsyncIterator[StartTools]:
+    embedder, retrieval = await start_retrieval(tmp_path_factory.mktemp("tools-kb"))
+    await fill_knowledge(f"127.0.0.1:{retrieval.port}")
+    rerank = MeshServer("rerank", MeshSettings(), port=0)
+    await rerank_setup(rerank)
+    await rerank.start()
+    diffusion = MeshServer(
+        "diffusion",
+        MeshSettings(engines={"diffusion": {"device": "cpu", "models": ["digits"]}}),
+        port=0,
+        exempt_methods=DIFFUSION.exempt_methods,
+        default_max_concurrency=DIFFUSION.max_concurrency,
+    )
+    await diffusion_setup(diffusion)
+    await diffusion.start()
+    servers = [embedder, retrieval, rerank, diffusion]
+    channels = []
+
+    async def start(**tools_settings: object) -> ToolsMesh:
+        targets = {
+            "retrieval": f"127.0.0.1:{retrieval.port}",
+            "rerank": f"127.0.0.1:{rerank.port}",
+            "diffusion": f"127.0.0.1:{diffusion.port}",
+        }
+        settings = MeshSettings(engines={"tools": {**targets, **tools_settings}})
+        tools = MeshServer(
+            "tools",
+            settings,
+            port=0,
+            exempt_methods=TOOLS.exempt_methods,
+            default_max_concurrency=TOOLS.max_concurrency,
+        )
+        await tools_setup(tools)
+        await tools.start()
+        servers.append(tools)
+        channel = create_channel(f"127.0.0.1:{tools.port}", settings, services=[SERVICE])
+        channels.append(channel)
+        return ToolsMesh(tools_pb2_grpc.ToolsServiceStub(channel), tools, targets["diffusion"])
+
+    yield start
+    for channel in channels:
+        await channel.close()
+    for server in reversed(servers):
+        await server.drain(0)
