@@ -28,7 +28,7 @@ from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior_
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61imesh/agent/v1/agent.proto\x12\x0f\x61imesh.agent.v1\x1a\x1d\x61imesh/common/v1/common.proto\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1cgoogle/protobuf/struct.proto\"f\n\nRunRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x08question\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12,\n\x07options\x18\x03 \x01(\x0b\x32\x1b.aimesh.agent.v1.RunOptions\"\x84\x01\n\nRunOptions\x12\x16\n\x0emax_iterations\x18\x01 \x01(\x05\x12\x15\n\rallowed_tools\x18\x02 \x03(\t\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xb1\x02\n\x0bRunResponse\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x15.aimesh.agent.v1.PlanH\x00\x12.\n\ttool_call\x18\x02 \x01(\x0b\x32\x19.aimesh.agent.v1.ToolCallH\x00\x12\x32\n\x0btool_result\x18\x03 \x01(\x0b\x32\x1b.aimesh.agent.v1.ToolResultH\x00\x12\x34\n\x0c\x61nswer_delta\x18\x04 \x01(\x0b\x32\x1c.aimesh.agent.v1.AnswerDeltaH\x00\x12/\n\tcitations\x18\x05 \x01(\x0b\x32\x1a.aimesh.agent.v1.CitationsH\x00\x12\'\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x16.aimesh.agent.v1.FinalH\x00\x42\x07\n\x05\x65vent\"@\n\x04Plan\x12)\n\x07planner\x18\x01 \x01(\x0e\x32\x18.aimesh.agent.v1.Planner\x12\r\n\x05steps\x18\x02 \x03(\t\"U\n\x08ToolCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12*\n\targuments\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"\x90\x01\n\nToolResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x10\n\x08is_error\x18\x03 \x01(\x08\x12\x0f\n\x07summary\x18\x04 \x01(\t\x12+\n\nstructured\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x13\n\x0b\x64uration_ns\x18\x06 \x01(\x03\"\x1b\n\x0b\x41nswerDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\" \n\tCitations\x12\x13\n\x0bpassage_ids\x18\x01 \x03(\t\"\xb9\x01\n\x05\x46inal\x12&\n\x05usage\x18\x01 \x01(\x0b\x32\x17.aimesh.common.v1.Usage\x12(\n\x06timing\x18\x02 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\x12\x12\n\niterations\x18\x03 \x01(\x05\x12\x10\n\x08trace_id\x18\x04 \x01(\t\x12)\n\x07planner\x18\x05 \x01(\x0e\x32\x18.aimesh.agent.v1.Planner\x12\r\n\x05notes\x18\x06 \x03(\t*I\n\x07Planner\x12\x17\n\x13PLANNER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bPLANNER_LLM\x10\x01\x12\x14\n\x10PLANNER_FALLBACK\x10\x02\x32l\n\x0c\x41gentService\x12\\\n\x03Run\x12\x1b.aimesh.agent.v1.RunRequest\x1a\x1c.aimesh.agent.v1.RunResponse\"\x18\x82\xd3\xe4\x93\x02\x12\"\r/v1/agent:run:\x01*0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61imesh/agent/v1/agent.proto\x12\x0f\x61imesh.agent.v1\x1a\x1d\x61imesh/common/v1/common.proto\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1cgoogle/protobuf/struct.proto\"f\n\nRunRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x08question\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12,\n\x07options\x18\x03 \x01(\x0b\x32\x1b.aimesh.agent.v1.RunOptions\"\x9c\x01\n\nRunOptions\x12\x1b\n\x0emax_iterations\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rallowed_tools\x18\x02 \x03(\t\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x42\x11\n\x0f_max_iterationsB\x07\n\x05_seed\"\xb1\x02\n\x0bRunResponse\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x15.aimesh.agent.v1.PlanH\x00\x12.\n\ttool_call\x18\x02 \x01(\x0b\x32\x19.aimesh.agent.v1.ToolCallH\x00\x12\x32\n\x0btool_result\x18\x03 \x01(\x0b\x32\x1b.aimesh.agent.v1.ToolResultH\x00\x12\x34\n\x0c\x61nswer_delta\x18\x04 \x01(\x0b\x32\x1c.aimesh.agent.v1.AnswerDeltaH\x00\x12/\n\tcitations\x18\x05 \x01(\x0b\x32\x1a.aimesh.agent.v1.CitationsH\x00\x12\'\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x16.aimesh.agent.v1.FinalH\x00\x42\x07\n\x05\x65vent\"@\n\x04Plan\x12)\n\x07planner\x18\x01 \x01(\x0e\x32\x18.aimesh.agent.v1.Planner\x12\r\n\x05steps\x18\x02 \x03(\t\"U\n\x08ToolCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12*\n\targuments\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"\x90\x01\n\nToolResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x10\n\x08is_error\x18\x03 \x01(\x08\x12\x0f\n\x07summary\x18\x04 \x01(\t\x12+\n\nstructured\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x13\n\x0b\x64uration_ns\x18\x06 \x01(\x03\"\x1b\n\x0b\x41nswerDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\" \n\tCitations\x12\x13\n\x0bpassage_ids\x18\x01 \x03(\t\"\xb9\x01\n\x05\x46inal\x12&\n\x05usage\x18\x01 \x01(\x0b\x32\x17.aimesh.common.v1.Usage\x12(\n\x06timing\x18\x02 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\x12\x12\n\niterations\x18\x03 \x01(\x05\x12\x10\n\x08trace_id\x18\x04 \x01(\t\x12)\n\x07planner\x18\x05 \x01(\x0e\x32\x18.aimesh.agent.v1.Planner\x12\r\n\x05notes\x18\x06 \x03(\t*I\n\x07Planner\x12\x17\n\x13PLANNER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bPLANNER_LLM\x10\x01\x12\x14\n\x10PLANNER_FALLBACK\x10\x02\x32l\n\x0c\x41gentService\x12\\\n\x03Run\x12\x1b.aimesh.agent.v1.RunRequest\x1a\x1c.aimesh.agent.v1.RunResponse\"\x18\x82\xd3\xe4\x93\x02\x12\"\r/v1/agent:run:\x01*0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,26 +39,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNREQUEST'].fields_by_name['question']._serialized_options = b'\342A\001\002'
   _globals['_AGENTSERVICE'].methods_by_name['Run']._loaded_options = None
   _globals['_AGENTSERVICE'].methods_by_name['Run']._serialized_options = b'\202\323\344\223\002\022\"\r/v1/agent:run:\001*'
-  _globals['_PLANNER']._serialized_start=1270
-  _globals['_PLANNER']._serialized_end=1343
+  _globals['_PLANNER']._serialized_start=1294
+  _globals['_PLANNER']._serialized_end=1367
   _globals['_RUNREQUEST']._serialized_start=172
   _globals['_RUNREQUEST']._serialized_end=274
   _globals['_RUNOPTIONS']._serialized_start=277
-  _globals['_RUNOPTIONS']._serialized_end=409
-  _globals['_RUNRESPONSE']._serialized_start=412
-  _globals['_RUNRESPONSE']._serialized_end=717
-  _globals['_PLAN']._serialized_start=719
-  _globals['_PLAN']._serialized_end=783
-  _globals['_TOOLCALL']._serialized_start=785
-  _globals['_TOOLCALL']._serialized_end=870
-  _globals['_TOOLRESULT']._serialized_start=873
-  _globals['_TOOLRESULT']._serialized_end=1017
-  _globals['_ANSWERDELTA']._serialized_start=1019
-  _globals['_ANSWERDELTA']._serialized_end=1046
-  _globals['_CITATIONS']._serialized_start=1048
-  _globals['_CITATIONS']._serialized_end=1080
-  _globals['_FINAL']._serialized_start=1083
-  _globals['_FINAL']._serialized_end=1268
-  _globals['_AGENTSERVICE']._serialized_start=1345
-  _globals['_AGENTSERVICE']._serialized_end=1453
+  _globals['_RUNOPTIONS']._serialized_end=433
+  _globals['_RUNRESPONSE']._serialized_start=436
+  _globals['_RUNRESPONSE']._serialized_end=741
+  _globals['_PLAN']._serialized_start=743
+  _globals['_PLAN']._serialized_end=807
+  _globals['_TOOLCALL']._serialized_start=809
+  _globals['_TOOLCALL']._serialized_end=894
+  _globals['_TOOLRESULT']._serialized_start=897
+  _globals['_TOOLRESULT']._serialized_end=1041
+  _globals['_ANSWERDELTA']._serialized_start=1043
+  _globals['_ANSWERDELTA']._serialized_end=1070
+  _globals['_CITATIONS']._serialized_start=1072
+  _globals['_CITATIONS']._serialized_end=1104
+  _globals['_FINAL']._serialized_start=1107
+  _globals['_FINAL']._serialized_end=1292
+  _globals['_AGENTSERVICE']._serialized_start=1369
+  _globals['_AGENTSERVICE']._serialized_end=1477
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,12 @@
+"""agent: answers questions with a plan/act loop over the tools and a grounded answer."""
+
+from mesh.registry import ServiceSpec
+
+SPEC = ServiceSpec(
+    name="agent",
+    default_port=50050,
+    description="Agent: plan, call tools in parallel, answer with citations",
+    setup="services.agent.servicer:setup",
+    # A run mostly waits on tools and generation.
+    max_concurrency=32,
+)

@@ -1,0 +1,253 @@
+"""The agent's gRPC surface: validate, then plan -> call tools in parallel -> answer.
+
+Deadline split: the run's budget (its own deadline, or default_budget_s) is cut in two;
+tools get what is left after keeping answer_share of it (at least answer_min_s) for the
+answer, so slow or stuck tools cost the answer its evidence, never its existence. When
+generation itself fails, the agent answers from the evidence directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from google.protobuf import json_format, struct_pb2
+
+from aimesh.agent.v1 import agent_pb2, agent_pb2_grpc
+from aimesh.common.v1 import common_pb2
+from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
+from aimesh.tools.v1 import tools_pb2, tools_pb2_grpc
+from mesh import deadline, tracing
+from mesh.server import MeshServer
+from mesh.timing import stage
+from mesh.validation import Violations
+from services.agent import planner, prompts
+from services.agent.settings import AgentSettings, agent_settings, dependency_targets
+
+SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
+TOOLS = tools_pb2.DESCRIPTOR.services_by_name["ToolsService"]
+GENERATION = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
+MAX_QUESTION_BYTES = 8 * 1024
+MAX_ITERATIONS = 25
+DEFAULT_ITERATIONS = 4
+MAX_ANSWER_TOKENS = 2048
+
+
+def event(**kind: object) -> agent_pb2.RunResponse:
+    return agent_pb2.RunResponse(**kind)
+
+
+def as_struct(value: dict) -> struct_pb2.Struct:
+    struct = struct_pb2.Struct()
+    struct.update(value)
+    return struct
+
+
+class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
+    def __init__(self, server: MeshServer, settings: AgentSettings) -> None:
+        self.settings = settings
+        self.channels = server.channels
+        self.tools_target, self.generation_target = dependency_targets(server.settings, settings)
+
+    def _tools(self) -> tools_pb2_grpc.ToolsServiceStub:
+        return tools_pb2_grpc.ToolsServiceStub(self.channels.get(self.tools_target, TOOLS))
+
+    async def _tool_names(self) -> set[str] | None:
+        try:
+            listed = await self._tools().ListTools(tools_pb2.ListToolsRequest(), timeout=5)
+        except grpc.aio.AioRpcError:
+            return None
+        return {tool.name for tool in listed.tools}
+
+    async def Run(
+        self, request: agent_pb2.RunRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[agent_pb2.RunResponse]:
+        received = time.monotonic()
+        options = request.options
+        violations = Violations()
+        violations.check(bool(request.question.strip()), "question", "must not be empty")
+        violations.max_length(request.question.encode(), "question", MAX_QUESTION_BYTES)
+        violations.max_length(request.request_id.encode(), "request_id", 128)
+        if options.HasField("max_iterations"):
+            violations.in_range(options.max_iterations, "options.max_iterations", 1, MAX_ITERATIONS)
+        violations.in_range(options.max_new_tokens, "options.max_new_tokens", 0, MAX_ANSWER_TOKENS)
+        violations.in_range(options.temperature, "options.temperature", 0, 2)
+        violations.raise_if_any()
+        notes: list[str] = []
+        available = await self._tool_names()
+        if available is None:
+            available = set()
+            notes.append("the tools service was unavailable; answered without tools")
+        unknown = [name for name in options.allowed_tools if name not in available]
+        if available and unknown:
+            violations.add(
+                "options.allowed_tools", f"unknown tools {unknown}; known: {sorted(available)}"
+            )
+        violations.raise_if_any()
+        allowed = set(options.allowed_tools or available) & available
+
+        budget_s = deadline.remaining() or self.settings.default_budget_s
+        reserve_s = max(budget_s * self.settings.answer_share, self.settings.answer_min_s)
+        tools_until = received + budget_s - reserve_s
+        max_iterations = (
+            options.max_iterations if options.HasField("max_iterations") else DEFAULT_ITERATIONS
+        )
+        observations: list[planner.Observation] = []
+        stages: list[common_pb2.Stage] = []
+        iterations = 0
+        with deadline.budget(budget_s):
+            while True:
+                planned = time.monotonic()
+                steps = planner.plan(request.question, allowed, observations)
+                stages.append(
+                    stage(
+                        "plan", time.monotonic() - planned, common_pb2.STAGE_KIND_COMPUTE, "agent"
+                    )
+                )
+                if not steps:
+                    break
+                if iterations == max_iterations:
+                    notes.append(
+                        f"stopped at max_iterations ({max_iterations}) with tools still to call"
+                    )
+                    break
+                left = tools_until - time.monotonic()
+                if left <= 0:
+                    notes.append("no time was left for more tool calls")
+                    break
+                iterations += 1
+                yield event(
+                    plan=agent_pb2.Plan(
+                        planner=agent_pb2.PLANNER_FALLBACK, steps=[s.why for s in steps]
+                    )
+                )
+                async for message in self._call_all(
+                    steps, iterations, left, observations, stages, notes
+                ):
+                    yield message
+            answer = ""
+            usage = common_pb2.Usage()
+            answered = time.monotonic()
+            try:
+                async for chunk, complete in self._answer(request, observations):
+                    if chunk:
+                        answer += chunk
+                        yield event(answer_delta=agent_pb2.AnswerDelta(text=chunk))
+                    if complete is not None:
+                        usage = complete.usage
+            except grpc.aio.AioRpcError as error:
+                notes.append(
+                    f"the language model failed ({error.code().name}); answered from the evidence"
+                )
+                fallback = prompts.fallback_answer(observations)
+                answer += ("\n\n" if answer else "") + fallback
+                yield event(answer_delta=agent_pb2.AnswerDelta(text=fallback))
+            stages.append(
+                stage(
+                    "answer", time.monotonic() - answered, common_pb2.STAGE_KIND_CALL, "generation"
+                )
+            )
+        citations = prompts.cited(answer, observations, self.settings.passages_in_prompt)
+        if citations:
+            yield event(citations=agent_pb2.Citations(passage_ids=citations))
+        yield event(
+            final=agent_pb2.Final(
+                usage=usage,
+                timing=common_pb2.Timing(
+                    stages=stages, total_ns=int((time.monotonic() - received) * 1e9)
+                ),
+                iterations=iterations,
+                trace_id=tracing.current_trace_id(),
+                planner=agent_pb2.PLANNER_FALLBACK,
+                notes=notes,
+            )
+        )
+
+    async def _call_all(
+        self, steps, iteration, left_s, observations, stages, notes
+    ) -> AsyncIterator[agent_pb2.RunResponse]:
+        """Announces every call, runs them at once within `left_s`, reports each as it ends."""
+        calls = {f"{iteration}.{k}": step for k, step in enumerate(steps, start=1)}
+        for call_id, step in calls.items():
+            yield event(
+                tool_call=agent_pb2.ToolCall(
+                    call_id=call_id, name=step.name, arguments=as_struct(step.arguments)
+                )
+            )
+        with deadline.budget(left_s):
+            tasks = [
+                asyncio.create_task(self._call(call_id, step)) for call_id, step in calls.items()
+            ]
+        try:
+            for finished in asyncio.as_completed(tasks):
+                call_id, observation, seconds = await finished
+                observations.append(observation)
+                stages.append(
+                    stage(observation.step.name, seconds, common_pb2.STAGE_KIND_CALL, "tools")
+                )
+                if observation.is_error:
+                    notes.append(f"{observation.step.name}: {observation.text}")
+                yield event(
+                    tool_result=agent_pb2.ToolResult(
+                        call_id=call_id,
+                        name=observation.step.name,
+                        is_error=observation.is_error,
+                        summary=observation.text[:200],
+                        structured=as_struct(observation.structured),
+                        duration_ns=int(seconds * 1e9),
+                    )
+                )
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _call(
+        self, call_id: str, step: planner.ToolStep
+    ) -> tuple[str, planner.Observation, float]:
+        started = time.monotonic()
+        request = tools_pb2.CallToolRequest(name=step.name, arguments=as_struct(step.arguments))
+        try:
+            async for message in self._tools().CallTool(request):
+                if message.HasField("result"):
+                    result = message.result
+                    text = "\n".join(c.text for c in result.content if c.HasField("text"))
+                    structured = json_format.MessageToDict(result.structured_content)
+                    observation = planner.Observation(step, result.is_error, text, structured)
+        except grpc.aio.AioRpcError as error:
+            observation = planner.Observation(
+                step, True, f"the call failed ({error.code().name}): {error.details()}"
+            )
+        return call_id, observation, time.monotonic() - started
+
+    async def _answer(self, request: agent_pb2.RunRequest, observations: list[planner.Observation]):
+        options = request.options
+        sampling = sampling_pb2.SamplingParameters(
+            temperature=options.temperature,
+            repetition_penalty=self.settings.repetition_penalty,
+        )
+        if options.HasField("seed"):
+            sampling.seed = options.seed
+        stopping = sampling_pb2.StoppingCriteria(
+            max_new_tokens=options.max_new_tokens or self.settings.max_new_tokens
+        )
+        messages = prompts.answer_messages(
+            request.question, observations, self.settings.passages_in_prompt
+        )
+        stub = generation_pb2_grpc.GenerationServiceStub(
+            self.channels.get(self.generation_target, GENERATION)
+        )
+        chat = generation_pb2.ChatRequest(
+            request_id=request.request_id, messages=messages, sampling=sampling, stopping=stopping
+        )
+        async for message in stub.Chat(chat):
+            if message.HasField("chunk"):
+                yield message.chunk.text, None
+            else:
+                yield "", message.complete
+
+
+async def setup(server: MeshServer) -> None:
+    servicer = AgentServicer(server, agent_settings(server.settings))
+    server.add_service(agent_pb2_grpc.add_AgentServiceServicer_to_server, servicer, SERVICE)

@@ -1,0 +1,37 @@
+"""The agent's settings ([engines.agent] in the mesh config)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from mesh.config import MeshSettings
+from mesh.registry import discover
+
+
+class AgentSettings(BaseModel, extra="forbid"):
+    # None: each service's configured target.
+    tools: str | None = None
+    generation: str | None = None
+    # A run with no deadline of its own gets this one.
+    default_budget_s: float = Field(default=60, gt=0)
+    # Kept back from tool calls for the answer: this share of the budget, at least
+    # answer_min_s, so the answer always has time left however the tools behave.
+    answer_share: float = Field(default=0.4, gt=0, lt=1)
+    answer_min_s: float = Field(default=2.0, gt=0)
+    # SmolLM2-135M loops on greedy decoding; a mild penalty and a short answer keep it
+    # on topic (RunOptions.max_new_tokens raises the limit).
+    max_new_tokens: int = Field(default=160, ge=1)
+    repetition_penalty: float = Field(default=1.1, ge=1)
+    passages_in_prompt: int = Field(default=4, ge=1, le=20)
+
+
+def agent_settings(settings: MeshSettings) -> AgentSettings:
+    return AgentSettings.model_validate(settings.engines.get("agent", {}))
+
+
+def dependency_targets(settings: MeshSettings, agent: AgentSettings) -> tuple[str, str]:
+    specs = discover()
+    return (
+        agent.tools or settings.target_of("tools", specs["tools"].default_port),
+        agent.generation or settings.target_of("generation", specs["generation"].default_port),
+    )
