@@ -4,13 +4,20 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from mesh.config import MeshSettings
 
 
 class DiffusionSettings(BaseModel, extra="forbid"):
     models: list[Literal["digits", "terrain"]] = Field(default=["digits", "terrain"], min_length=1)
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        """From the environment, engine settings arrive as text: "digits,terrain"."""
+        return [part.strip() for part in value.split(",")] if isinstance(value, str) else value
+
     # auto: CUDA when torch / ONNX Runtime can use it, else the CPU.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int | None = Field(

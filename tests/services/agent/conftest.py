@@ -1,0 +1,66 @@
+"""The whole mesh as separate processes (`aimesh up`) on free ports, with a small
+knowledge collection in a store of the test's own."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest_asyncio
+
+from mesh.health import wait_until_serving
+from tests.conftest import VENV_BIN, free_port, subprocess_env
+from tests.services.tools.conftest import fill_knowledge
+
+SERVICES = (
+    "agent", "tools", "generation", "tokenizer", "prefill", "decode",
+    "embedder", "retrieval", "rerank", "diffusion",
+)  # fmt: skip
+
+
+@dataclass
+class Mesh:
+    env: dict[str, str]
+    ports: dict[str, int]
+
+    def target(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+
+@pytest_asyncio.fixture(scope="package", loop_scope="package")
+async def mesh(tmp_path_factory) -> AsyncIterator[Mesh]:
+    ports = {name: free_port() for name in SERVICES}
+    env = subprocess_env(
+        AIMESH_ENGINES__RETRIEVAL__PATH=str(tmp_path_factory.mktemp("agent-kb")),
+        AIMESH_ENGINES__DIFFUSION__MODELS="digits",
+        OTEL_TRACES_EXPORTER="none",
+        **{f"AIMESH_SERVICES__{name.upper()}__PORT": str(port) for name, port in ports.items()},
+        **{f"AIMESH_SERVICES__{name.upper()}__METRICS_PORT": "0" for name in SERVICES},
+    )
+    only = [arg for name in SERVICES for arg in ("--only", name)]
+    process = await asyncio.create_subprocess_exec(
+        str(VENV_BIN / "aimesh"),
+        "up",
+        *only,
+        env=env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        for name, port in ports.items():
+            if not await wait_until_serving(f"127.0.0.1:{port}", name, timeout_s=300):
+                raise AssertionError(f"{name} did not become ready")
+        await fill_knowledge(f"127.0.0.1:{ports['retrieval']}")
+        yield Mesh(env, ports)
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), 60)
+            except TimeoutError:
+                os.killpg(process.pid, signal.SIGKILL)
+                await process.wait()
