@@ -37,6 +37,12 @@ echo; echo "== the knowledge base: the stdlib's own docs, embedded once (about a
 aimesh ingest
 aimesh search --rerank --top-k 3 "how do I copy a nested list?"
 
+echo; echo "== aimesh ask: the agent searches the knowledge base and answers with citations"
+aimesh ask --seed 1 "How do I make a deep copy of a nested list in Python?"
+
+echo; echo "== aimesh ask: a question that needs the calculator"
+aimesh ask --seed 1 "What is (17*23)+4?"
+
 echo; echo "== aimesh imagine: the project's own digits DDPM, then a terrain heightfield (ONNX Runtime)"
 aimesh imagine --model digits --prompt seven --n 4 --seed 7 --out var/demo-images
 aimesh imagine --model terrain --condition difficulty=70 --out var/demo-images/terrain.png --json

@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 from google.protobuf import json_format
+from rich.console import Console
+from rich.table import Table
 
 from aimesh.agent.v1 import agent_pb2, agent_pb2_grpc
 from mesh.client import create_channel
@@ -52,6 +54,10 @@ async def _ask(request: agent_pb2.RunRequest, stream: bool) -> dict:
         "citations": citations,
         "tools": list(tools.values()),
         "timing": timing_ms(final.timing),
+        "hops": [
+            {"hop": s.name, "service": s.service, "ms": round(s.duration_ns / 1e6, 1)}
+            for s in final.timing.stages
+        ],
         "iterations": final.iterations,
         "planner": agent_pb2.Planner.Name(final.planner),
         "notes": list(final.notes),
@@ -81,9 +87,10 @@ def ask(
     typer.echo()
     if result["citations"]:
         typer.echo("sources: " + ", ".join(result["citations"]))
-    for tool in result["tools"]:
-        state = "error" if tool.get("is_error") else "ok"
-        typer.echo(f"  tool {tool['name']} {state} in {tool.get('ms', 0):.0f} ms", err=True)
+    table = Table("hop", "service", "ms", title=f"trace {result['trace_id']}")
+    for hop in result["hops"]:
+        table.add_row(hop["hop"], hop["service"], f"{hop['ms']:.1f}")
+    Console(stderr=True).print(table)
     for note in result["notes"]:
         typer.echo(f"  note: {note}", err=True)
     typer.echo(

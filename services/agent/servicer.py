@@ -88,7 +88,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         violations.raise_if_any()
         allowed = set(options.allowed_tools or available) & available
 
-        budget_s = deadline.remaining() or self.settings.default_budget_s
+        budget_s = (
+            deadline.remaining() or self.settings.default_budget_s
+        ) - self.settings.wrap_up_s
         reserve_s = max(budget_s * self.settings.answer_share, self.settings.answer_min_s)
         tools_until = received + budget_s - reserve_s
         max_iterations = (
