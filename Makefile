@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test lint protos demo bench bench-llm bench-retrieval bench-diffusion clean
+.PHONY: install test lint protos demo bench bench-llm bench-retrieval bench-diffusion bench-agent clean
 
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,9 @@ bench-retrieval: install
 
 bench-diffusion: install
 	$(PY) -m loadtest.diffusion --out docs/benchmarks.md
+
+bench-agent: install
+	$(PY) -m loadtest.agent_eval --out docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) var

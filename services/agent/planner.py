@@ -12,8 +12,10 @@ from typing import Any
 
 from services.tools.calculator import CalculationError, calculate
 
-# A run of digits and operators with at least one operator between numbers.
-ARITHMETIC = re.compile(r"[-+(]*\d[\d.\s]*(?:[-+*/^%]+[\s(]*\d[\d.\s)]*)+")
+# Numbers joined by operators (at least one), calls of the calculator's functions
+# included: "(17*23)+4", "2^10", "sqrt(144) + 3".
+_OPERAND = r"(?:[a-z]{2,5}\(\s*)*[-+(\s]*\d[\d.\s)]*"
+ARITHMETIC = re.compile(rf"{_OPERAND}(?:[-+*/^%]+{_OPERAND})+")
 # A dotted stdlib-style name, e.g. json.loads or collections.OrderedDict.move_to_end.
 DOTTED_NAME = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+\b")
 DIGIT_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]

@@ -52,11 +52,20 @@ def answer_messages(question: str, observations: list[Observation], limit: int) 
 
 
 def cited(answer: str, observations: list[Observation], limit: int) -> list[str]:
-    """Passage ids the answer cites; if it cites none it was still grounded on the passages
-    its prompt carried, and those are its citations."""
+    """The passages the answer used, as far as the text shows: those it cites as [id];
+    failing that, those whose name it mentions (e.g. `shutil.rmtree`); failing that, the
+    best-ranked passage its prompt carried, the one it most likely drew on."""
     known = [p["id"] for p in passages(observations)[:limit]]
     named = [i for i in dict.fromkeys(CITATION.findall(answer)) if i in known]
-    return named or known
+    if named:
+        return named
+    mentioned = [i for i in known if name_of(i) in answer]
+    return mentioned or known[:1]
+
+
+def name_of(passage_id: str) -> str:
+    """`json.loads#2` -> `json.loads`; `topic:with` -> `with`."""
+    return passage_id.partition("#")[0].removeprefix("topic:")
 
 
 def fallback_answer(observations: list[Observation]) -> str:

@@ -1,0 +1,164 @@
+"""The agent on labelled questions: answer accuracy and citation precision, one run.
+
+34 questions (loadtest/data/agent_questions.jsonl): 22 from the stdlib question set, each
+labelled with the passage ids that answer it, and 12 arithmetic questions with their
+values. The whole mesh runs as `aimesh up` (every service its own process, the default
+stdlib knowledge base ingested first, unchanged passages skipped), and each question is
+one Run with a fixed seed, greedy decoding and the default answer length.
+
+- number questions: the answer is right when a number in its text equals the value
+  (relative tolerance 1e-9); the calculator column says whether the tool computed it.
+- cite questions: citation precision is the share of cited ids that are labelled
+  relevant; "hit" is a question where at least one cited id is relevant.
+
+    python -m loadtest.agent_eval --out docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.protobuf import json_format
+
+from aimesh.agent.v1 import agent_pb2, agent_pb2_grpc
+from loadtest.mesh_overhead import write
+from mesh.client import create_channel
+from mesh.config import MeshSettings
+from mesh.health import wait_until_serving
+from mesh.registry import discover
+
+QUESTIONS = Path(__file__).parent / "data" / "agent_questions.jsonl"
+BEGIN, END = "<!-- agent:begin -->", "<!-- agent:end -->"
+COMMAND = "python -m loadtest.agent_eval --out docs/benchmarks.md"
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+@dataclass
+class Outcome:
+    question: dict
+    answer: str
+    citations: list[str]
+    tools: list[str]
+    calculator_value: float | None
+    seconds: float
+
+
+def numbers_in(text: str) -> list[float]:
+    return [float(n.replace(",", "")) for n in NUMBER.findall(text)]
+
+
+def right_number(outcome: Outcome) -> bool:
+    expected = outcome.question["number"]
+    return any(math.isclose(n, expected, rel_tol=1e-9) for n in numbers_in(outcome.answer))
+
+
+def precision(outcome: Outcome) -> float:
+    cited = outcome.citations
+    relevant = set(outcome.question["cite"])
+    return sum(c in relevant for c in cited) / len(cited) if cited else 0.0
+
+
+async def ask(stub, question: dict) -> Outcome:
+    request = agent_pb2.RunRequest(
+        question=question["question"], options=agent_pb2.RunOptions(seed=1)
+    )
+    answer, citations, tools, value = "", [], [], None
+    started = time.perf_counter()
+    async for event in stub.Run(request, timeout=120):
+        kind = event.WhichOneof("event")
+        if kind == "answer_delta":
+            answer += event.answer_delta.text
+        elif kind == "citations":
+            citations = list(event.citations.passage_ids)
+        elif kind == "tool_result":
+            tools.append(event.tool_result.name)
+            if event.tool_result.name == "calculator" and not event.tool_result.is_error:
+                value = json_format.MessageToDict(event.tool_result.structured)["value"]
+    return Outcome(question, answer, citations, tools, value, time.perf_counter() - started)
+
+
+async def evaluate(target: str) -> list[Outcome]:
+    questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines()]
+    async with create_channel(target, MeshSettings()) as channel:
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        return [await ask(stub, question) for question in questions]
+
+
+def report(outcomes: list[Outcome]) -> str:
+    numbers = [o for o in outcomes if "number" in o.question]
+    cites = [o for o in outcomes if "cite" in o.question]
+    tool_right = [
+        o for o in numbers
+        if o.calculator_value is not None
+        and math.isclose(o.calculator_value, o.question["number"], rel_tol=1e-9)
+    ]  # fmt: skip
+    hits = [o for o in cites if precision(o) > 0]
+    lines = [
+        BEGIN,
+        "## Agent: answer accuracy and citation precision on labelled questions",
+        "",
+        f"`{COMMAND}`: {len(outcomes)} questions through `aimesh up` (SmolLM2-135M answers,"
+        " rule planner, default stdlib knowledge base), one run, seed 1, greedy.",
+        "",
+        "| questions | measure | result |",
+        "|---|---|---:|",
+        f"| {len(numbers)} arithmetic | answer states the right value | "
+        f"{sum(map(right_number, numbers))}/{len(numbers)} |",
+        f"| | calculator computed the right value | {len(tool_right)}/{len(numbers)} |",
+        f"| {len(cites)} knowledge base | citation precision (mean) | "
+        f"{statistics.mean(map(precision, cites)):.2f} |",
+        f"| | at least one relevant passage cited | {len(hits)}/{len(cites)} |",
+        f"| all | latency p50 / max | {statistics.median(o.seconds for o in outcomes):.1f} s"
+        f" / {max(o.seconds for o in outcomes):.1f} s |",
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    logs = Path(tempfile.mkdtemp(prefix="aimesh-agent-eval-"))
+    aimesh = Path(sys.executable).parent / "aimesh"
+    env = {**os.environ, "AIMESH_LOG_LEVEL": "WARNING", "GRPC_VERBOSITY": "ERROR"}
+    mesh = subprocess.Popen(
+        [str(aimesh), "up", "--log-dir", str(logs)], env=env, stdout=subprocess.DEVNULL
+    )
+    settings = MeshSettings()
+    specs = discover()
+    target = settings.target_of("agent", specs["agent"].default_port)
+    try:
+        for name, spec in specs.items():
+            address = settings.target_of(name, spec.default_port)
+            if not asyncio.run(wait_until_serving(address, name, timeout_s=300)):
+                raise SystemExit(f"{name} did not start; logs in {logs}")
+        subprocess.run([str(aimesh), "ingest"], env=env, check=True)
+        outcomes = asyncio.run(evaluate(target))
+    finally:
+        mesh.send_signal(signal.SIGTERM)
+        mesh.wait(timeout=60)
+    for outcome in outcomes:
+        print(json.dumps({**outcome.question, "answer": outcome.answer[:200],
+                          "citations": outcome.citations, "tools": outcome.tools}))  # fmt: skip
+    markdown = report(outcomes)
+    print(markdown)
+    if args.out:
+        write(markdown, args.out)
+
+
+if __name__ == "__main__":
+    main()
