@@ -23,7 +23,7 @@ from mesh import deadline, tracing
 from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
-from services.agent import planner, prompts
+from services.agent import llm_planner, planner, prompts
 from services.agent.settings import AgentSettings, agent_settings, dependency_targets
 
 SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
@@ -33,6 +33,8 @@ MAX_QUESTION_BYTES = 8 * 1024
 MAX_ITERATIONS = 25
 DEFAULT_ITERATIONS = 4
 MAX_ANSWER_TOKENS = 2048
+# Below this, a model call for the plan would leave the tools nothing; rules are instant.
+MIN_PLAN_S = 0.5
 
 
 def event(**kind: object) -> agent_pb2.RunResponse:
@@ -54,12 +56,54 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     def _tools(self) -> tools_pb2_grpc.ToolsServiceStub:
         return tools_pb2_grpc.ToolsServiceStub(self.channels.get(self.tools_target, TOOLS))
 
-    async def _tool_names(self) -> set[str] | None:
+    def _generation(self) -> generation_pb2_grpc.GenerationServiceStub:
+        return generation_pb2_grpc.GenerationServiceStub(
+            self.channels.get(self.generation_target, GENERATION)
+        )
+
+    async def _tool_descriptions(self) -> dict[str, str] | None:
         try:
             listed = await self._tools().ListTools(tools_pb2.ListToolsRequest(), timeout=5)
         except grpc.aio.AioRpcError:
             return None
-        return {tool.name for tool in listed.tools}
+        return {tool.name: tool.description for tool in listed.tools}
+
+    async def _plan(
+        self,
+        request: agent_pb2.RunRequest,
+        allowed: dict[str, str],
+        observations: list[planner.Observation],
+        notes: list[str],
+        window_s: float,
+    ) -> tuple[list[planner.ToolStep], int]:
+        """The model picks the first tool; follow-ups, and any plan the model cannot make
+        usable, are the rules'. The model may use half of what is left for tools (at most
+        plan_timeout_s); with too little for that, the rules plan at once. Returns the
+        steps and which planner made them."""
+        question = request.question
+        rules = planner.plan(question, set(allowed), observations)
+        if observations or not allowed:
+            return rules, agent_pb2.PLANNER_FALLBACK
+        plan_s = min(self.settings.plan_timeout_s, window_s / 2)
+        if plan_s < MIN_PLAN_S:
+            notes.append("too little time to ask the model for a plan; planned by rules")
+            return rules, agent_pb2.PLANNER_FALLBACK
+        try:
+            with deadline.budget(plan_s):
+                choice = await llm_planner.choose(
+                    self._generation(), question, allowed, request.request_id
+                )
+        except grpc.aio.AioRpcError as error:
+            notes.append(f"the planning model failed ({error.code().name}); planned by rules")
+            return rules, agent_pb2.PLANNER_FALLBACK
+        if choice == llm_planner.ANSWER:
+            return [], agent_pb2.PLANNER_LLM
+        step = llm_planner.step_for(choice, question)
+        if step is None:
+            notes.append(f"the model chose {choice}, but the question gives it no arguments")
+            return rules, agent_pb2.PLANNER_FALLBACK
+        # Calls the rules find for other tools are independent of the model's pick.
+        return [step, *(s for s in rules if s.name != step.name)], agent_pb2.PLANNER_LLM
 
     async def Run(
         self, request: agent_pb2.RunRequest, context: grpc.aio.ServicerContext
@@ -76,9 +120,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         violations.in_range(options.temperature, "options.temperature", 0, 2)
         violations.raise_if_any()
         notes: list[str] = []
-        available = await self._tool_names()
+        available = await self._tool_descriptions()
         if available is None:
-            available = set()
+            available = {}
             notes.append("the tools service was unavailable; answered without tools")
         unknown = [name for name in options.allowed_tools if name not in available]
         if available and unknown:
@@ -86,7 +130,11 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 "options.allowed_tools", f"unknown tools {unknown}; known: {sorted(available)}"
             )
         violations.raise_if_any()
-        allowed = set(options.allowed_tools or available) & available
+        allowed = {
+            name: description
+            for name, description in available.items()
+            if not options.allowed_tools or name in options.allowed_tools
+        }
 
         budget_s = (
             deadline.remaining() or self.settings.default_budget_s
@@ -97,18 +145,27 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             options.max_iterations if options.HasField("max_iterations") else DEFAULT_ITERATIONS
         )
         observations: list[planner.Observation] = []
+        planners: set[int] = set()
         stages: list[common_pb2.Stage] = []
         iterations = 0
         with deadline.budget(budget_s):
             while True:
                 planned = time.monotonic()
-                steps = planner.plan(request.question, allowed, observations)
+                window_s = tools_until - time.monotonic()
+                steps, made_by = await self._plan(request, allowed, observations, notes, window_s)
+                if steps or not observations:
+                    planners.add(made_by)
                 stages.append(
                     stage(
                         "plan", time.monotonic() - planned, common_pb2.STAGE_KIND_COMPUTE, "agent"
                     )
                 )
                 if not steps:
+                    if not observations:
+                        answer_only = agent_pb2.Plan(
+                            planner=made_by, steps=["answer without tools"]
+                        )
+                        yield event(plan=answer_only)
                     break
                 if iterations == max_iterations:
                     notes.append(
@@ -120,11 +177,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                     notes.append("no time was left for more tool calls")
                     break
                 iterations += 1
-                yield event(
-                    plan=agent_pb2.Plan(
-                        planner=agent_pb2.PLANNER_FALLBACK, steps=[s.why for s in steps]
-                    )
-                )
+                yield event(plan=agent_pb2.Plan(planner=made_by, steps=[s.why for s in steps]))
                 async for message in self._call_all(
                     steps, iterations, left, observations, stages, notes
                 ):
@@ -162,7 +215,11 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 ),
                 iterations=iterations,
                 trace_id=tracing.current_trace_id(),
-                planner=agent_pb2.PLANNER_FALLBACK,
+                planner=(
+                    agent_pb2.PLANNER_FALLBACK
+                    if agent_pb2.PLANNER_FALLBACK in planners
+                    else agent_pb2.PLANNER_LLM
+                ),
                 notes=notes,
             )
         )
@@ -237,9 +294,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         messages = prompts.answer_messages(
             request.question, observations, self.settings.passages_in_prompt
         )
-        stub = generation_pb2_grpc.GenerationServiceStub(
-            self.channels.get(self.generation_target, GENERATION)
-        )
+        stub = self._generation()
         chat = generation_pb2.ChatRequest(
             request_id=request.request_id, messages=messages, sampling=sampling, stopping=stopping
         )

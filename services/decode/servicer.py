@@ -22,7 +22,7 @@ from services.llm.artifacts import resolve_model
 from services.llm.detokenize import IncrementalDetokenizer
 from services.llm.kv_transfer import KvReleaser
 from services.llm.llama import Llama
-from services.llm.requests import check_prompt, sampling_params, stopping
+from services.llm.requests import check_prompt, end_token, sampling_params, stopping
 from services.llm.settings import LlmSettings, llm_settings
 from services.llm.stopping import Finish, StopChecker
 
@@ -80,7 +80,9 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
             "first_token_id",
             "is outside the vocabulary",
         )
-        params = sampling_params(request.sampling, config.vocab_size, violations)
+        params = sampling_params(
+            request.sampling, config.vocab_size, violations, end_token=end_token(config)
+        )
         stop = stopping(request.stopping, len(prompt), self.settings, violations)
         violations.raise_if_any()
         return prompt, params, stop

@@ -80,6 +80,15 @@ class Pipeline:
         )
         return list(response.token_ids)
 
+    async def tokenize_choice(self, choice: str, request_id: str) -> list[int]:
+        """A guided choice's tokens as they follow the prompt: no special tokens."""
+        response = await self._tokenizer().Tokenize(
+            tokenizer_pb2.TokenizeRequest(
+                request_id=request_id, text=choice, add_special_tokens=False
+            )
+        )
+        return list(response.token_ids)
+
     async def apply_chat_template(self, request_id: str, messages: list) -> list[int]:
         response = await self._tokenizer().ApplyChatTemplate(
             tokenizer_pb2.ApplyChatTemplateRequest(

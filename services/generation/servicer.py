@@ -29,6 +29,8 @@ from services.llm.settings import LlmSettings, llm_settings
 GENERATION = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
 MAX_PROMPT_BYTES = 1024 * 1024
 MAX_MESSAGES = 256
+MAX_CHOICES = 32
+MAX_CHOICE_BYTES = 256
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 # The router does not hold the vocabulary; prefill checks top_k against the real one.
 _ANY_VOCAB = 2**31 - 1
@@ -78,6 +80,45 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
                 "model", f"unknown model {request.model!r}; this mesh serves {self.model_name!r}"
             )
         sampling_params(request.sampling, _ANY_VOCAB, violations)
+        choices = request.sampling.choices
+        violations.check(
+            len(choices) <= MAX_CHOICES and len(set(choices)) == len(choices),
+            "sampling.choices",
+            f"must be at most {MAX_CHOICES} distinct strings, got {len(choices)}",
+        )
+        for i, choice in enumerate(choices[:MAX_CHOICES]):
+            violations.check(bool(choice), f"sampling.choices[{i}]", "must not be empty")
+            violations.max_length(choice.encode(), f"sampling.choices[{i}]", MAX_CHOICE_BYTES)
+        violations.check(
+            not request.sampling.choice_token_ids,
+            "sampling.choice_token_ids",
+            "is filled in by the router; set sampling.choices",
+        )
+        violations.check(
+            not (choices and request.stopping.ignore_eos),
+            "stopping.ignore_eos",
+            "cannot be combined with sampling.choices",
+        )
+
+    async def _guided(
+        self, rid: str, request
+    ) -> tuple[sampling_pb2.SamplingParameters, sampling_pb2.StoppingCriteria]:
+        """The request's sampling with its choices tokenized for prefill and decode, and
+        room for the longest choice (plus its end token) when no length was asked for."""
+        if not request.sampling.choices:
+            return request.sampling, request.stopping
+        sampling = sampling_pb2.SamplingParameters()
+        sampling.CopyFrom(request.sampling)
+        stopping = sampling_pb2.StoppingCriteria()
+        stopping.CopyFrom(request.stopping)
+        tokenized = await asyncio.gather(
+            *(self.pipeline.tokenize_choice(choice, rid) for choice in request.sampling.choices)
+        )
+        for ids in tokenized:
+            sampling.choice_token_ids.add(ids=ids)
+        if not stopping.HasField("max_new_tokens"):
+            stopping.max_new_tokens = max(map(len, tokenized)) + 1
+        return sampling, stopping
 
     def _check_length(self, request, prompt_ids: list[int], field: str) -> None:
         violations = Violations()
@@ -139,7 +180,8 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         self, rid: str, prompt_ids: list[int], request, received: float, tokenize_s: float
     ) -> AsyncIterator[dict]:
         last_token_at: float | None = None
-        async for event in self.pipeline.run(rid, prompt_ids, request.sampling, request.stopping):
+        sampling, stopping_criteria = await self._guided(rid, request)
+        async for event in self.pipeline.run(rid, prompt_ids, sampling, stopping_criteria):
             now = time.perf_counter()
             if isinstance(event, Delta):
                 if event.token_ids:

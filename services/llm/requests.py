@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from aimesh.llm.v1 import sampling_pb2
 from mesh.validation import Violations
+from services.llm.llama import LlamaConfig
 from services.llm.sampling import SamplingParams
 from services.llm.settings import LlmSettings
 
@@ -23,7 +24,10 @@ def sampling_params(
     vocab_size: int,
     violations: Violations,
     field: str = "sampling",
+    end_token: int | None = None,
 ) -> SamplingParams:
+    """`end_token` (the model's end-of-sequence id) closes every guided choice, so the
+    output stops right after one; only prefill and decode, which know it, pass it."""
     violations.in_range(message.temperature, f"{field}.temperature", 0.0, 2.0)
     violations.in_range(message.top_k, f"{field}.top_k", 0, vocab_size)
     top_p = 1.0
@@ -41,7 +45,16 @@ def sampling_params(
         f"must be in (0, 10] (0 = off), got {message.repetition_penalty}",
     )
     violations.in_range(message.frequency_penalty, f"{field}.frequency_penalty", -2.0, 2.0)
+    choices = tuple(tuple(c.ids) for c in message.choice_token_ids)
+    violations.check(
+        all(c and all(i < vocab_size for i in c) for c in choices),
+        f"{field}.choice_token_ids",
+        "every choice must be a non-empty sequence of token ids in the vocabulary",
+    )
+    if end_token is not None:
+        choices = tuple((*choice, end_token) for choice in choices)
     return SamplingParams(
+        choices=choices,
         temperature=message.temperature,
         top_k=message.top_k,
         top_p=top_p,
@@ -49,6 +62,11 @@ def sampling_params(
         repetition_penalty=penalty,
         frequency_penalty=message.frequency_penalty,
     )
+
+
+def end_token(config: LlamaConfig) -> int | None:
+    """The id that ends a guided choice: the model's first end-of-sequence token."""
+    return config.eos_token_ids[0] if config.eos_token_ids else None
 
 
 @dataclass(frozen=True)

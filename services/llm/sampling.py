@@ -24,6 +24,9 @@ class SamplingParams:
     seed: int | None = None
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
+    # Guided choice: token sequences (each ending in an end-of-sequence id) the output
+    # must be one of. Empty = unconstrained.
+    choices: tuple[tuple[int, ...], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -47,6 +50,22 @@ def _penalise(logits: torch.Tensor, history: list[int], params: SamplingParams) 
     return logits
 
 
+def _guide(logits: torch.Tensor, params: SamplingParams, history: list[int], index: int):
+    """Only the tokens that continue a choice the output so far is a prefix of survive."""
+    generated = tuple(history[len(history) - index :]) if index else ()
+    allowed = {
+        choice[index]
+        for choice in params.choices
+        if len(choice) > index and choice[:index] == generated
+    }
+    if not allowed:
+        return logits
+    mask = torch.full_like(logits, float("-inf"))
+    keep = torch.tensor(sorted(allowed), dtype=torch.long)
+    mask[keep] = 0.0
+    return logits + mask
+
+
 def sample(
     logits: torch.Tensor, params: SamplingParams, history: list[int], index: int
 ) -> tuple[int, float]:
@@ -55,6 +74,8 @@ def sample(
     `history` is what the penalties look at: the prompt and the tokens generated so far.
     """
     logits = _penalise(logits.float(), history, params)
+    if params.choices:
+        logits = _guide(logits, params, history, index)
     if params.greedy:
         token = int(torch.argmax(logits))
         return token, float(torch.log_softmax(logits, dim=-1)[token])

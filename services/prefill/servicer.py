@@ -23,7 +23,7 @@ from mesh.validation import Violations
 from services.llm import kv_codec
 from services.llm.artifacts import resolve_model
 from services.llm.llama import Llama
-from services.llm.requests import check_prompt, sampling_params
+from services.llm.requests import check_prompt, end_token, sampling_params
 from services.llm.settings import LlmSettings, llm_settings
 from services.prefill.engine import KvStore, PrefillEngine
 
@@ -67,7 +67,9 @@ class PrefillWorker(
         violations = Violations()
         token_ids = list(request.token_ids)
         check_prompt(token_ids, config.vocab_size, self.settings, violations, "token_ids")
-        params = sampling_params(request.sampling, config.vocab_size, violations)
+        params = sampling_params(
+            request.sampling, config.vocab_size, violations, end_token=end_token(config)
+        )
         violations.check(request.lease_ttl_ms >= 0, "lease_ttl_ms", "must not be negative")
         violations.check(
             not request.handle_id or HANDLE_ID.fullmatch(request.handle_id) is not None,

@@ -133,6 +133,34 @@ async def test_seeded_sampling_reproduces(llm_mesh):
     assert runs[0] != runs[2]
 
 
+async def test_guided_choice_output_is_exactly_one_choice(llm_mesh):
+    """Greedy or sampled, the text is one of the choices, and the model's own preference
+    among them decides which: the capital of France is Paris."""
+    choices = ["Paris", "Berlin", "Madrid", "knowledge_search"]
+    stub, channel = llm_mesh.stub()
+    async with channel:
+        _, greedy, complete = await generate(
+            stub,
+            prompt="The capital of France is",
+            sampling=sampling_pb2.SamplingParameters(choices=[" " + c for c in choices]),
+        )
+        sampled = [
+            (
+                await generate(
+                    stub,
+                    prompt="My favourite word is",
+                    sampling=sampling_pb2.SamplingParameters(
+                        choices=choices, temperature=1.5, seed=seed
+                    ),
+                )
+            )[1]
+            for seed in range(6)
+        ]
+    assert greedy == " Paris"
+    assert complete.finish_reason == sampling_pb2.FINISH_REASON_EOS
+    assert set(sampled) <= set(choices) and len(set(sampled)) > 1
+
+
 BAD_REQUESTS = [
     ({"prompt": ""}, "prompt"),
     ({"prompt": "word " * (MAX_SEQ_LEN + 50)}, "prompt"),
@@ -160,6 +188,31 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(top_p=1.5)}, "sampling.top_p"),
     ({"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(top_k=-1)}, "sampling.top_k"),
     ({"prompt": "hi", "model": "gpt-17"}, "model"),
+    (
+        {"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(choices=["a", "a"])},
+        "sampling.choices",
+    ),
+    (
+        {"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(choices=["a", ""])},
+        "sampling.choices[1]",
+    ),
+    (
+        {
+            "prompt": "hi",
+            "sampling": sampling_pb2.SamplingParameters(
+                choice_token_ids=[sampling_pb2.TokenIds(ids=[1])]
+            ),
+        },
+        "sampling.choice_token_ids",
+    ),
+    (
+        {
+            "prompt": "hi",
+            "sampling": sampling_pb2.SamplingParameters(choices=["a"]),
+            "stopping": sampling_pb2.StoppingCriteria(ignore_eos=True),
+        },
+        "stopping.ignore_eos",
+    ),
 ]
 
 

@@ -158,3 +158,16 @@ def test_a_local_model_directory_is_used_as_given_and_checked(tmp_path, model_di
     shutil.copytree(model_dir, broken, ignore=shutil.ignore_patterns("*.safetensors"))
     with pytest.raises(NotReady, match="manifest"):
         artifacts.resolve_model(broken, tmp_path)
+
+
+def test_guided_choice_keeps_only_tokens_that_continue_a_choice():
+    params = SamplingParams(choices=((5, 6, 0), (5, 7, 0), (9, 0)))
+    logits = torch.zeros(10)
+    logits[3] = 10.0  # the model's favourite, never a choice
+    first, _ = sample(logits, params, history=[1, 2], index=0)
+    assert first == 5 or first == 9
+    logits[6], logits[7] = 1.0, 2.0
+    second, _ = sample(logits, params, history=[1, 2, 5], index=1)
+    assert second == 7
+    third, _ = sample(logits, params, history=[1, 2, 5, 7], index=2)
+    assert third == 0
