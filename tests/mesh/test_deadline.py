@@ -60,9 +60,9 @@ async def test_expiry_cancels_every_hop_and_caller_sees_deadline_exceeded(echo_s
         # Every hop's handler stopped: its admission slot is free again, promptly.
         waited = await eventually(
             lambda: a.admission.in_flight == b.admission.in_flight == c.admission.in_flight == 0,
-            timeout_s=2.0,
+            timeout_s=5.0,
         )
-        assert waited < 1.0
+        assert waited < 3.0
 
 
 async def test_unary_chain_expiry_stops_the_sleeping_last_hop(echo_server):
@@ -75,8 +75,11 @@ async def test_unary_chain_expiry_stops_the_sleeping_last_hop(echo_server):
                 timeout=0.5,
             )
         assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        await eventually(lambda: c.admission.in_flight == 0, timeout_s=2.0)
-        assert a.admission.in_flight == b.admission.in_flight == 0
+        # Every hop lets go of its slot (generous bound: the machine may be busy).
+        await eventually(
+            lambda: a.admission.in_flight == b.admission.in_flight == c.admission.in_flight == 0,
+            timeout_s=5.0,
+        )
 
 
 async def test_call_without_deadline_gets_the_default(echo_server):

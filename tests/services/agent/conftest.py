@@ -8,8 +8,10 @@ import os
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest_asyncio
+import rotel
 
 from mesh.health import wait_until_serving
 from tests.conftest import VENV_BIN, free_port, subprocess_env
@@ -25,6 +27,7 @@ SERVICES = (
 class Mesh:
     env: dict[str, str]
     ports: dict[str, int]
+    spans: Path  # everything the OTLP collector received, as its debug log prints it
 
     def target(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
@@ -33,10 +36,26 @@ class Mesh:
 @pytest_asyncio.fixture(scope="package", loop_scope="package")
 async def mesh(tmp_path_factory) -> AsyncIterator[Mesh]:
     ports = {name: free_port() for name in SERVICES}
+    otlp_port = free_port()
+    spans = tmp_path_factory.mktemp("otlp") / "spans.log"
+    # A real OTLP collector: rotel receives every process's spans and prints them.
+    collector = await asyncio.create_subprocess_exec(
+        str(Path(rotel.__file__).parent / "rotel-agent"),
+        "start",
+        "--otlp-grpc-endpoint", f"127.0.0.1:{otlp_port}",
+        "--otlp-http-endpoint", f"127.0.0.1:{free_port()}",
+        "--exporter", "blackhole",
+        "--debug-log", "traces",
+        "--debug-log-verbosity", "detailed",
+        stdout=spans.open("w"),
+        stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
     env = subprocess_env(
         AIMESH_ENGINES__RETRIEVAL__PATH=str(tmp_path_factory.mktemp("agent-kb")),
         AIMESH_ENGINES__DIFFUSION__MODELS="digits",
-        OTEL_TRACES_EXPORTER="none",
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp_port}",
+        OTEL_BSP_SCHEDULE_DELAY="200",
         **{f"AIMESH_SERVICES__{name.upper()}__PORT": str(port) for name, port in ports.items()},
         **{f"AIMESH_SERVICES__{name.upper()}__METRICS_PORT": "0" for name in SERVICES},
     )
@@ -55,8 +74,10 @@ async def mesh(tmp_path_factory) -> AsyncIterator[Mesh]:
             if not await wait_until_serving(f"127.0.0.1:{port}", name, timeout_s=300):
                 raise AssertionError(f"{name} did not become ready")
         await fill_knowledge(f"127.0.0.1:{ports['retrieval']}")
-        yield Mesh(env, ports)
+        yield Mesh(env, ports, spans)
     finally:
+        collector.kill()
+        await collector.wait()
         if process.returncode is None:
             process.send_signal(signal.SIGTERM)
             try:

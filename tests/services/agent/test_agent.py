@@ -18,7 +18,7 @@ from mesh.config import MeshSettings
 from mesh.errors import field_violations
 from mesh.server import MeshServer
 from services.agent.servicer import setup as agent_setup
-from tests.conftest import VENV_BIN, free_port
+from tests.conftest import VENV_BIN, eventually, free_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="package")
 
@@ -174,3 +174,41 @@ async def test_aimesh_ask_prints_the_answer_as_json(mesh):
     assert {"answer", "citations", "tools", "timing", "trace_id"} <= set(result)
     assert result["tools"][0]["name"] == "calculator" and not result["tools"][0]["is_error"]
     assert result["answer"].strip() and len(result["trace_id"]) == 32
+
+
+def spans_by_trace(log: str) -> dict[str, set[str]]:
+    """trace id -> the services that sent spans of it, from the collector's debug log."""
+    traces: dict[str, set[str]] = {}
+    service = ""
+    for line in log.splitlines():
+        if "-> service.name: Str(" in line:
+            service = line.split("Str(", 1)[1].rstrip(")")
+        elif line.strip().startswith("Trace ID"):
+            traces.setdefault(line.split(":", 1)[1].strip(), set()).add(service)
+    return traces
+
+
+async def test_one_ask_is_one_trace_across_every_service_it_touched(mesh):
+    process = await asyncio.create_subprocess_exec(
+        str(VENV_BIN / "aimesh"), "ask", "--json", "How do I deep copy a nested list?",
+        env=mesh.env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(process.communicate(), 120)
+    assert process.returncode == 0, err.decode()
+    trace_id = json.loads(out)["trace_id"]
+    expected = {
+        f"aimesh-{name}"
+        for name in ("agent", "tools", "retrieval", "embedder", "rerank", "generation",
+                     "tokenizer", "prefill", "decode")
+    }  # fmt: skip
+    seen: set[str] = set()
+
+    def complete() -> bool:
+        seen.clear()
+        seen.update(spans_by_trace(mesh.spans.read_text()).get(trace_id, set()))
+        return expected <= seen
+
+    try:
+        await eventually(complete, timeout_s=30, interval_s=0.5)
+    except AssertionError:
+        raise AssertionError(f"trace {trace_id} has spans from {sorted(seen)} only") from None
