@@ -54,6 +54,7 @@ class Outcome:
     tools: list[str]
     calculator_value: float | None
     seconds: float
+    by_model: bool  # the model planned (no iteration fell back to the rules)
 
 
 def numbers_in(text: str) -> list[float]:
@@ -75,7 +76,7 @@ async def ask(stub, question: dict) -> Outcome:
     request = agent_pb2.RunRequest(
         question=question["question"], options=agent_pb2.RunOptions(seed=1)
     )
-    answer, citations, tools, value = "", [], [], None
+    answer, citations, tools, value, by_model = "", [], [], None, False
     started = time.perf_counter()
     async for event in stub.Run(request, timeout=120):
         kind = event.WhichOneof("event")
@@ -83,11 +84,14 @@ async def ask(stub, question: dict) -> Outcome:
             answer += event.answer_delta.text
         elif kind == "citations":
             citations = list(event.citations.passage_ids)
+        elif kind == "final":
+            by_model = event.final.planner == agent_pb2.PLANNER_LLM
         elif kind == "tool_result":
             tools.append(event.tool_result.name)
             if event.tool_result.name == "calculator" and not event.tool_result.is_error:
                 value = json_format.MessageToDict(event.tool_result.structured)["value"]
-    return Outcome(question, answer, citations, tools, value, time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    return Outcome(question, answer, citations, tools, value, seconds, by_model)
 
 
 async def evaluate(target: str) -> list[Outcome]:
@@ -110,8 +114,8 @@ def report(outcomes: list[Outcome]) -> str:
         BEGIN,
         "## Agent: answer accuracy and citation precision on labelled questions",
         "",
-        f"`{COMMAND}`: {len(outcomes)} questions through `aimesh up` (SmolLM2-135M answers,"
-        " rule planner, default stdlib knowledge base), one run, seed 1, greedy.",
+        f"`{COMMAND}`: {len(outcomes)} questions through `aimesh up` (SmolLM2-135M plans and"
+        " answers, default stdlib knowledge base), one run, seed 1, greedy.",
         "",
         "| questions | measure | result |",
         "|---|---|---:|",
@@ -121,7 +125,9 @@ def report(outcomes: list[Outcome]) -> str:
         f"| {len(cites)} knowledge base | citation precision (mean) | "
         f"{statistics.mean(map(precision, cites)):.2f} |",
         f"| | at least one relevant passage cited | {len(hits)}/{len(cites)} |",
-        f"| all | latency p50 / max | {statistics.median(o.seconds for o in outcomes):.1f} s"
+        f"| all | planned by the model (no fallback to rules) | "
+        f"{sum(o.by_model for o in outcomes)}/{len(outcomes)} |",
+        f"| | latency p50 / max | {statistics.median(o.seconds for o in outcomes):.1f} s"
         f" / {max(o.seconds for o in outcomes):.1f} s |",
         END,
     ]

@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
 
 from aimesh.diffusion.v1 import diffusion_pb2, diffusion_pb2_grpc
 from mesh.client import create_channel
@@ -131,6 +133,10 @@ def imagine(
     else:
         for path in result["images"]:
             typer.echo(path)
+        table = Table("stage", "ms", title=f"trace {result['trace_id']}")
+        for name, ms in result["timing"].items():
+            table.add_row(name, f"{ms:.1f}")
+        Console(stderr=True).print(table)
         typer.echo(
             f"[{len(result['images'])} image(s), seeds {result['seeds']}, "
             f"{result['timing']['total']:.0f} ms, trace {result['trace_id']}]",

@@ -30,7 +30,7 @@ def describe(tool: ToolDefinition, settings: ToolsSettings) -> tools_pb2.Tool:
         description=tool.description,
         input_schema=as_struct(tool.input_schema),
         annotations=tool.annotations,
-        timeout_ms=int(settings.timeout_s.get(tool.name, tool.timeout_s) * 1000),
+        timeout_ms=int(settings.limits(tool.name, tool.timeout_s, tool.idle_timeout_s)[0] * 1000),
     )
     if tool.output_schema is not None:
         described.output_schema.CopyFrom(as_struct(tool.output_schema))
@@ -98,14 +98,8 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
             self.keys.settle(request.idempotency_key, result)
 
     def _run(self, tool: ToolDefinition, arguments: dict) -> AsyncIterator:
-        settings = self.context.settings
-        return run_tool(
-            tool,
-            arguments,
-            self.context,
-            timeout_s=settings.timeout_s.get(tool.name, tool.timeout_s),
-            idle_timeout_s=settings.idle_timeout_s.get(tool.name, tool.idle_timeout_s),
-        )
+        limit, idle = self.context.settings.limits(tool.name, tool.timeout_s, tool.idle_timeout_s)
+        return run_tool(tool, arguments, self.context, timeout_s=limit, idle_timeout_s=idle)
 
 
 async def setup(server: MeshServer) -> None:

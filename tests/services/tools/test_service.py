@@ -159,8 +159,9 @@ async def busy_diffusion(target: str):
     [
         ({"idle_timeout_s": {"generate_image": 0.5}}, "sent no progress for 0.5 s"),
         ({"timeout_s": {"generate_image": 0.5}}, "ran past its 0.5 s limit"),
+        ({"max_call_s": 0.5}, "ran past its 0.5 s limit"),
     ],
-    ids=["idle", "absolute"],
+    ids=["idle", "own limit", "absolute cap"],
 )
 async def test_a_stuck_tool_is_stopped_by_its_limits(start_tools, limits, says):
     mesh = await start_tools(**limits)
