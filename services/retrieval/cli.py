@@ -12,12 +12,13 @@ import typer
 from google.protobuf import struct_pb2
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
+from aimesh.rerank.v1 import rerank_pb2_grpc
 from aimesh.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 from mesh.client import create_channel
 from mesh.commands import run_command
 from mesh.config import MeshSettings
 from mesh.registry import discover
+from services.rerank.client import rerank_hits
 from services.retrieval.corpus import Passage, dedupe, file_passages, stdlib_passages
 
 DEFAULT_COLLECTION = "knowledge"
@@ -114,17 +115,8 @@ def search(
         timing = {s.name: s.duration_ns / 1e6 for s in found.timing.stages}
         if rerank and hits:
             async with create_channel(_target(settings, "rerank"), settings) as channel:
-                ranked = await rerank_pb2_grpc.RerankServiceStub(channel).Rerank(
-                    rerank_pb2.RerankRequest(
-                        query=query,
-                        documents=[rerank_pb2.Document(id=h["id"], text=h["text"]) for h in hits],
-                        top_n=top_k,
-                        # Ingested passages may run past the scorer's 512 tokens; ranking
-                        # on their first 512 beats failing the search.
-                        truncate=True,
-                    )
-                )
-            hits = [{**hits[r.index], "score": r.score} for r in ranked.results]
+                stub = rerank_pb2_grpc.RerankServiceStub(channel)
+                hits, ranked = await rerank_hits(stub, query, hits, top_k)
             timing["rerank"] = ranked.timing.total_ns / 1e6
         return {"hits": hits[:top_k], "timing": timing}
 

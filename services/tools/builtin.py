@@ -12,6 +12,7 @@ from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 from aimesh.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 from aimesh.tools.v1 import tools_pb2
 from mesh.errors import field_violations
+from services.rerank.client import rerank_hits
 from services.tools.calculator import (
     EXPRESSION_PATTERN,
     MAX_EXPRESSION,
@@ -67,15 +68,7 @@ async def knowledge_search(
         yield progress(1, 2, f"reranking {len(hits)} passages")
         stub = rerank_pb2_grpc.RerankServiceStub(context.channel("rerank", RERANK))
         try:
-            ranked = await stub.Rerank(
-                rerank_pb2.RerankRequest(
-                    query=query,
-                    documents=[rerank_pb2.Document(id=h["id"], text=h["text"]) for h in hits],
-                    top_n=top_k,
-                    truncate=True,
-                )
-            )
-            hits = [{**hits[r.index], "score": r.score} for r in ranked.results]
+            hits, _ = await rerank_hits(stub, query, hits, top_k)
         except grpc.aio.AioRpcError as error:
             raise unavailable("rerank", error) from None
     passages = hits[:top_k]
