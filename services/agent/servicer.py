@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf import json_format, struct_pb2
@@ -45,6 +46,37 @@ def as_struct(value: dict) -> struct_pb2.Struct:
     struct = struct_pb2.Struct()
     struct.update(value)
     return struct
+
+
+@dataclass
+class RunState:
+    """What one run has gathered so far; Final is made from it."""
+
+    received: float
+    observations: list[planner.Observation] = field(default_factory=list)
+    stages: list[common_pb2.Stage] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    planners: set[int] = field(default_factory=set)
+    iterations: int = 0
+    answer: str = ""
+    usage: common_pb2.Usage = field(default_factory=common_pb2.Usage)
+
+    def final(self) -> agent_pb2.Final:
+        return agent_pb2.Final(
+            usage=self.usage,
+            timing=common_pb2.Timing(
+                stages=self.stages, total_ns=int((time.monotonic() - self.received) * 1e9)
+            ),
+            iterations=self.iterations,
+            trace_id=tracing.current_trace_id(),
+            # FALLBACK when any iteration was planned by the rules.
+            planner=(
+                agent_pb2.PLANNER_FALLBACK
+                if agent_pb2.PLANNER_FALLBACK in self.planners
+                else agent_pb2.PLANNER_LLM
+            ),
+            notes=self.notes,
+        )
 
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
@@ -105,10 +137,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         # Calls the rules find for other tools are independent of the model's pick.
         return [step, *(s for s in rules if s.name != step.name)], agent_pb2.PLANNER_LLM
 
-    async def Run(
-        self, request: agent_pb2.RunRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[agent_pb2.RunResponse]:
-        received = time.monotonic()
+    async def _allowed_tools(self, request: agent_pb2.RunRequest, run: RunState) -> dict[str, str]:
+        """Validates the request; the tools this run may call, name -> description."""
         options = request.options
         violations = Violations()
         violations.check(bool(request.question.strip()), "question", "must not be empty")
@@ -119,109 +149,108 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         violations.in_range(options.max_new_tokens, "options.max_new_tokens", 0, MAX_ANSWER_TOKENS)
         violations.in_range(options.temperature, "options.temperature", 0, 2)
         violations.raise_if_any()
-        notes: list[str] = []
         available = await self._tool_descriptions()
         if available is None:
-            available = {}
-            notes.append("the tools service was unavailable; answered without tools")
+            run.notes.append("the tools service was unavailable; answered without tools")
+            return {}
         unknown = [name for name in options.allowed_tools if name not in available]
-        if available and unknown:
-            violations.add(
-                "options.allowed_tools", f"unknown tools {unknown}; known: {sorted(available)}"
-            )
+        violations.check(
+            not unknown,
+            "options.allowed_tools",
+            f"unknown tools {unknown}; known: {sorted(available)}",
+        )
         violations.raise_if_any()
-        allowed = {
+        return {
             name: description
             for name, description in available.items()
             if not options.allowed_tools or name in options.allowed_tools
         }
 
+    async def Run(
+        self, request: agent_pb2.RunRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[agent_pb2.RunResponse]:
+        run = RunState(received=time.monotonic())
+        allowed = await self._allowed_tools(request, run)
         budget_s = (
             deadline.remaining() or self.settings.default_budget_s
         ) - self.settings.wrap_up_s
         reserve_s = max(budget_s * self.settings.answer_share, self.settings.answer_min_s)
-        tools_until = received + budget_s - reserve_s
+        tools_until = run.received + budget_s - reserve_s
+        with deadline.budget(budget_s):
+            async for message in self._act(request, allowed, run, tools_until):
+                yield message
+            async for message in self._respond(request, run):
+                yield message
+        citations = prompts.cited(run.answer, run.observations, self.settings.passages_in_prompt)
+        if citations:
+            yield event(citations=agent_pb2.Citations(passage_ids=citations))
+        yield event(final=run.final())
+
+    async def _act(
+        self,
+        request: agent_pb2.RunRequest,
+        allowed: dict[str, str],
+        run: RunState,
+        tools_until: float,
+    ) -> AsyncIterator[agent_pb2.RunResponse]:
+        """Plan -> call tools, until the plan is empty, max_iterations, or the tools' time
+        is spent."""
+        options = request.options
         max_iterations = (
             options.max_iterations if options.HasField("max_iterations") else DEFAULT_ITERATIONS
         )
-        observations: list[planner.Observation] = []
-        planners: set[int] = set()
-        stages: list[common_pb2.Stage] = []
-        iterations = 0
-        with deadline.budget(budget_s):
-            while True:
-                planned = time.monotonic()
-                window_s = tools_until - time.monotonic()
-                steps, made_by = await self._plan(request, allowed, observations, notes, window_s)
-                if steps or not observations:
-                    planners.add(made_by)
-                stages.append(
-                    stage(
-                        "plan", time.monotonic() - planned, common_pb2.STAGE_KIND_COMPUTE, "agent"
-                    )
-                )
-                if not steps:
-                    if not observations:
-                        answer_only = agent_pb2.Plan(
-                            planner=made_by, steps=["answer without tools"]
-                        )
-                        yield event(plan=answer_only)
-                    break
-                if iterations == max_iterations:
-                    notes.append(
-                        f"stopped at max_iterations ({max_iterations}) with tools still to call"
-                    )
-                    break
-                left = tools_until - time.monotonic()
-                if left <= 0:
-                    notes.append("no time was left for more tool calls")
-                    break
-                iterations += 1
-                yield event(plan=agent_pb2.Plan(planner=made_by, steps=[s.why for s in steps]))
-                async for message in self._call_all(
-                    steps, iterations, left, observations, stages, notes
-                ):
-                    yield message
-            answer = ""
-            usage = common_pb2.Usage()
-            answered = time.monotonic()
-            try:
-                async for chunk, complete in self._answer(request, observations):
-                    if chunk:
-                        answer += chunk
-                        yield event(answer_delta=agent_pb2.AnswerDelta(text=chunk))
-                    if complete is not None:
-                        usage = complete.usage
-            except grpc.aio.AioRpcError as error:
-                notes.append(
-                    f"the language model failed ({error.code().name}); answered from the evidence"
-                )
-                fallback = prompts.fallback_answer(observations)
-                answer += ("\n\n" if answer else "") + fallback
-                yield event(answer_delta=agent_pb2.AnswerDelta(text=fallback))
-            stages.append(
-                stage(
-                    "answer", time.monotonic() - answered, common_pb2.STAGE_KIND_CALL, "generation"
-                )
+        while True:
+            planned = time.monotonic()
+            steps, made_by = await self._plan(
+                request, allowed, run.observations, run.notes, tools_until - planned
             )
-        citations = prompts.cited(answer, observations, self.settings.passages_in_prompt)
-        if citations:
-            yield event(citations=agent_pb2.Citations(passage_ids=citations))
-        yield event(
-            final=agent_pb2.Final(
-                usage=usage,
-                timing=common_pb2.Timing(
-                    stages=stages, total_ns=int((time.monotonic() - received) * 1e9)
-                ),
-                iterations=iterations,
-                trace_id=tracing.current_trace_id(),
-                planner=(
-                    agent_pb2.PLANNER_FALLBACK
-                    if agent_pb2.PLANNER_FALLBACK in planners
-                    else agent_pb2.PLANNER_LLM
-                ),
-                notes=notes,
+            if steps or not run.observations:
+                run.planners.add(made_by)
+            run.stages.append(
+                stage("plan", time.monotonic() - planned, common_pb2.STAGE_KIND_COMPUTE, "agent")
             )
+            if not steps:
+                if not run.observations:
+                    answer_only = agent_pb2.Plan(planner=made_by, steps=["answer without tools"])
+                    yield event(plan=answer_only)
+                return
+            if run.iterations == max_iterations:
+                run.notes.append(
+                    f"stopped at max_iterations ({max_iterations}) with tools still to call"
+                )
+                return
+            left = tools_until - time.monotonic()
+            if left <= 0:
+                run.notes.append("no time was left for more tool calls")
+                return
+            run.iterations += 1
+            yield event(plan=agent_pb2.Plan(planner=made_by, steps=[s.why for s in steps]))
+            async for message in self._call_all(
+                steps, run.iterations, left, run.observations, run.stages, run.notes
+            ):
+                yield message
+
+    async def _respond(
+        self, request: agent_pb2.RunRequest, run: RunState
+    ) -> AsyncIterator[agent_pb2.RunResponse]:
+        """Streams the model's answer; if the model fails, the evidence itself."""
+        answered = time.monotonic()
+        try:
+            async for chunk, complete in self._answer(request, run.observations):
+                if chunk:
+                    run.answer += chunk
+                    yield event(answer_delta=agent_pb2.AnswerDelta(text=chunk))
+                if complete is not None:
+                    run.usage = complete.usage
+        except grpc.aio.AioRpcError as error:
+            run.notes.append(
+                f"the language model failed ({error.code().name}); answered from the evidence"
+            )
+            fallback = prompts.fallback_answer(run.observations)
+            run.answer += ("\n\n" if run.answer else "") + fallback
+            yield event(answer_delta=agent_pb2.AnswerDelta(text=fallback))
+        run.stages.append(
+            stage("answer", time.monotonic() - answered, common_pb2.STAGE_KIND_CALL, "generation")
         )
 
     async def _call_all(
