@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import json_format
 
 from aimesh.agent.v1 import agent_pb2, agent_pb2_grpc
 from aimesh.common.v1 import common_pb2
@@ -40,12 +40,6 @@ MIN_PLAN_S = 0.5
 
 def event(**kind: object) -> agent_pb2.RunResponse:
     return agent_pb2.RunResponse(**kind)
-
-
-def as_struct(value: dict) -> struct_pb2.Struct:
-    struct = struct_pb2.Struct()
-    struct.update(value)
-    return struct
 
 
 @dataclass
@@ -261,7 +255,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         for call_id, step in calls.items():
             yield event(
                 tool_call=agent_pb2.ToolCall(
-                    call_id=call_id, name=step.name, arguments=as_struct(step.arguments)
+                    call_id=call_id, name=step.name, arguments=step.arguments
                 )
             )
         with deadline.budget(left_s):
@@ -283,7 +277,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                         name=observation.step.name,
                         is_error=observation.is_error,
                         summary=observation.text[:200],
-                        structured=as_struct(observation.structured),
+                        structured=observation.structured,
                         duration_ns=int(seconds * 1e9),
                     )
                 )
@@ -295,7 +289,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         self, call_id: str, step: planner.ToolStep
     ) -> tuple[str, planner.Observation, float]:
         started = time.monotonic()
-        request = tools_pb2.CallToolRequest(name=step.name, arguments=as_struct(step.arguments))
+        request = tools_pb2.CallToolRequest(name=step.name, arguments=step.arguments)
         try:
             async for message in self._tools().CallTool(request):
                 if message.HasField("result"):

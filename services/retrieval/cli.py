@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from google.protobuf import struct_pb2
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from aimesh.rerank.v1 import rerank_pb2_grpc
@@ -35,9 +34,7 @@ def _target(settings: MeshSettings, name: str) -> str:
 
 
 def _document(passage: Passage) -> retrieval_pb2.Document:
-    payload = struct_pb2.Struct()
-    payload.update(passage.payload)
-    return retrieval_pb2.Document(id=passage.id, text=passage.text, payload=payload)
+    return retrieval_pb2.Document(id=passage.id, text=passage.text, payload=passage.payload)
 
 
 def _batches(passages: list[Passage]) -> Iterator[list[Passage]]:

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import json_format
 from qdrant_client import QdrantClient, models
 
 from aimesh.common.v1 import common_pb2
@@ -293,9 +293,8 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
                     retrieval_pb2.HitSource(retriever=RETRIEVERS[name], rank=rank, score=s)
                     for name, (rank, s) in entry.sources.items()
                 ],
+                payload=entry.hit.payload if request.with_payload else None,
             )
-            if request.with_payload:
-                hit.payload.CopyFrom(_struct(entry.hit.payload))
             hits.append(hit)
             if len(hits) == top_k:
                 break
@@ -348,12 +347,6 @@ async def _enumerate(iterator: AsyncIterator[T]) -> AsyncIterator[tuple[int, T]]
     async for item in iterator:
         yield index, item
         index += 1
-
-
-def _struct(payload: dict[str, Any]) -> struct_pb2.Struct:
-    struct = struct_pb2.Struct()
-    struct.update(payload)
-    return struct
 
 
 def open_store(settings: RetrievalSettings, cache_dir) -> Store:

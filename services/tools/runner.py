@@ -7,8 +7,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from google.protobuf import struct_pb2
-
 from aimesh.common.v1 import common_pb2
 from aimesh.tools.v1 import tools_pb2
 from mesh.timing import stage
@@ -20,20 +18,15 @@ def error_result(message: str) -> tools_pb2.CallToolResult:
 
 
 def output_result(output: ToolOutput) -> tools_pb2.CallToolResult:
-    result = tools_pb2.CallToolResult(content=[tools_pb2.Content(text=output.text)])
-    for data, mime_type in output.images:
-        result.content.append(
-            tools_pb2.Content(image=tools_pb2.ImageContent(data=data, mime_type=mime_type))
-        )
-    if output.structured is not None:
-        result.structured_content.CopyFrom(as_struct(output.structured))
-    return result
-
-
-def as_struct(value: dict[str, Any]) -> struct_pb2.Struct:
-    struct = struct_pb2.Struct()
-    struct.update(value)
-    return struct
+    images = [
+        tools_pb2.Content(image=tools_pb2.ImageContent(data=data, mime_type=mime_type))
+        for data, mime_type in output.images
+    ]
+    # protobuf takes a dict for a Struct field (None leaves it unset).
+    return tools_pb2.CallToolResult(
+        content=[tools_pb2.Content(text=output.text), *images],
+        structured_content=output.structured,
+    )
 
 
 async def run_tool(

@@ -14,7 +14,7 @@ from mesh.server import MeshServer
 from mesh.validation import Violations
 from services.tools.builtin import BUILTIN
 from services.tools.idempotency import MAX_KEY_BYTES, IdempotencyKeys
-from services.tools.runner import as_struct, run_tool
+from services.tools.runner import run_tool
 from services.tools.schema import check_arguments
 from services.tools.settings import ToolsSettings, tools_settings, wrapped_targets
 from services.tools.tool import ToolContext, ToolDefinition
@@ -24,17 +24,15 @@ PAGE_SIZE = 50
 
 
 def describe(tool: ToolDefinition, settings: ToolsSettings) -> tools_pb2.Tool:
-    described = tools_pb2.Tool(
+    return tools_pb2.Tool(
         name=tool.name,
         title=tool.title,
         description=tool.description,
-        input_schema=as_struct(tool.input_schema),
+        input_schema=tool.input_schema,
+        output_schema=tool.output_schema,
         annotations=tool.annotations,
         timeout_ms=int(settings.limits(tool.name, tool.timeout_s, tool.idle_timeout_s)[0] * 1000),
     )
-    if tool.output_schema is not None:
-        described.output_schema.CopyFrom(as_struct(tool.output_schema))
-    return described
 
 
 class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
