@@ -4,22 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import SecretStr
 from rich.console import Console
 from rich.table import Table
 
 from mesh import logs, supervisor, tracing
 from mesh.config import MeshSettings
+from mesh.edge import envoy
+from mesh.edge import process as edge_process
 from mesh.health import probe
 from mesh.metrics import serve_metrics
 from mesh.registry import ServiceSpec, discover
 from mesh.server import MeshServer
 
 app = typer.Typer(help="aimesh: a gRPC mesh for AI serving.", no_args_is_help=True)
+edge_app = typer.Typer(help="The Envoy edge in front of the mesh.", no_args_is_help=True)
+app.add_typer(edge_app, name="edge")
 console = Console()
 log = logging.getLogger("aimesh")
 
@@ -75,6 +81,9 @@ def up(
     log_dir: Annotated[
         Path | None, typer.Option(help="write each service's log to DIR/NAME.log")
     ] = None,
+    edge: Annotated[
+        bool, typer.Option("--edge", help="also start Envoy in front of the mesh (port 8080)")
+    ] = False,
 ) -> None:
     """Start every service as its own process, wait until all are ready, run until Ctrl-C."""
     settings = MeshSettings()
@@ -87,20 +96,56 @@ def up(
             await supervisor.start(spec, settings, log_dir and log_dir / f"{spec.name}.log")
             for spec in specs
         ]
+        proxy = None
         try:
             not_ready = await supervisor.wait_ready(children, ready_timeout)
             _print_endpoints(children, settings, not_ready)
             if not_ready:
                 console.print(f"[red]not ready: {', '.join(not_ready)}[/red]")
                 return 1
+            if edge:
+                proxy = await _start_edge(specs, settings, log_dir, ready_timeout)
+                if proxy is None:
+                    return 1
             console.print("[green]mesh is up[/green]; Ctrl-C drains and stops it")
-            await supervisor.until_signal_or_exit(children)
+            await supervisor.until_signal_or_exit(children, *([proxy] if proxy else []))
             return 0
         finally:
+            # The edge goes first so that no new request arrives while services drain.
+            if proxy is not None:
+                await edge_process.stop(proxy)
             grace = max(settings.service(s.name).grace_s for s in specs) + 5
             await supervisor.stop(children, grace)
 
     raise typer.Exit(asyncio.run(run()))
+
+
+async def _start_edge(
+    specs: list[ServiceSpec], settings: MeshSettings, log_dir: Path | None, timeout_s: float
+) -> asyncio.subprocess.Process | None:
+    """Envoy on the running services; with no key configured, one made up for this run."""
+    if not settings.edge.api_keys:
+        key = secrets.token_urlsafe(24)
+        settings.edge.api_keys = [SecretStr(key)]
+        console.print(f"edge API key for this run (set AIMESH_EDGE__API_KEYS to fix one): {key}")
+    config = envoy.bootstrap(
+        envoy.upstreams_for(specs, settings), settings, otlp_endpoint=tracing.otlp_endpoint()
+    )
+    run_dir = log_dir or settings.cache_dir / "edge"
+    path = edge_process.write_config(config, run_dir / "envoy.json")
+    proxy = await edge_process.start(
+        settings.edge.envoy_binary, path, log_dir and log_dir / "envoy.log"
+    )
+    if not await edge_process.wait_ready(proxy, settings.edge.admin_port, timeout_s):
+        console.print(f"[red]envoy did not become ready; its config is {path}[/red]")
+        await edge_process.stop(proxy)
+        return None
+    edge = settings.edge
+    console.print(
+        f"[green]edge[/green] gRPC, gRPC-Web and JSON on http://{edge.host}:{edge.port}; "
+        f"admin http://127.0.0.1:{edge.admin_port}"
+    )
+    return proxy
 
 
 def _print_endpoints(
@@ -154,6 +199,20 @@ def health(
     console.print(table)
     all_ready = bool(rows) and all(ready == "SERVING" for *_, ready in rows)
     raise typer.Exit(0 if all_ready else 1)
+
+
+@edge_app.command("render")
+def edge_render(
+    out: Annotated[Path, typer.Option(help="where to write Envoy's config (JSON, valid YAML)")],
+) -> None:
+    """Write Envoy's config for the configured mesh: routes from the protos, upstreams from
+    the service table, keys from AIMESH_EDGE__API_KEYS, tracing from OTEL_*."""
+    settings = MeshSettings()
+    config = envoy.bootstrap(
+        envoy.upstreams_for(_specs(None), settings), settings, otlp_endpoint=tracing.otlp_endpoint()
+    )
+    edge_process.write_config(config, out)
+    console.print(f"wrote {out}")
 
 
 def _add_service_commands() -> None:

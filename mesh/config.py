@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -90,6 +90,42 @@ class TransportSettings(BaseModel):
     max_connection_age_grace_s: float = Field(default=30.0, ge=0)
 
 
+class EdgeSettings(BaseModel):
+    """Envoy at the edge: what it listens on and what it lets through.
+
+    Everything else in Envoy's config (routes, timeouts, retries, outlier detection,
+    circuit breakers) is derived from the protos and the client/breaker settings, so the
+    edge and the in-process clients cannot drift apart.
+    """
+
+    host: str = LOOPBACK
+    port: int = Field(default=8080, ge=1, le=65535)
+    admin_port: int = Field(default=9901, ge=1, le=65535, description="Envoy admin, loopback only")
+    metrics_port: int = Field(
+        default=9902, ge=0, le=65535, description="/stats/prometheus on `host`; 0: none"
+    )
+    api_keys: list[SecretStr] = Field(
+        default_factory=list,
+        description="keys accepted as `authorization: Bearer KEY` or `x-api-key: KEY`",
+    )
+    cors_allow_origins: list[str] = Field(
+        default_factory=lambda: ["*"], description="browser origins for gRPC-Web and JSON"
+    )
+    rate_limit_per_s: int = Field(default=200, ge=1, description="requests/s per Envoy process")
+    rate_limit_burst: int = Field(default=400, ge=1)
+    dns_replicas: int = Field(
+        default=8,
+        ge=1,
+        description="most replicas a dns:/// service scales to; sizes Envoy's circuit breakers",
+    )
+    grpc_timeout_offset_s: float = Field(
+        default=0.05, ge=0, description="Envoy gives up this much before the client's deadline"
+    )
+    health_check_interval_s: float = Field(default=2.0, gt=0)
+    connect_timeout_s: float = Field(default=1.0, gt=0)
+    envoy_binary: str = Field(default="envoy", description="path or name on PATH")
+
+
 class MeshSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="AIMESH_", env_nested_delimiter="__")
 
@@ -103,6 +139,7 @@ class MeshSettings(BaseSettings):
     )
     client: ClientSettings = Field(default_factory=ClientSettings)
     transport: TransportSettings = Field(default_factory=TransportSettings)
+    edge: EdgeSettings = Field(default_factory=EdgeSettings)
 
     @classmethod
     def settings_customise_sources(

@@ -33,6 +33,9 @@ class ServiceSpec:
     # Compute slots when the config sets none: a service whose calls are long streams that
     # batch together (decode, the router) needs far more than one doing CPU work per call.
     max_concurrency: int = 4
+    # Proto services (full names) Envoy exposes to the outside; the rest (KV pull, decode,
+    # the echo relay that dials any address it is given) stay inside the mesh.
+    edge_services: tuple[str, ...] = field(default=())
 
     def load_setup(self) -> Callable[[MeshServer], Awaitable[None]]:
         module_name, _, function = self.setup.partition(":")

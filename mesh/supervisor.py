@@ -71,13 +71,14 @@ async def stop(children: list[Child], grace_s: float) -> None:
         await asyncio.wait(pending)
 
 
-async def until_signal_or_exit(children: list[Child]) -> None:
-    """Returns on SIGINT/SIGTERM, or as soon as any child exits on its own."""
+async def until_signal_or_exit(children: list[Child], *others: asyncio.subprocess.Process) -> None:
+    """Returns on SIGINT/SIGTERM, or as soon as any child (or other process) exits."""
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
-    watchers = {asyncio.create_task(child.process.wait()) for child in children}
+    processes = [child.process for child in children] + list(others)
+    watchers = {asyncio.create_task(process.wait()) for process in processes}
     watchers.add(asyncio.create_task(stop_requested.wait()))
     _, pending = await asyncio.wait(watchers, return_when=asyncio.FIRST_COMPLETED)
     for task in pending:

@@ -58,6 +58,18 @@ def configure(default_service_name: str, *, processor: SpanProcessor | None = No
         provider.add_span_processor(processor)
 
 
+def otlp_endpoint() -> str | None:
+    """Where OTLP/gRPC spans go, by the same OTEL_* rules the SDK follows; None: nowhere.
+    Envoy's tracer needs it spelled out, since it does not read the environment."""
+    if os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower() != "otlp":
+        return None
+    return (
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or "http://localhost:4317"
+    )
+
+
 def enabled() -> bool:
     return os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() != "true"
 

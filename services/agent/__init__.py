@@ -9,4 +9,5 @@ SPEC = ServiceSpec(
     setup="services.agent.servicer:setup",
     # A run mostly waits on tools and generation.
     max_concurrency=32,
+    edge_services=("aimesh.agent.v1.AgentService",),
 )

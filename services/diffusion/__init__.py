@@ -15,4 +15,5 @@ SPEC = ServiceSpec(
         "/aimesh.diffusion.v1.DiffusionService/Cancel",
         "/aimesh.diffusion.v1.DiffusionService/ListModels",
     ),
+    edge_services=("aimesh.diffusion.v1.DiffusionService",),
 )

@@ -9,4 +9,5 @@ SPEC = ServiceSpec(
     setup="services.embedder.servicer:setup",
     # Requests arriving together share a forward pass; slots let them arrive together.
     max_concurrency=32,
+    edge_services=("aimesh.retrieval.v1.EmbedderService",),
 )

@@ -9,4 +9,5 @@ SPEC = ServiceSpec(
     setup="services.generation.servicer:setup",
     # A slot per generation in flight: each is a long stream that mostly waits on decode.
     max_concurrency=64,
+    edge_services=("aimesh.llm.v1.GenerationService",),
 )

@@ -7,4 +7,5 @@ SPEC = ServiceSpec(
     default_port=50072,
     description="Rerank: candidates scored against the query, best first",
     setup="services.rerank.servicer:setup",
+    edge_services=("aimesh.rerank.v1.RerankService",),
 )

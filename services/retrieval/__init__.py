@@ -9,4 +9,5 @@ SPEC = ServiceSpec(
     setup="services.retrieval.servicer:setup",
     # Calls mostly wait on the embedder and the store's own thread.
     max_concurrency=16,
+    edge_services=("aimesh.retrieval.v1.RetrievalService",),
 )

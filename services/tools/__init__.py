@@ -10,4 +10,5 @@ SPEC = ServiceSpec(
     # A tool call mostly waits on the service it wraps; the agent runs several at once.
     max_concurrency=64,
     exempt_methods=("/aimesh.tools.v1.ToolsService/ListTools",),
+    edge_services=("aimesh.tools.v1.ToolsService",),
 )

@@ -1,0 +1,518 @@
+"""Envoy's bootstrap config for the edge, derived from the protos and the mesh settings.
+
+One listener takes gRPC, gRPC-Web and JSON (grpc_json_transcoder over the protos'
+`google.api.http` annotations) for the services that declare `edge_services`; nothing
+else is routed, so reflection, health and internal services stay inside the mesh.
+Per method: streams get no route timeout (a stream lasts as long as it needs, up to the
+mesh's stream deadline), unary calls get the mesh's default deadline, a client's own
+grpc-timeout is honoured up to the stream cap, and only methods the protos mark
+idempotent are retried on UNAVAILABLE. Per upstream: gRPC health checks on the service's
+readiness name, and outlier detection and circuit breakers sized from the same breaker
+and admission settings the in-process clients use.
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from google.protobuf.descriptor import ServiceDescriptor
+from google.rpc import error_details_pb2, status_pb2
+
+from mesh.config import MeshSettings
+from mesh.edge import api
+from mesh.registry import ServiceSpec
+
+ADMIN_CLUSTER = "envoy_admin"
+COLLECTOR_CLUSTER = "otel_collector"
+EDGE_SERVICE_NAME = "aimesh-edge"
+# Headers a browser may send and read across origins: gRPC-Web's own, auth, tracing.
+CORS_ALLOW_HEADERS = (
+    "authorization,x-api-key,content-type,x-grpc-web,x-user-agent,grpc-timeout,"
+    "traceparent,tracestate,x-request-id"
+)
+CORS_EXPOSE_HEADERS = "grpc-status,grpc-message,grpc-status-details-bin,x-request-id"
+# Retried only when the request never reached a service, whatever the method.
+NEVER_SENT = "connect-failure,refused-stream"
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """One mesh service behind the edge (an Envoy cluster)."""
+
+    name: str  # also the readiness name its health checks ask for
+    target: str  # what mesh clients dial: host:port, ipv4:a:p,b:p or dns:///host:port
+    services: tuple[ServiceDescriptor, ...]
+    requests_per_replica: int  # compute slots + queue: more is refused by admission anyway
+
+
+def upstreams_for(specs: list[ServiceSpec], settings: MeshSettings) -> list[Upstream]:
+    upstreams = []
+    for spec in specs:
+        if not spec.edge_services:
+            continue
+        service = settings.service(spec.name)
+        slots = service.max_concurrency or spec.max_concurrency
+        upstreams.append(
+            Upstream(
+                name=spec.name,
+                target=settings.target_of(spec.name, spec.default_port),
+                services=tuple(api.load_services(spec.edge_services)),
+                requests_per_replica=slots + service.max_queue,
+            )
+        )
+    return upstreams
+
+
+def endpoints(target: str) -> tuple[str, list[tuple[str, int]]]:
+    """Envoy's discovery type and the (host, port) list for a gRPC target string."""
+    if target.startswith("dns:"):
+        host, port = _host_port(target.removeprefix("dns:").lstrip("/"))
+        return "STRICT_DNS", [(host, port)]
+    if target.startswith(("ipv4:", "ipv6:")):
+        addresses = target.split(":", 1)[1].split(",")
+        return "STATIC", [_host_port(address) for address in addresses]
+    host, port = _host_port(target)
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return "STRICT_DNS", [(host, port)]
+    return "STATIC", [(host, port)]
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3f}s"
+
+
+def _typed(type_name: str, **fields: Any) -> dict[str, Any]:
+    return {"@type": f"type.googleapis.com/{type_name}", **fields}
+
+
+def _address(host: str, port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _http2_cluster_options() -> dict[str, Any]:
+    return {
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _typed(
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            explicit_http_config={"http2_protocol_options": {}},
+        )
+    }
+
+
+def _static_cluster(name: str, host: str, port: int, *, http2: bool) -> dict[str, Any]:
+    cluster: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _address(host, port)}}]}],
+        },
+    }
+    if http2:
+        cluster["typed_extension_protocol_options"] = _http2_cluster_options()
+    return cluster
+
+
+def route(method: api.EdgeMethod, cluster: str, settings: MeshSettings) -> dict[str, Any]:
+    client = settings.client
+    streaming = method.server_streaming or method.client_streaming
+    default_s = client.method_deadlines_s.get(
+        method.path,
+        client.default_stream_deadline_s if streaming else client.default_unary_deadline_s,
+    )
+    retry_on = f"unavailable,{NEVER_SENT}" if method.idempotent else NEVER_SENT
+    return {
+        # Not `grpc: {}`: a browser's CORS preflight (OPTIONS, no gRPC content type) must
+        # match the route too, or the CORS filter lets it through to auth.
+        "match": {"path": method.path},
+        "route": {
+            "cluster": cluster,
+            # No per-route response timeout: the deadline is the stream's whole duration,
+            # the client's grpc-timeout (capped) or else the mesh's default for the method.
+            "timeout": "0s",
+            "max_stream_duration": {
+                "max_stream_duration": _seconds(default_s),
+                "grpc_timeout_header_max": _seconds(client.default_stream_deadline_s),
+                "grpc_timeout_header_offset": _seconds(settings.edge.grpc_timeout_offset_s),
+            },
+            "retry_policy": {
+                "retry_on": retry_on,
+                "num_retries": client.retry_max_attempts - 1,
+                "retry_back_off": {
+                    "base_interval": _seconds(client.retry_initial_backoff_s),
+                    "max_interval": _seconds(client.retry_max_backoff_s),
+                },
+                "retry_host_predicate": [
+                    {
+                        "name": "envoy.retry_host_predicates.previous_hosts",
+                        "typed_config": _typed(
+                            "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                        ),
+                    }
+                ],
+                "host_selection_retry_max_attempts": 3,
+            },
+        },
+    }
+
+
+def cluster(upstream: Upstream, settings: MeshSettings) -> dict[str, Any]:
+    discovery, addresses = endpoints(upstream.target)
+    breaker = settings.client.breaker
+    edge = settings.edge
+    replicas = len(addresses) if discovery == "STATIC" else edge.dns_replicas
+    queue = settings.service(upstream.name).max_queue
+    config: dict[str, Any] = {
+        "name": upstream.name,
+        "type": discovery,
+        "connect_timeout": _seconds(edge.connect_timeout_s),
+        "lb_policy": "LEAST_REQUEST",
+        "typed_extension_protocol_options": _http2_cluster_options(),
+        "load_assignment": {
+            "cluster_name": upstream.name,
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {"endpoint": {"address": _address(host, port)}} for host, port in addresses
+                    ]
+                }
+            ],
+        },
+        "health_checks": [
+            {
+                "timeout": "1s",
+                "interval": _seconds(edge.health_check_interval_s),
+                "unhealthy_threshold": 2,
+                "healthy_threshold": 1,
+                "grpc_health_check": {"service_name": upstream.name},
+            }
+        ],
+        # Envoy reads gRPC statuses as HTTP codes here: UNAVAILABLE (503) and
+        # DEADLINE_EXCEEDED (504) are gateway failures, RESOURCE_EXHAUSTED (429) and
+        # INVALID_ARGUMENT (400) are not, which is how the in-process breaker counts them.
+        "outlier_detection": {
+            "consecutive_gateway_failure": max(2, breaker.minimum_calls // 2),
+            "enforcing_consecutive_gateway_failure": 100,
+            "consecutive_5xx": breaker.minimum_calls,
+            "failure_percentage_threshold": round(breaker.failure_rate * 100),
+            "failure_percentage_request_volume": breaker.minimum_calls,
+            "failure_percentage_minimum_hosts": 2,
+            "enforcing_failure_percentage": 100,
+            "interval": "1s",
+            "base_ejection_time": _seconds(max(breaker.open_wait_s, 1.0)),
+            "max_ejection_percent": 50,
+        },
+        "circuit_breakers": {
+            "thresholds": [
+                {
+                    "priority": "DEFAULT",
+                    "max_requests": upstream.requests_per_replica * replicas,
+                    "max_pending_requests": max(queue, 1) * replicas,
+                    # Like the clients' retryThrottling: retries stay a fraction of traffic.
+                    "retry_budget": {
+                        "budget_percent": {"value": 20.0},
+                        "min_retry_concurrency": 3,
+                    },
+                }
+            ]
+        },
+    }
+    if discovery == "STRICT_DNS":
+        config["dns_lookup_family"] = "V4_PREFERRED"
+    return config
+
+
+def _access_log() -> list[dict[str, Any]]:
+    fields = {
+        "time": "%START_TIME%",
+        "path": "%REQ(X-ENVOY-ORIGINAL-PATH?:PATH)%",
+        "grpc_path": "%REQ(:PATH)%",
+        "http_status": "%RESPONSE_CODE%",
+        "grpc_status": "%GRPC_STATUS_NUMBER%",
+        "duration_ms": "%DURATION%",
+        "upstream": "%UPSTREAM_HOST%",
+        "flags": "%RESPONSE_FLAGS%",
+        "client": "%REQ(X-AIMESH-CLIENT)%",
+        "request_id": "%REQ(X-REQUEST-ID)%",
+        "trace_id": "%TRACE_ID%",
+    }
+    return [
+        {
+            "name": "envoy.access_loggers.stdout",
+            "typed_config": _typed(
+                "envoy.extensions.access_loggers.stream.v3.StdoutAccessLog",
+                log_format={"json_format": fields},
+            ),
+        }
+    ]
+
+
+def _http_filters(
+    upstreams: list[Upstream], settings: MeshSettings, descriptors: bytes
+) -> list[dict[str, Any]]:
+    edge = settings.edge
+    max_body = settings.transport.max_message_bytes
+    credentials = [
+        {"key": key.get_secret_value(), "client": f"key-{index}"}
+        for index, key in enumerate(edge.api_keys, start=1)
+    ]
+    every_request = {"numerator": 100, "denominator": "HUNDRED"}
+    enabled = {"runtime_key": "edge_rate_limit.enabled", "default_value": every_request}
+    enforced = {"runtime_key": "edge_rate_limit.enforced", "default_value": every_request}
+    return [
+        # Before auth: load balancers and kubelet probe /healthz without a key.
+        {
+            "name": "envoy.filters.http.health_check",
+            "typed_config": _typed(
+                "envoy.extensions.filters.http.health_check.v3.HealthCheck",
+                pass_through_mode=False,
+                headers=[{"name": ":path", "string_match": {"exact": "/healthz"}}],
+            ),
+        },
+        # Before auth too: browsers send CORS preflights without credentials.
+        {
+            "name": "envoy.filters.http.cors",
+            "typed_config": _typed("envoy.extensions.filters.http.cors.v3.Cors"),
+        },
+        {
+            "name": "envoy.filters.http.grpc_web",
+            "typed_config": _typed("envoy.extensions.filters.http.grpc_web.v3.GrpcWeb"),
+        },
+        {
+            "name": "envoy.filters.http.api_key_auth",
+            "typed_config": _typed(
+                "envoy.extensions.filters.http.api_key_auth.v3.ApiKeyAuth",
+                credentials=credentials,
+                key_sources=[{"header": "authorization"}, {"header": "x-api-key"}],
+                # Services learn who called, never the key itself.
+                forwarding={"header": "x-aimesh-client", "hide_credentials": True},
+            ),
+        },
+        {
+            "name": "envoy.filters.http.local_ratelimit",
+            "typed_config": _typed(
+                "envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
+                stat_prefix="edge_rate_limit",
+                token_bucket={
+                    "max_tokens": edge.rate_limit_burst,
+                    "tokens_per_fill": edge.rate_limit_per_s,
+                    "fill_interval": "1s",
+                },
+                filter_enabled=enabled,
+                filter_enforced=enforced,
+                rate_limited_as_resource_exhausted=True,
+            ),
+        },
+        {
+            "name": "envoy.filters.http.grpc_json_transcoder",
+            "typed_config": _typed(
+                "envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder",
+                proto_descriptor_bin=base64.b64encode(descriptors).decode(),
+                services=[s.full_name for upstream in upstreams for s in upstream.services],
+                print_options={"always_print_primitive_fields": True},
+                convert_grpc_status=True,
+                request_validation_options={
+                    "reject_unknown_method": True,
+                    "reject_unknown_query_parameters": True,
+                },
+                max_request_body_size=max_body,
+                max_response_body_size=max_body,
+            ),
+        },
+        {
+            "name": "envoy.filters.http.grpc_stats",
+            "typed_config": _typed(
+                "envoy.extensions.filters.http.grpc_stats.v3.FilterConfig",
+                stats_for_all_methods=True,
+                enable_upstream_stats=True,
+            ),
+        },
+        {
+            "name": "envoy.filters.http.router",
+            "typed_config": _typed("envoy.extensions.filters.http.router.v3.Router"),
+        },
+    ]
+
+
+def _cors_policy(origins: list[str]) -> dict[str, Any]:
+    matchers = [
+        {"safe_regex": {"regex": ".*"}} if origin == "*" else {"exact": origin}
+        for origin in origins
+    ]
+    return _typed(
+        "envoy.extensions.filters.http.cors.v3.CorsPolicy",
+        allow_origin_string_match=matchers,
+        allow_methods="GET,POST,OPTIONS",
+        allow_headers=CORS_ALLOW_HEADERS,
+        expose_headers=CORS_EXPOSE_HEADERS,
+        max_age="86400",
+    )
+
+
+def _tracing(endpoint: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The HCM tracing block and the collector cluster it exports to over OTLP/gRPC."""
+    parts = urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
+    collector = _static_cluster(
+        COLLECTOR_CLUSTER, parts.hostname or "127.0.0.1", parts.port or 4317, http2=True
+    )
+    if not _is_ip(parts.hostname or ""):
+        collector["type"] = "STRICT_DNS"
+    tracing = {
+        "provider": {
+            "name": "envoy.tracers.opentelemetry",
+            "typed_config": _typed(
+                "envoy.config.trace.v3.OpenTelemetryConfig",
+                grpc_service={"envoy_grpc": {"cluster_name": COLLECTOR_CLUSTER}, "timeout": "1s"},
+                service_name=EDGE_SERVICE_NAME,
+            ),
+        },
+        "random_sampling": {"value": 100},
+    }
+    return tracing, collector
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _metrics_listener(host: str, port: int) -> dict[str, Any]:
+    """Prometheus scrapes Envoy here; the admin API itself never leaves loopback."""
+    return {
+        "name": "metrics",
+        "address": _address(host, port),
+        "filter_chains": [
+            {
+                "filters": [
+                    {
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": _typed(
+                            "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                            stat_prefix="metrics",
+                            route_config={
+                                "virtual_hosts": [
+                                    {
+                                        "name": "metrics",
+                                        "domains": ["*"],
+                                        "routes": [
+                                            {
+                                                "match": {"path": "/stats/prometheus"},
+                                                "route": {"cluster": ADMIN_CLUSTER},
+                                            }
+                                        ],
+                                    }
+                                ]
+                            },
+                            http_filters=[
+                                {
+                                    "name": "envoy.filters.http.router",
+                                    "typed_config": _typed(
+                                        "envoy.extensions.filters.http.router.v3.Router"
+                                    ),
+                                }
+                            ],
+                        ),
+                    }
+                ]
+            }
+        ],
+    }
+
+
+def bootstrap(
+    upstreams: list[Upstream], settings: MeshSettings, *, otlp_endpoint: str | None = None
+) -> dict[str, Any]:
+    """The whole Envoy config; `otlp_endpoint` turns on edge spans exported there."""
+    if not upstreams:
+        raise ValueError("no service declares edge_services: nothing to put behind the edge")
+    if not settings.edge.api_keys:
+        raise ValueError("the edge needs at least one API key (edge.api_keys)")
+    edge = settings.edge
+    every_service = [s for upstream in upstreams for s in upstream.services]
+    # google.rpc.Status and its details too, so the transcoder can turn an error's
+    # grpc-status-details-bin into a JSON body with the field violations.
+    descriptors = api.descriptor_set(
+        [*(s.file for s in every_service), status_pb2.DESCRIPTOR, error_details_pb2.DESCRIPTOR]
+    )
+    routes = [
+        route(method, upstream.name, settings)
+        for upstream in upstreams
+        for method in api.methods(upstream.services)
+    ]
+    manager: dict[str, Any] = _typed(
+        "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        stat_prefix="edge",
+        codec_type="AUTO",
+        generate_request_id=True,
+        http2_protocol_options={
+            "max_concurrent_streams": settings.transport.max_concurrent_streams
+        },
+        access_log=_access_log(),
+        route_config={
+            "name": "edge",
+            "virtual_hosts": [
+                {
+                    "name": "aimesh",
+                    "domains": ["*"],
+                    "routes": routes,
+                    "typed_per_filter_config": {
+                        "envoy.filters.http.cors": _cors_policy(edge.cors_allow_origins)
+                    },
+                }
+            ],
+        },
+        http_filters=_http_filters(upstreams, settings, descriptors),
+    )
+    clusters = [cluster(upstream, settings) for upstream in upstreams]
+    clusters.append(_static_cluster(ADMIN_CLUSTER, "127.0.0.1", edge.admin_port, http2=False))
+    if otlp_endpoint:
+        manager["tracing"], collector = _tracing(otlp_endpoint)
+        clusters.append(collector)
+    listeners = [
+        {
+            "name": "edge",
+            "address": _address(edge.host, edge.port),
+            "filter_chains": [
+                {
+                    "filters": [
+                        {
+                            "name": "envoy.filters.network.http_connection_manager",
+                            "typed_config": manager,
+                        }
+                    ]
+                }
+            ],
+        }
+    ]
+    if edge.metrics_port:
+        listeners.append(_metrics_listener(edge.host, edge.metrics_port))
+    return {
+        "node": {"id": "aimesh-edge", "cluster": "aimesh-edge"},
+        "admin": {"address": _address("127.0.0.1", edge.admin_port)},
+        # Spans reach the collector within a second instead of Envoy's default five.
+        "layered_runtime": {
+            "layers": [
+                {
+                    "name": "static",
+                    "static_layer": {"tracing.opentelemetry.flush_interval_ms": 1000},
+                }
+            ]
+        },
+        "static_resources": {"listeners": listeners, "clusters": clusters},
+    }

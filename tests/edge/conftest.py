@@ -1,0 +1,101 @@
+"""The LLM stack and the embedder behind a real Envoy (`aimesh up --edge`), on free ports,
+with a real OTLP collector receiving the spans of every process, Envoy included."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest_asyncio
+import rotel
+
+from mesh.edge.process import wait_ready
+from mesh.health import wait_until_serving
+from tests.conftest import VENV_BIN, free_port, subprocess_env
+
+SERVICES = ("generation", "tokenizer", "prefill", "decode", "embedder")
+API_KEY = "test-edge-key"
+
+
+@dataclass
+class Edge:
+    port: int
+    admin_port: int
+    metrics_port: int
+    ports: dict[str, int]
+    spans: Path  # the OTLP collector's debug log
+    access_log: Path  # Envoy's stdout: one JSON line per request
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+async def start_collector(log: Path) -> tuple[asyncio.subprocess.Process, int]:
+    """rotel, a real OTLP collector, printing every span it receives."""
+    port = free_port()
+    collector = await asyncio.create_subprocess_exec(
+        str(Path(rotel.__file__).parent / "rotel-agent"),
+        "start",
+        "--otlp-grpc-endpoint", f"127.0.0.1:{port}",
+        "--otlp-http-endpoint", f"127.0.0.1:{free_port()}",
+        "--exporter", "blackhole",
+        "--debug-log", "traces",
+        "--debug-log-verbosity", "detailed",
+        stdout=log.open("w"),
+        stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    return collector, port
+
+
+@pytest_asyncio.fixture(scope="package", loop_scope="package")
+async def edge(tmp_path_factory) -> AsyncIterator[Edge]:
+    logs = tmp_path_factory.mktemp("edge-logs")
+    spans = logs / "spans.log"
+    collector, otlp_port = await start_collector(spans)
+    ports = {name: free_port() for name in SERVICES}
+    edge = Edge(free_port(), free_port(), free_port(), ports, spans, logs / "envoy.log")
+    env = subprocess_env(
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp_port}",
+        OTEL_BSP_SCHEDULE_DELAY="200",
+        AIMESH_EDGE__PORT=str(edge.port),
+        AIMESH_EDGE__ADMIN_PORT=str(edge.admin_port),
+        AIMESH_EDGE__METRICS_PORT=str(edge.metrics_port),
+        AIMESH_EDGE__API_KEYS=f'["{API_KEY}"]',
+        **{f"AIMESH_SERVICES__{name.upper()}__PORT": str(port) for name, port in ports.items()},
+        **{f"AIMESH_SERVICES__{name.upper()}__METRICS_PORT": "0" for name in SERVICES},
+    )
+    only = [arg for name in SERVICES for arg in ("--only", name)]
+    process = await asyncio.create_subprocess_exec(
+        str(VENV_BIN / "aimesh"), "up", *only, "--edge", "--log-dir", str(logs),
+        env=env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        for name, port in ports.items():
+            if not await wait_until_serving(f"127.0.0.1:{port}", name, timeout_s=300):
+                raise AssertionError(f"{name} did not become ready")
+        if not await wait_ready(process, edge.admin_port, timeout_s=60):
+            raise AssertionError(f"envoy did not become ready:\n{edge.access_log.read_text()}")
+        yield edge
+    finally:
+        collector.kill()
+        await collector.wait()
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), 60)
+            except TimeoutError:
+                os.killpg(process.pid, signal.SIGKILL)
+                await process.wait()
