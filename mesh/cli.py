@@ -204,12 +204,15 @@ def health(
 @edge_app.command("render")
 def edge_render(
     out: Annotated[Path, typer.Option(help="where to write Envoy's config (JSON, valid YAML)")],
+    only: Annotated[
+        list[str] | None, typer.Option("--only", help="front just these services")
+    ] = None,
 ) -> None:
     """Write Envoy's config for the configured mesh: routes from the protos, upstreams from
     the service table, keys from AIMESH_EDGE__API_KEYS, tracing from OTEL_*."""
     settings = MeshSettings()
     config = envoy.bootstrap(
-        envoy.upstreams_for(_specs(None), settings), settings, otlp_endpoint=tracing.otlp_endpoint()
+        envoy.upstreams_for(_specs(only), settings), settings, otlp_endpoint=tracing.otlp_endpoint()
     )
     edge_process.write_config(config, out)
     console.print(f"wrote {out}")
