@@ -1,0 +1,115 @@
+"""The Envoy edge: its config rendered at pod start by `aimesh edge render` into a volume
+Envoy reads, its keys from the Secret (never the placeholder), and its image and keys
+replaceable from an overlay of one's own, as docs/deploy.md says."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+from pathlib import PurePosixPath
+
+from tests.k8s.conftest import K8S, containers, documents, env_of, kustomize, of_kind, pod_spec
+
+RENDER = "aimesh edge render --out "
+
+
+def edge(docs):
+    deployment = of_kind(docs, "Deployment")["edge"]
+    (render,) = pod_spec(deployment)["initContainers"]
+    (envoy,) = pod_spec(deployment)["containers"]
+    return deployment, render, envoy
+
+
+def test_envoy_reads_the_config_the_init_container_renders(overlay):
+    deployment, render, envoy = edge(overlay)
+    script = render["args"][-1]
+    out = PurePosixPath(script[script.index(RENDER) + len(RENDER) :].split()[0])
+    assert envoy["image"] == "envoyproxy/envoy:v1.40.0"
+    assert envoy["args"] == ["-c", str(out), "--service-node", "edge"]
+
+    def mounted_at_out(container) -> set[str]:
+        return {m["name"] for m in container["volumeMounts"] if m["mountPath"] == str(out.parent)}
+
+    (volume,) = mounted_at_out(render) & mounted_at_out(envoy)
+    volumes = {v["name"]: v for v in pod_spec(deployment)["volumes"]}
+    assert volumes[volume]["emptyDir"]["medium"] == "Memory"
+    env = env_of(render)
+    assert env["AIMESH_CONFIG"]["value"] == "/etc/aimesh/aimesh.toml"
+    assert env["AIMESH_EDGE__HOST"]["value"] == "0.0.0.0"
+    assert render["image"] == next(containers(of_kind(overlay, "Deployment")["echo"]))["image"]
+
+
+def test_envoy_serves_clients_and_prometheus_and_is_probed_over_http(overlay):
+    deployment, _, envoy = edge(overlay)
+    ports = {p["name"]: p["containerPort"] for p in envoy["ports"]}
+    assert ports == {"http": 8080, "metrics": 9902}
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert envoy[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == "9902"
+    assert annotations["prometheus.io/path"] == "/stats/prometheus"
+
+
+def test_api_keys_come_from_the_secret(overlay):
+    _, render, _ = edge(overlay)
+    ref = env_of(render)["AIMESH_EDGE__API_KEYS"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "aimesh-edge", "key": "api-keys"}
+    secret = of_kind(overlay, "Secret")["aimesh-edge"]
+    keys = json.loads(base64.b64decode(secret["data"]["api-keys"]))
+    assert isinstance(keys, list) and keys and all(isinstance(k, str) for k in keys)
+
+
+def run_guard(script: str, keys: str, tmp_path) -> subprocess.CompletedProcess[str]:
+    """The init container's script, with a stand-in `aimesh` that prints its arguments."""
+    fake = tmp_path / "aimesh"
+    fake.write_text('#!/bin/sh\necho "rendered $*"\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "AIMESH_EDGE__API_KEYS": keys}
+    return subprocess.run(["/bin/sh", "-c", script], env=env, capture_output=True, text=True)
+
+
+def test_the_edge_refuses_to_start_with_the_placeholder_key(rendered, tmp_path):
+    _, render, _ = edge(rendered["cpu"])
+    script = render["args"][-1]
+    placeholder = of_kind(rendered["cpu"], "Secret")["aimesh-edge"]["data"]["api-keys"]
+    refused = run_guard(script, base64.b64decode(placeholder).decode(), tmp_path)
+    assert refused.returncode == 1
+    assert "placeholder" in refused.stderr
+    accepted = run_guard(script, '["a-real-key"]', tmp_path)
+    assert accepted.returncode == 0, accepted.stderr
+    assert accepted.stdout.strip() == "rendered edge render --out /etc/envoy/envoy.yaml"
+
+
+def test_an_own_overlay_sets_the_image_and_the_keys(tmp_path):
+    """What docs/deploy.md tells operators to write, kept out of this repository."""
+    (tmp_path / "api-keys.json").write_text('["k1", "k2"]')
+    base = os.path.relpath(K8S / "overlays" / "cpu", tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        f"""
+resources:
+  - {base}
+images:
+  - name: aimesh
+    newName: team/aimesh
+    newTag: "42"
+secretGenerator:
+  - name: aimesh-edge
+    namespace: aimesh
+    behavior: replace
+    files:
+      - api-keys=api-keys.json
+    options:
+      disableNameSuffixHash: true
+"""
+    )
+    docs = documents(kustomize(tmp_path))
+    secret = of_kind(docs, "Secret")["aimesh-edge"]
+    assert json.loads(base64.b64decode(secret["data"]["api-keys"])) == ["k1", "k2"]
+    images = {
+        c["image"]
+        for name in ("edge", "decode", "agent")
+        for c in containers(of_kind(docs, "Deployment")[name])
+    }
+    assert images == {"team/aimesh:42", "envoyproxy/envoy:v1.40.0"}

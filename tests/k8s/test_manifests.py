@@ -1,0 +1,301 @@
+"""The rendered overlays agree with the mesh: every service deployed, probed, drained,
+autoscaled and reachable the way mesh/ and services/ say; GPUs exactly where they belong."""
+
+from __future__ import annotations
+
+import math
+import re
+from urllib.parse import urlsplit
+
+from mesh.config import MeshSettings
+from mesh.registry import discover
+from tests.k8s.conftest import (
+    GPU_SERVICES,
+    K8S,
+    NAMESPACE,
+    Doc,
+    config_toml,
+    containers,
+    env_of,
+    exported_metrics,
+    load_render,
+    of_kind,
+    pod_spec,
+    workloads,
+)
+
+SPECS = discover()
+OTLP_ENDPOINT = f"http://otel-collector.{NAMESPACE}.svc.cluster.local:4317"
+
+
+def mesh_deployments(docs: list[Doc]) -> dict[str, Doc]:
+    return {n: d for n, d in of_kind(docs, "Deployment").items() if n in SPECS}
+
+
+def selected(service_or_budget: Doc, docs: list[Doc]) -> list[Doc]:
+    """The workloads whose pods a Service's selector or a PDB's matchLabels pick."""
+    spec = service_or_budget["spec"]
+    selector = spec["selector"].get("matchLabels", spec["selector"])
+    return [
+        w
+        for w in workloads(docs).values()
+        if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+    ]
+
+
+def test_every_mesh_service_has_a_deployment_service_budget_and_autoscaler(overlay):
+    assert len(SPECS) >= 11
+    for kind in ("Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler"):
+        missing = set(SPECS) - set(of_kind(overlay, kind))
+        assert not missing, f"no {kind} for {sorted(missing)}"
+
+
+def test_grpc_probes_follow_the_health_contract(overlay):
+    """Liveness asks for "" (process up), readiness and startup for the service by name
+    (model loaded, not draining), on the service's own gRPC port."""
+    for name, deployment in mesh_deployments(overlay).items():
+        (container,) = containers(deployment)
+        port = SPECS[name].default_port
+        assert {"name": "grpc", "containerPort": port} in container["ports"]
+        assert container["livenessProbe"]["grpc"] == {"port": port}
+        for probe in ("readinessProbe", "startupProbe"):
+            assert container[probe]["grpc"] == {"port": port, "service": name}, (name, probe)
+        startup = container["startupProbe"]
+        budget_s = startup["periodSeconds"] * startup["failureThreshold"]
+        assert budget_s >= (300 if name in GPU_SERVICES else 60), (name, budget_s)
+
+
+def test_every_grpc_probe_names_a_real_service_on_its_port(overlay):
+    probed = 0
+    for workload in workloads(overlay).values():
+        for container in containers(workload):
+            for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+                grpc = container.get(probe, {}).get("grpc")
+                if grpc is None:
+                    continue
+                probed += 1
+                name = container["name"]
+                assert name in SPECS, f"{name} probes over gRPC but is no mesh service"
+                assert grpc.get("service", "") in ("", name)
+                assert grpc["port"] == SPECS[name].default_port
+    assert probed == 3 * len(SPECS)
+
+
+def test_termination_grace_covers_prestop_and_drain(overlay):
+    services = config_toml()["services"]
+    for name, deployment in mesh_deployments(overlay).items():
+        spec = pod_spec(deployment)
+        pre_stop = spec["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert pre_stop > 0
+        assert spec["terminationGracePeriodSeconds"] > pre_stop + services[name]["grace_s"], name
+    edge = pod_spec(of_kind(overlay, "Deployment")["edge"])
+    (envoy,) = edge["containers"]
+    assert edge["terminationGracePeriodSeconds"] > envoy["lifecycle"]["preStop"]["sleep"]["seconds"]
+
+
+def test_every_service_port_reaches_a_container_port(overlay):
+    for name, service in of_kind(overlay, "Service").items():
+        pods = selected(service, overlay)
+        assert pods, f"Service {name} selects no workload"
+        for workload in pods:
+            ports = [p for c in containers(workload, init=False) for p in c.get("ports", [])]
+            for port in service["spec"]["ports"]:
+                target = port.get("targetPort", port["port"])
+                key = "name" if isinstance(target, str) else "containerPort"
+                assert any(p.get(key) == target for p in ports), (name, port)
+
+
+def test_mesh_services_are_headless_and_the_edge_is_not(overlay):
+    services = of_kind(overlay, "Service")
+    for name in SPECS:
+        assert services[name]["spec"]["clusterIP"] == "None", name
+        (port,) = services[name]["spec"]["ports"]
+        assert port["port"] == SPECS[name].default_port
+    assert services["edge"]["spec"].get("clusterIP") != "None"
+    assert [p["port"] for p in services["edge"]["spec"]["ports"]] == [8080]
+
+
+def test_autoscalers_keep_two_pods_and_scale_on_exported_gauges(overlay):
+    metrics = exported_metrics()
+    deployments = of_kind(overlay, "Deployment")
+    for name, hpa in of_kind(overlay, "HorizontalPodAutoscaler").items():
+        spec = hpa["spec"]
+        assert spec["minReplicas"] >= 2, name
+        assert spec["maxReplicas"] >= spec["minReplicas"]
+        target = deployments[spec["scaleTargetRef"]["name"]]
+        # The HPA owns the replica count; `kubectl apply` must not reset it.
+        assert "replicas" not in target["spec"], name
+        pods_metrics = [m["pods"]["metric"]["name"] for m in spec["metrics"] if m["type"] == "Pods"]
+        for metric in pods_metrics:
+            assert metrics.get(metric) == "gauge", f"{name} scales on {metric}: no such gauge"
+        if name in GPU_SERVICES:
+            assert pods_metrics, f"{name} must scale on its queue / in-flight work"
+        if any(m["type"] == "Resource" for m in spec["metrics"]):
+            (container,) = pod_spec(target)["containers"]
+            assert container["resources"]["requests"]["cpu"], name
+
+
+def test_disruption_budgets_leave_pods_running(overlay):
+    hpas = of_kind(overlay, "HorizontalPodAutoscaler")
+    for name, budget in of_kind(overlay, "PodDisruptionBudget").items():
+        (workload,) = selected(budget, overlay)
+        smallest = (
+            hpas[name]["spec"]["minReplicas"] if name in hpas else workload["spec"]["replicas"]
+        )
+        assert budget["spec"]["maxUnavailable"] < smallest, name
+    assert set(of_kind(overlay, "PodDisruptionBudget")) >= {*SPECS, "edge", "qdrant"}
+
+
+def gpus(docs: list[Doc]) -> dict[str, int]:
+    return {
+        name: container["resources"].get("limits", {})["nvidia.com/gpu"]
+        for name, workload in workloads(docs).items()
+        for container in containers(workload)
+        if "nvidia.com/gpu" in container.get("resources", {}).get("limits", {})
+    }
+
+
+def test_gpu_overlay_gives_one_gpu_to_exactly_the_model_services(rendered):
+    assert gpus(rendered["gpu"]) == dict.fromkeys(GPU_SERVICES, 1)
+    deployments = of_kind(rendered["gpu"], "Deployment")
+    for name in GPU_SERVICES:
+        spec = pod_spec(deployments[name])
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec[
+            "tolerations"
+        ]
+        assert spec["nodeSelector"]
+    assert gpus(rendered["cpu"]) == {}
+    assert not any("tolerations" in pod_spec(w) for w in workloads(rendered["cpu"]).values())
+
+
+def test_every_mesh_pod_exports_traces_to_the_collector(overlay):
+    for name, deployment in mesh_deployments(overlay).items():
+        env = env_of(next(containers(deployment)))
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == OTLP_ENDPOINT
+        assert env["OTEL_TRACES_EXPORTER"]["value"] == "otlp"
+        assert env["OTEL_SERVICE_NAME"]["value"] == f"aimesh-{name}"
+    (render,) = pod_spec(of_kind(overlay, "Deployment")["edge"])["initContainers"]
+    assert env_of(render)["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == OTLP_ENDPOINT
+    # ... and the collector is there, listening where the pods send.
+    endpoint = urlsplit(OTLP_ENDPOINT)
+    name, namespace = endpoint.hostname.split(".")[:2]
+    collector = of_kind(overlay, "Service")[name]
+    assert collector["metadata"]["namespace"] == namespace
+    assert endpoint.port in [p["port"] for p in collector["spec"]["ports"]]
+
+
+def aimesh_images(docs: list[Doc]) -> set[str]:
+    return {
+        c["image"]
+        for w in workloads(docs).values()
+        for c in containers(w)
+        if c["image"].split(":")[0].rsplit("/", 1)[-1] == "aimesh"
+    }
+
+
+def names_a_registry(image: str) -> bool:
+    """Docker's rule: a first path component with a dot or a port, or localhost, is a host."""
+    first, slash, _ = image.partition("/")
+    return bool(slash) and (first == "localhost" or re.search(r"[.:]", first) is not None)
+
+
+def test_images_are_set_by_the_overlay_and_name_no_registry(rendered):
+    placeholder = load_render().IMAGE
+    for overlay, docs in rendered.items():
+        (image,) = aimesh_images(docs)
+        assert image != placeholder, f"{overlay} leaves the base's placeholder image"
+        for workload in workloads(docs).values():
+            for container in containers(workload):
+                assert not names_a_registry(container["image"]), container["image"]
+    assert aimesh_images(rendered["cpu"]) != aimesh_images(rendered["gpu"])
+    assert names_a_registry("localhost:5000/aimesh:1")
+    assert not names_a_registry("qdrant/qdrant:v1.19.0")
+
+
+def test_mounted_config_is_valid_and_names_every_service(overlay, monkeypatch):
+    monkeypatch.setenv("AIMESH_CONFIG", str(K8S / "base" / "aimesh.toml"))
+    settings = MeshSettings()
+    services = of_kind(overlay, "Service")
+    for name, spec in SPECS.items():
+        service = settings.service(name)
+        assert service.host == "0.0.0.0", name
+        port = settings.port_of(name, spec.default_port)
+        target = settings.target_of(name, spec.default_port)
+        assert target == f"dns:///{name}.{NAMESPACE}.svc.cluster.local:{port}"
+        assert services[name]["spec"]["ports"][0]["port"] == port
+    assert settings.transport.max_connection_age_s
+    # Every engine section passes its engine's own settings model.
+    from services.agent.settings import agent_settings
+    from services.diffusion.settings import diffusion_settings
+    from services.embedder.settings import embedder_settings
+    from services.llm.settings import llm_settings
+    from services.retrieval.settings import retrieval_settings
+    from services.tools.settings import tools_settings
+
+    readers = {
+        "agent": agent_settings,
+        "diffusion": diffusion_settings,
+        "embedder": embedder_settings,
+        "llm": llm_settings,
+        "retrieval": retrieval_settings,
+        "tools": tools_settings,
+    }
+    assert set(settings.engines) <= set(readers)
+    for read in readers.values():
+        read(settings)
+    url = urlsplit(retrieval_settings(settings).url)
+    qdrant, namespace = url.hostname.split(".")[:2]
+    assert namespace == NAMESPACE
+    assert url.port in [p["port"] for p in services[qdrant]["spec"]["ports"]]
+
+
+def test_llm_threads_match_the_cpus_prefill_and_decode_request(overlay):
+    threads = config_toml()["engines"]["llm"]["threads"]
+    for name in ("prefill", "decode"):
+        (container,) = pod_spec(of_kind(overlay, "Deployment")[name])["containers"]
+        assert math.isclose(float(container["resources"]["requests"]["cpu"]), threads)
+
+
+def test_prefill_advertises_its_pod_address(overlay):
+    """KV handles name the prefill pod that holds the KV; the Service name would send a
+    decoder's Pull to any prefill pod."""
+    env = env_of(next(containers(of_kind(overlay, "Deployment")["prefill"])))
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    advertise = "AIMESH_SERVICES__PREFILL__OPTIONS__ADVERTISE_ADDRESS"
+    assert env[advertise]["value"] == f"$(POD_IP):{SPECS['prefill'].default_port}"
+    # $(POD_IP) expands only if defined earlier in the list.
+    assert list(env).index("POD_IP") < list(env).index(advertise)
+
+
+def test_aimesh_containers_run_as_the_images_user(overlay):
+    uid = int(re.search(r"^ARG UID=(\d+)$", (K8S.parent / "Dockerfile").read_text(), re.M)[1])
+    for workload in workloads(overlay).values():
+        pod = pod_spec(workload)
+        for container in containers(workload):
+            if container["image"] not in aimesh_images(overlay):
+                continue
+            context = {**pod.get("securityContext", {}), **container.get("securityContext", {})}
+            assert context["runAsUser"] == uid, container["name"]
+            assert context["allowPrivilegeEscalation"] is False
+
+
+def test_qdrant_runs_as_a_cluster(overlay):
+    qdrant = of_kind(overlay, "StatefulSet")["qdrant"]
+    assert qdrant["spec"]["replicas"] == 3
+    headless = of_kind(overlay, "Service")[qdrant["spec"]["serviceName"]]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+    (container,) = containers(qdrant)
+    assert re.fullmatch(r"qdrant/qdrant:v\d+\.\d+\.\d+", container["image"])
+    env = {k: v["value"] for k, v in env_of(container).items()}
+    assert env["QDRANT__CLUSTER__ENABLED"] == "true"
+    p2p = int(env["QDRANT__CLUSTER__P2P__PORT"])
+    assert {"name": "p2p", "containerPort": p2p} in container["ports"]
+    assert p2p in [p["port"] for p in headless["spec"]["ports"]]
+    script = container["args"][0]
+    peers = f"{headless['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
+    assert f'--bootstrap "http://qdrant-0.${{peers}}:{p2p}"' in script
+    assert f"peers={peers}" in script
+    assert '--uri "$self"' in script
+    (claim,) = qdrant["spec"]["volumeClaimTemplates"]
+    assert any(m["name"] == claim["metadata"]["name"] for m in container["volumeMounts"])

@@ -1,0 +1,45 @@
+"""k8s/render.py's output is committed; it must be what the script renders today."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mesh.registry import discover
+from tests.k8s.conftest import K8S, load_render
+
+
+def test_committed_manifests_are_fresh():
+    render = load_render()
+    files = render.render()
+    stale = [
+        str(path.relative_to(K8S))
+        for path, text in files.items()
+        if not path.is_file() or path.read_text() != text
+    ]
+    assert not stale, "rerun `.venv/bin/python k8s/render.py`; stale: " + ", ".join(stale)
+    leftovers = set(render.SERVICES_DIR.glob("*.yaml")) - set(files)
+    assert not leftovers, f"no service renders these any more: {sorted(leftovers)}"
+
+
+def test_a_service_without_sizing_fails_the_render(monkeypatch):
+    render = load_render()
+    specs = discover()
+    extra = dataclasses.replace(specs["echo"], name="newcomer", default_port=50110)
+    monkeypatch.setattr(render, "discover", lambda: {**specs, "newcomer": extra})
+    with pytest.raises(SystemExit, match="newcomer"):
+        render.render()
+
+
+def test_drain_periods_come_from_the_config_file_alone(tmp_path, monkeypatch):
+    render = load_render()
+    config = tmp_path / "aimesh.toml"
+    config.write_text("[services.prefill]\ngrace_s = 95.5\n")
+    # A developer's shell must not leak into committed manifests.
+    monkeypatch.setenv("AIMESH_SERVICES__PREFILL__GRACE_S", "1")
+    settings = render.load_settings(config)
+    assert settings.service("prefill").grace_s == 95.5
+    assert settings.service("decode").grace_s == 15  # ServiceSettings' default
+    pre_stop, margin = render.PRE_STOP_S, render.EXIT_MARGIN_S
+    assert render.termination_grace_s(settings.service("prefill")) == pre_stop + 96 + margin
