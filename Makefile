@@ -26,8 +26,12 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/buf lint
-	if git rev-parse --verify --quiet main >/dev/null; then \
-		$(VENV)/bin/buf breaking --against '.git#branch=main'; fi
+	# Breaking changes: a branch against main; main itself against its previous commit.
+	if [ "$$(git rev-parse --abbrev-ref HEAD 2>/dev/null)" != main ] \
+		&& git rev-parse --verify --quiet main >/dev/null; then \
+		$(VENV)/bin/buf breaking --against '.git#branch=main'; \
+	elif git rev-parse --verify --quiet HEAD~1 >/dev/null; then \
+		$(VENV)/bin/buf breaking --against '.git#ref=HEAD~1'; fi
 
 test: lint
 	$(PY) -m pytest

@@ -6,7 +6,9 @@ cd "$(dirname "$0")/.."
 LOGS=var/demo-logs
 mkdir -p "$LOGS"
 
-aimesh up --log-dir "$LOGS" &
+# The edge (Envoy on :8080) takes this key; any client outside the mesh must present one.
+export AIMESH_EDGE__API_KEYS='["demo-key"]'
+aimesh up --edge --log-dir "$LOGS" &
 UP=$!
 trap 'kill -TERM $UP 2>/dev/null; wait $UP 2>/dev/null || true' EXIT
 
@@ -17,6 +19,11 @@ for _ in $(seq 1 600); do
   sleep 0.5
 done
 aimesh health
+for _ in $(seq 1 120); do
+  curl -sf 127.0.0.1:8080/healthz >/dev/null && break
+  kill -0 $UP 2>/dev/null || { echo "aimesh up exited; logs in $LOGS"; exit 1; }
+  sleep 0.5
+done
 
 echo; echo "== aimesh generate --chat: tokenizer -> prefill -> KV pull -> decode -> detokenizer"
 aimesh generate --chat --max-new-tokens 80 "How do I copy a nested list in Python?"
@@ -32,6 +39,18 @@ grpcurl -plaintext -max-time 60 \
 echo; echo "== bad input: INVALID_ARGUMENT with field violations"
 grpcurl -plaintext -d '{"prompt": "", "sampling": {"temperature": -1}}' \
   127.0.0.1:50060 aimesh.llm.v1.GenerationService/Generate || true
+
+echo; echo "== through Envoy (:8080): JSON with curl, a server stream arrives as a JSON array"
+curl -sS -H 'authorization: Bearer demo-key' -d '{"prompt": "The capital of France is",
+  "sampling": {"temperature": 0}, "stopping": {"maxNewTokens": 6}}' 127.0.0.1:8080/v1/generate
+echo
+echo "== through Envoy: gRPC with grpcurl (no reflection at the edge, so the protos are named)"
+grpcurl -plaintext -H 'authorization: Bearer demo-key' -max-time 60 \
+  -import-path protos -import-path third_party/googleapis -proto aimesh/llm/v1/generation.proto \
+  -d '{"prompt": "Two plus two is", "stopping": {"max_new_tokens": 4}}' \
+  127.0.0.1:8080 aimesh.llm.v1.GenerationService/Generate | grep '"text"' || true
+echo "== through Envoy without a key: refused at the edge"
+curl -sS -o /dev/null -w 'HTTP %{http_code}\n' -d '{"inputs": ["hi"]}' 127.0.0.1:8080/v1/embed
 
 echo; echo "== the knowledge base: the stdlib's own docs, embedded once (about a minute the first time)"
 aimesh ingest

@@ -1,13 +1,18 @@
-"""Two embedder replicas behind the real Envoy: one is killed, Envoy stops sending it
-traffic (health checks and outlier detection) and every call still succeeds."""
+"""Embedder replicas behind a real Envoy of the test's own: a killed replica is ejected
+while every call still succeeds, and the edge's rate limit answers RESOURCE_EXHAUSTED."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import urllib.request
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
+import pytest
 
 from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
 from mesh.edge import process as envoy_process
@@ -47,41 +52,66 @@ async def embed(stub, text: str) -> embedder_pb2.EmbedResponse:
     )
 
 
-async def test_a_killed_replica_is_ejected_and_traffic_continues(serve_process, tmp_path):
-    replicas = [await serve_process("embedder") for _ in range(2)]
-    edge_port, admin_port = free_port(), free_port()
-    config = tmp_path / "envoy.yaml"
-    render = await asyncio.create_subprocess_exec(
-        str(VENV_BIN / "aimesh"), "edge", "render", "--only", "embedder", "--out", str(config),
-        env=subprocess_env(
-            AIMESH_SERVICES__EMBEDDER__TARGET="ipv4:"
-            + ",".join(replica.target for replica in replicas),
-            AIMESH_EDGE__PORT=str(edge_port),
-            AIMESH_EDGE__ADMIN_PORT=str(admin_port),
-            AIMESH_EDGE__METRICS_PORT="0",
-            AIMESH_EDGE__HEALTH_CHECK_INTERVAL_S="0.5",
-            AIMESH_EDGE__API_KEYS=f'["{KEY}"]',
-        ),
-        stdout=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-    assert await render.wait() == 0
-    envoy = await envoy_process.start("envoy", config, tmp_path / "envoy.log")
-    try:
-        assert await envoy_process.wait_ready(envoy, admin_port, timeout_s=30)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{edge_port}") as channel:
-            stub = embedder_pb2_grpc.EmbedderServiceStub(channel)
-            victim, survivor = replicas
-            for index in range(50):
-                await embed(stub, f"warm {index}")
-                if all(successes(admin_port, r.port) for r in replicas):
-                    break
-            assert all(successes(admin_port, r.port) for r in replicas), "both replicas serve"
-            before = successes(admin_port, survivor.port)
-            victim.process.kill()
-            await victim.process.wait()
-            results = [await embed(stub, f"after {index}") for index in range(30)]
-        assert all(len(r.embeddings[0].values) == 384 for r in results)
+@dataclass
+class Edge:
+    port: int
+    admin_port: int
 
+
+EdgeFactory = Callable[..., AbstractAsyncContextManager[Edge]]
+
+
+@pytest.fixture
+def edge_over(tmp_path: Path) -> EdgeFactory:
+    """Envoy in front of the given embedder targets, configured by `aimesh edge render`."""
+
+    @asynccontextmanager
+    async def start(targets: list[str], **edge_settings: str) -> AsyncIterator[Edge]:
+        edge = Edge(free_port(), free_port())
+        config = tmp_path / "envoy.yaml"
+        render = await asyncio.create_subprocess_exec(
+            str(VENV_BIN / "aimesh"), "edge", "render", "--only", "embedder", "--out", str(config),
+            env=subprocess_env(
+                AIMESH_SERVICES__EMBEDDER__TARGET="ipv4:" + ",".join(targets),
+                AIMESH_EDGE__PORT=str(edge.port),
+                AIMESH_EDGE__ADMIN_PORT=str(edge.admin_port),
+                AIMESH_EDGE__METRICS_PORT="0",
+                AIMESH_EDGE__API_KEYS=f'["{KEY}"]',
+                **{f"AIMESH_EDGE__{key.upper()}": value for key, value in edge_settings.items()},
+            ),
+            stdout=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        assert await render.wait() == 0
+        envoy = await envoy_process.start("envoy", config, tmp_path / "envoy.log")
+        try:
+            assert await envoy_process.wait_ready(envoy, edge.admin_port, timeout_s=30)
+            yield edge
+        finally:
+            await envoy_process.stop(envoy)
+
+    return start
+
+
+async def test_a_killed_replica_is_ejected_and_traffic_continues(serve_process, edge_over):
+    replicas = [await serve_process("embedder") for _ in range(2)]
+    targets = [replica.target for replica in replicas]
+    async with (
+        edge_over(targets, health_check_interval_s="0.5") as edge,
+        grpc.aio.insecure_channel(f"127.0.0.1:{edge.port}") as channel,
+    ):
+        admin_port = edge.admin_port
+        stub = embedder_pb2_grpc.EmbedderServiceStub(channel)
+        victim, survivor = replicas
+        for index in range(50):
+            await embed(stub, f"warm {index}")
+            if all(successes(admin_port, r.port) for r in replicas):
+                break
+        assert all(successes(admin_port, r.port) for r in replicas), "both replicas serve"
+        before = successes(admin_port, survivor.port)
+        victim.process.kill()
+        await victim.process.wait()
+        results = [await embed(stub, f"after {index}") for index in range(30)]
+        assert all(len(r.embeddings[0].values) == 384 for r in results)
         assert successes(admin_port, survivor.port) - before == len(results)
 
         def victim_out() -> bool:
@@ -92,5 +122,18 @@ async def test_a_killed_replica_is_ejected_and_traffic_continues(serve_process, 
 
         await eventually(victim_out, timeout_s=15, interval_s=0.25)
         assert not health(admin_port, survivor.port).get("failed_active_health_check")
-    finally:
-        await envoy_process.stop(envoy)
+
+
+async def test_past_the_rate_limit_the_edge_answers_resource_exhausted(serve_process, edge_over):
+    replica = await serve_process("embedder")
+    async with (
+        edge_over([replica.target], rate_limit_per_s="1", rate_limit_burst="3") as edge,
+        grpc.aio.insecure_channel(f"127.0.0.1:{edge.port}") as channel,
+    ):
+        stub = embedder_pb2_grpc.EmbedderServiceStub(channel)
+        outcomes = await asyncio.gather(
+            *(embed(stub, f"burst {index}") for index in range(8)), return_exceptions=True
+        )
+    refused = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+    assert 1 <= len(outcomes) - len(refused) <= 4
+    assert refused and all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in refused)
