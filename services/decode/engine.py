@@ -81,7 +81,7 @@ class DecodeEngine:
         self.model = model
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
-        self.cache = SlotCache(model.config, max_batch_size, max_seq_len, model.dtype)
+        self.cache = SlotCache(model.config, max_batch_size, max_seq_len, model.dtype, model.device)
         self.running: list[Sequence] = []
         self.waiting: deque[Sequence] = deque()
         self.steps = 0

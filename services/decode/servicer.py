@@ -21,7 +21,7 @@ from services.llm import kv_codec, kv_transfer
 from services.llm.artifacts import resolve_model
 from services.llm.detokenize import IncrementalDetokenizer
 from services.llm.kv_transfer import KvReleaser
-from services.llm.llama import Llama
+from services.llm.llama import Llama, resolve_device
 from services.llm.requests import check_prompt, end_token, sampling_params, stopping
 from services.llm.settings import LlmSettings, llm_settings
 from services.llm.stopping import Finish, StopChecker
@@ -206,7 +206,9 @@ async def setup(server: MeshServer) -> None:
         torch.set_num_threads(settings.threads)
         directory = resolve_model(settings.model, server.settings.cache_dir)
         worker.tokenizer = AutoTokenizer.from_pretrained(directory)
-        model = Llama.load(directory, kv_codec.torch_dtype(settings.dtype))
+        model = Llama.load(
+            directory, kv_codec.torch_dtype(settings.dtype), resolve_device(settings.device)
+        )
         return DecodeEngine(model, settings.max_batch_size, settings.max_seq_len)
 
     async def warm_up() -> None:

@@ -41,7 +41,7 @@ def clamp_chunk_bytes(requested: int) -> int:
 
 
 def _raw(tensor: torch.Tensor) -> bytes:
-    tensor = tensor.contiguous()
+    tensor = tensor.contiguous().cpu()
     if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: ship its 16-bit pattern
         tensor = tensor.view(torch.int16)
     return tensor.numpy().tobytes()

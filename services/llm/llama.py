@@ -87,6 +87,14 @@ class _Layer:
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 
+def resolve_device(name: str) -> torch.device:
+    """'auto' | 'cpu' | 'cuda' -> a device; asking for CUDA where torch has none fails."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("engines.llm.device is 'cuda', but torch sees no CUDA device")
+    use_cuda = name == "cuda" or (name == "auto" and torch.cuda.is_available())
+    return torch.device("cuda" if use_cuda else "cpu")
+
+
 class SlotCache:
     """Preallocated K and V for `slots` sequences of up to `max_len` tokens, per layer.
 
@@ -95,14 +103,26 @@ class SlotCache:
     `[:n, :, :length]` and never copies the cache.
     """
 
-    def __init__(self, config: LlamaConfig, slots: int, max_len: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        slots: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
         shape = (slots, config.num_kv_heads, max_len, config.head_dim)
         self.slots = slots
         self.max_len = max_len
-        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
+        self.keys = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)
+        ]
+        self.values = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)
+        ]
 
     def load(self, slot: int, kv: list[LayerKV]) -> None:
+        """Copies one sequence's KV in, from whichever device it arrived on."""
         for layer, (k, v) in enumerate(kv):
             length = k.shape[1]
             self.keys[layer][slot, :, :length].copy_(k)
@@ -120,12 +140,19 @@ class SlotCache:
 
 
 class Llama:
-    def __init__(self, config: LlamaConfig, state: dict[str, torch.Tensor], dtype: torch.dtype):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        state: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         self.config = config
         self.dtype = dtype
+        self.device = torch.device(device)
 
         def weight(name: str) -> torch.Tensor:
-            return state[name].to(dtype).contiguous()
+            return state[name].to(device=self.device, dtype=dtype).contiguous()
 
         self.embed = weight("model.embed_tokens.weight")
         self.norm = weight("model.norm.weight")
@@ -155,12 +182,18 @@ class Llama:
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         angles = torch.cat([freqs, freqs], dim=-1)
-        self._cos = angles.cos().to(dtype)
-        self._sin = angles.sin().to(dtype)
+        self._cos = angles.cos().to(device=self.device, dtype=dtype)
+        self._sin = angles.sin().to(device=self.device, dtype=dtype)
 
     @classmethod
-    def load(cls, directory: Path, dtype: torch.dtype = torch.float32) -> Llama:
-        return cls(LlamaConfig.from_directory(directory), load_state_dict(directory), dtype)
+    def load(
+        cls,
+        directory: Path,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> Llama:
+        config = LlamaConfig.from_directory(directory)
+        return cls(config, load_state_dict(directory), dtype, device)
 
     # ---- building blocks ----
 
@@ -196,7 +229,8 @@ class Llama:
         return x + F.linear(F.silu(gate) * up, layer.down)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._rms_norm(x, self.norm), self.lm_head).float()
+        """float32 logits on the CPU, where sampling runs whatever the model's device."""
+        return F.linear(self._rms_norm(x, self.norm), self.lm_head).float().cpu()
 
     # ---- serving entry points ----
 
@@ -204,8 +238,8 @@ class Llama:
     def prefill(self, token_ids: list[int]) -> tuple[torch.Tensor, list[LayerKV]]:
         """Runs a whole prompt; returns the last position's logits [vocab] and its KV."""
         c = self.config
-        ids = torch.tensor(token_ids, dtype=torch.long)
-        positions = torch.arange(len(token_ids))
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        positions = torch.arange(len(token_ids), device=self.device)
         x = self.embed[ids]
         kv: list[LayerKV] = []
         for layer in self.layers:
@@ -231,12 +265,13 @@ class Llama:
         """
         c = self.config
         n = len(token_ids)
-        ids = torch.tensor(token_ids, dtype=torch.long)
-        pos = torch.tensor(positions, dtype=torch.long)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         length = max(positions) + 1
-        rows = torch.arange(n)
+        rows = torch.arange(n, device=self.device)
         # [n, 1, 1, length]: True where a sequence may attend (its own filled positions).
-        mask = (torch.arange(length).unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]
+        span = torch.arange(length, device=self.device)
+        mask = (span.unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]
         groups = c.num_heads // c.num_kv_heads
         x = self.embed[ids]
         for index, layer in enumerate(self.layers):

@@ -21,6 +21,11 @@ class LlmSettings(BaseModel, extra="forbid"):
         "embedded SmolLM2-135M-Instruct, converted once from its GGUF into cache_dir",
     )
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # Weights, activations and the KV cache live on this device; logits come back to the
+    # CPU for sampling (one [batch, vocab] copy a step, which reading the token needs anyway).
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="auto: CUDA when torch sees a GPU, else the CPU"
+    )
     max_seq_len: int = Field(default=2048, ge=16, description="prompt + completion, tokens")
     max_batch_size: int = Field(default=16, ge=1, description="decode slots")
     default_max_new_tokens: int = Field(default=256, ge=1)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.decode.engine import DecodeEngine, Sequence
-from services.llm.llama import Llama, SlotCache
+from services.llm.llama import Llama, SlotCache, resolve_device
 from services.llm.sampling import SamplingParams
 from services.llm.stopping import Finish, StopChecker
 from tests.conftest import eventually
@@ -122,3 +122,20 @@ async def test_cancelled_sequence_leaves_at_the_next_step(llama, reference):
         assert engine.steps - steps_at_cancel <= 1
     finally:
         await engine.stop()
+
+
+def test_weights_cache_and_inputs_live_on_the_models_device_and_logits_come_back_to_cpu(llama):
+    cache = SlotCache(llama.config, 2, 32, llama.dtype, llama.device)
+    logits, kv = llama.prefill([1, 2, 3])
+    cache.load(0, kv)
+    step = llama.decode([4], [3], cache)
+    assert {llama.embed.device, cache.keys[0].device, kv[0][0].device} == {llama.device}
+    assert logits.device.type == "cpu" and step.device.type == "cpu"
+    assert step.dtype == torch.float32
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_asking_for_cuda_without_it_fails_at_startup_not_mid_request():
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        resolve_device("cuda")
