@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test lint protos demo bench bench-llm bench-retrieval bench-diffusion bench-agent clean
+.PHONY: install test lint protos demo bench bench-llm bench-retrieval bench-diffusion bench-agent bench-edge clean
 
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,9 @@ bench-diffusion: install
 
 bench-agent: install
 	$(PY) -m loadtest.agent_eval --out docs/benchmarks.md
+
+bench-edge: install
+	$(PY) -m loadtest.edge --seconds 5 --rounds 2 --out docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) var
