@@ -12,7 +12,7 @@ from pydantic import SecretStr
 from mesh.config import MeshSettings, ServiceSettings
 from mesh.edge import envoy
 from mesh.registry import discover
-from tests.conftest import VENV_BIN
+from tests.conftest import ROOT, VENV_BIN, subprocess_env
 
 
 @pytest.fixture
@@ -134,3 +134,37 @@ def test_tracing_only_when_a_collector_is_named(settings):
     manager = traced["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     assert manager["typed_config"]["tracing"]["provider"]["name"] == "envoy.tracers.opentelemetry"
     assert "tracing" not in json.dumps(quiet["static_resources"]["listeners"][0])
+
+
+def test_the_kubernetes_edge_config_validates(tmp_path):
+    """What the edge pod's init container renders from k8s/base/aimesh.toml."""
+    config = tmp_path / "envoy.yaml"
+    result = subprocess.run(
+        [str(VENV_BIN / "aimesh"), "edge", "render", "--out", str(config)],
+        env=subprocess_env(
+            AIMESH_CONFIG=str(ROOT / "k8s" / "base" / "aimesh.toml"),
+            AIMESH_EDGE__HOST="0.0.0.0",
+            AIMESH_EDGE__API_KEYS='["a-key"]',
+            OTEL_TRACES_EXPORTER="otlp",
+            OTEL_EXPORTER_OTLP_ENDPOINT="http://otel-collector.aimesh.svc.cluster.local:4317",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    rendered = json.loads(config.read_text())
+    clusters = {c["name"]: c for c in rendered["static_resources"]["clusters"]}
+    assert clusters["generation"]["type"] == "STRICT_DNS"
+    address = clusters["generation"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    assert address["endpoint"]["address"]["socket_address"]["address"].endswith(
+        ".svc.cluster.local"
+    )
+    assert clusters["otel_collector"]["type"] == "STRICT_DNS"
+    validation = subprocess.run(
+        [str(VENV_BIN / "envoy"), "--mode", "validate", "-c", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert validation.returncode == 0, validation.stderr[-2000:]
