@@ -2,7 +2,8 @@
 
 Health (grpc.health.v1): `""` answers SERVING as soon as the process listens (liveness);
 the service's own name and each of its proto service names answer SERVING only after
-every warm-up has run (readiness) and go NOT_SERVING when draining. Reflection is on for
+every warm-up has run (readiness), follow the readiness probes of a remote engine (e.g.
+Triton's ModelReady) after that, and go NOT_SERVING when draining. Reflection is on for
 grpcurl. On SIGTERM: NOT_SERVING, new calls refused, in-flight calls (streams included)
 get the grace period to finish, then the process exits.
 """
@@ -34,6 +35,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 Hook = Callable[[], Awaitable[None]]
+Probe = Callable[[], Awaitable[bool]]
 
 
 class MeshServer:
@@ -65,6 +67,8 @@ class MeshServer:
         self._proto_services: list[str] = []
         self._warmups: list[Hook] = []
         self._shutdown_hooks: list[Hook] = []
+        self._probes: list[Probe] = []
+        self._following: asyncio.Task[None] | None = None
         self.grpc_server = grpc.aio.server(
             interceptors=[
                 *tracing.server_interceptors(),
@@ -112,6 +116,21 @@ class MeshServer:
         """Runs after draining: free engines, flush stores."""
         self._shutdown_hooks.append(hook)
 
+    def add_readiness_probe(self, probe: Probe) -> None:
+        """After warm-up, readiness is also `probe()`'s answer, polled every second: a
+        service whose model runs elsewhere is ready only while that model is."""
+        self._probes.append(probe)
+
+    async def _follow_probes(self, interval_s: float = 1.0) -> None:
+        ready = True
+        while True:
+            await asyncio.sleep(interval_s)
+            now = all([await probe() for probe in self._probes])
+            if now != ready:
+                log.warning("readiness follows a remote engine", extra={"ready": now})
+                await self.set_ready(now)
+                ready = now
+
     @property
     def readiness_names(self) -> list[str]:
         return [self.name, *self._proto_services]
@@ -137,6 +156,8 @@ class MeshServer:
             await warmup()
         await self.set_ready(True)
         log.info("ready")
+        if self._probes:
+            self._following = asyncio.create_task(self._follow_probes(), name="readiness")
         return self.port
 
     async def set_ready(self, ready: bool) -> None:
@@ -147,6 +168,8 @@ class MeshServer:
         """NOT_SERVING, refuse new calls, let in-flight ones finish within the grace period."""
         grace = self.grace_s if grace_s is None else grace_s
         log.info("draining", extra={"grace_s": grace})
+        if self._following is not None:
+            self._following.cancel()
         await self.health.enter_graceful_shutdown()
         await self.grpc_server.stop(grace)
         for hook in self._shutdown_hooks:

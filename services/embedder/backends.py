@@ -1,7 +1,7 @@
-"""Two ways to run the pooled transformer, behind one small interface: torch, and ONNX
-Runtime on a graph exported once from the same torch module.
+"""Three ways to run the pooled transformer: torch and ONNX Runtime in this process (on a
+graph exported once from the same torch module), and Triton Inference Server.
 
-Both take padded token ids and return mean-pooled, unnormalised vectors; tokenizing,
+All take padded token ids and return mean-pooled, unnormalised vectors; tokenizing,
 batching and normalising happen above them and are shared. torch is imported only where
 it is needed: an ONNX Runtime process whose graph is already built never loads it.
 """
@@ -16,6 +16,8 @@ import numpy as np
 import onnxruntime
 
 from mesh.artifacts import build_once
+from mesh.config import BreakerSettings
+from mesh.triton import TritonModel, TritonSettings
 from services.embedder.model import SentenceModel
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,22 @@ class OnnxBackend:
             None, {"input_ids": input_ids, "attention_mask": attention_mask}
         )
         return pooled
+
+
+class TritonBackend:
+    """The same pooled model on Triton: asynchronous, so passes run concurrently and a
+    cancelled or late request cancels its ModelInfer instead of occupying a thread."""
+
+    OUTPUT = "sentence_embedding"
+
+    def __init__(self, settings: TritonSettings, breaker: BreakerSettings) -> None:
+        self.model = TritonModel(settings, breaker)
+
+    async def pool(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        outputs = await self.model.infer(
+            {"input_ids": input_ids, "attention_mask": attention_mask}, [self.OUTPUT]
+        )
+        return outputs[self.OUTPUT]
 
 
 def onnx_graph(model: SentenceModel, cache_dir: Path) -> Path:

@@ -1,17 +1,20 @@
-"""Texts to vectors in this thread: tokenizer, backend and the way rows share passes.
+"""Texts to vectors: tokenizer, backend and the way rows share passes.
 
-The engine runs `embed` for every micro-batch; benchmarks and tests call `encode`.
+The engine runs `embed` (in its model thread) or `embed_remote` (on Triton) for every
+micro-batch; benchmarks and tests call `encode`.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from services.embedder.backends import Backend, load_backend
+from mesh.config import BreakerSettings
+from services.embedder.backends import Backend, TritonBackend, load_backend
 from services.embedder.model import SentenceModel, default_model
 from services.embedder.settings import EmbedderSettings
 from services.embedder.tokens import TextTokenizer, pad
@@ -21,32 +24,61 @@ from services.embedder.tokens import TextTokenizer, pad
 class Encoder:
     model: SentenceModel
     tokenizer: TextTokenizer
-    backend: Backend
+    backend: Backend | TritonBackend
     max_batch_tokens: int
 
     @classmethod
-    def load(cls, settings: EmbedderSettings, cache_dir: Path) -> Encoder:
+    def load(
+        cls, settings: EmbedderSettings, cache_dir: Path, breaker: BreakerSettings | None = None
+    ) -> Encoder:
         """The embedded model on the configured backend (exporting its ONNX graph once)."""
         model = default_model()
-        backend = load_backend(settings.backend, model, cache_dir, settings.threads)
+        if settings.backend == "triton":
+            assert settings.triton is not None  # the settings' validator requires it
+            backend: Backend | TritonBackend = TritonBackend(
+                settings.triton, breaker or BreakerSettings()
+            )
+        else:
+            backend = load_backend(settings.backend, model, cache_dir, settings.threads)
         tokenizer = TextTokenizer(model.path, model.max_tokens)
         return cls(model, tokenizer, backend, settings.max_batch_tokens)
 
-    def embed(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
-        """Unnormalised vectors of tokenized rows, in their order.
+    @property
+    def remote(self) -> bool:
+        return isinstance(self.backend, TritonBackend)
 
-        Rows run longest first, in forward passes of at most max_batch_tokens padded
-        tokens (always at least one row): neighbours in length share a pass, so a short
-        text is not padded to a long one's length unless they fit one pass anyway.
+    def passes(self, rows: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Row indices per forward pass: longest first, at most max_batch_tokens padded
+        tokens a pass (always at least one row), so neighbours in length share a pass and
+        a short text is not padded to a long one's length unless they fit one pass anyway.
         """
         order = sorted(range(len(rows)), key=lambda index: len(rows[index]), reverse=True)
-        vectors = np.empty((len(rows), self.model.dimensions), dtype=np.float32)
-        start = 0
+        chunks, start = [], 0
         while start < len(order):
             width = len(rows[order[start]])
-            chunk = order[start : start + max(1, self.max_batch_tokens // width)]
-            vectors[chunk] = self.backend.pool(*pad([rows[index] for index in chunk]))
-            start += len(chunk)
+            chunks.append(order[start : start + max(1, self.max_batch_tokens // width)])
+            start += len(chunks[-1])
+        return chunks
+
+    def embed(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
+        """Unnormalised vectors of tokenized rows, in their order, computed here."""
+        backend = self.backend
+        assert not isinstance(backend, TritonBackend), "Triton runs through embed_remote"
+        vectors = np.empty((len(rows), self.model.dimensions), dtype=np.float32)
+        for chunk in self.passes(rows):
+            vectors[chunk] = backend.pool(*pad([rows[index] for index in chunk]))
+        return vectors
+
+    async def embed_remote(self, rows: Sequence[Sequence[int]]) -> np.ndarray:
+        """The same on Triton, every pass in flight at once for its dynamic batcher."""
+        assert isinstance(self.backend, TritonBackend)
+        chunks = self.passes(rows)
+        pooled = await asyncio.gather(
+            *(self.backend.pool(*pad([rows[index] for index in chunk])) for chunk in chunks)
+        )
+        vectors = np.empty((len(rows), self.model.dimensions), dtype=np.float32)
+        for chunk, values in zip(chunks, pooled, strict=True):
+            vectors[chunk] = values
         return vectors
 
     def encode(

@@ -6,7 +6,9 @@ it began gathering, whichever comes first, and hands them all to the model threa
 (`Encoder.embed` sorts them by length into passes). Each request gets exactly its own
 rows back. A request cancelled while it waits is dropped from its batch; one cancelled
 while its batch runs just never reads its rows: either way the others are unaffected.
-All model work happens in one thread, so the backend never runs two passes at once.
+All local model work happens in one thread, so the backend never runs two passes at once.
+On Triton a batch runs within the longest budget among its requests, and is cancelled
+when every one of them is.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from prometheus_client import Histogram
 
+from mesh import deadline
 from services.embedder.encoder import Encoder, normalized
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,7 @@ class Embedded:
 class _Request:
     rows: Sequence[Sequence[int]]
     submitted_at: float
+    expires_at: float | None  # time.monotonic() when the caller's deadline passes
     answer: asyncio.Future[tuple[np.ndarray, float, float]] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -64,7 +68,10 @@ class EmbedEngine:
         """Vectors of tokenized rows (ids within the model's maximum), in their order."""
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._batching_loop(), name="embedder-batches")
-        request = _Request(rows, time.perf_counter())
+        left = deadline.remaining()
+        request = _Request(
+            rows, time.perf_counter(), None if left is None else time.monotonic() + left
+        )
         self._waiting.put_nowait(request)
         # Cancelling the caller cancels `answer` too, which marks the request as dropped.
         vectors, started_at, inference_s = await request.answer
@@ -114,9 +121,14 @@ class EmbedEngine:
         BATCH_TEXTS.observe(len(rows))
         started_at = time.perf_counter()
         try:
-            vectors = await asyncio.get_running_loop().run_in_executor(
-                self.model_thread, self.encoder.embed, rows
-            )
+            if self.encoder.remote:
+                vectors = await self._remote(batch, rows)
+                if vectors is None:  # every request of the batch was cancelled
+                    return
+            else:
+                vectors = await asyncio.get_running_loop().run_in_executor(
+                    self.model_thread, self.encoder.embed, rows
+                )
         except asyncio.CancelledError:  # the engine is closing
             for request in batch:
                 request.answer.cancel()
@@ -134,3 +146,26 @@ class EmbedEngine:
             if not request.answer.done():  # cancelled while the batch ran
                 request.answer.set_result((vectors[start:stop], started_at, inference_s))
             start = stop
+
+    async def _remote(self, batch: list[_Request], rows: list[Sequence[int]]) -> np.ndarray | None:
+        """The batch's passes on Triton; None once every request of the batch is cancelled
+        (the passes are cancelled with them)."""
+        deadlines = [request.expires_at for request in batch]
+        left = None if None in deadlines else max(deadlines) - time.monotonic()
+
+        async def within_budget() -> np.ndarray:
+            if left is None:
+                return await self.encoder.embed_remote(rows)
+            with deadline.budget(left):
+                return await self.encoder.embed_remote(rows)
+
+        work = asyncio.create_task(within_budget())
+        all_dropped = asyncio.ensure_future(asyncio.wait([r.answer for r in batch]))
+        try:
+            await asyncio.wait({work, all_dropped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            all_dropped.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+        return None if work.cancelled() else work.result()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator, Sequence
+from functools import partial
 from itertools import islice
 
 import grpc
@@ -23,6 +24,7 @@ from mesh.failures import NotReady
 from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
+from services.embedder.backends import TritonBackend
 from services.embedder.encoder import Encoder
 from services.embedder.engine import EmbedEngine
 from services.embedder.settings import embedder_settings
@@ -140,7 +142,17 @@ async def setup(server: MeshServer) -> None:
     server.add_service(embedder_pb2_grpc.add_EmbedderServiceServicer_to_server, servicer, SERVICE)
 
     async def load() -> None:
-        encoder = await asyncio.to_thread(Encoder.load, settings, server.settings.cache_dir)
+        load = partial(
+            Encoder.load, settings, server.settings.cache_dir, server.settings.client.breaker
+        )
+        # A Triton client belongs to this event loop; a local model loads in a thread.
+        encoder = load() if settings.backend == "triton" else await asyncio.to_thread(load)
+        if isinstance(encoder.backend, TritonBackend):
+            # Not ready until Triton has the model; alive all along. Polling: a remote
+            # server's readiness has no local event to wait on.
+            while not await encoder.backend.model.ready():  # noqa: ASYNC110
+                await asyncio.sleep(1.0)
+            server.add_readiness_probe(encoder.backend.model.ready)
         engine = EmbedEngine(encoder, settings.max_batch_texts, settings.max_wait_ms / 1000)
         (warmup,) = encoder.tokenizer.tokenize([WARMUP_TEXT], "right")
         await engine.embed([warmup.ids], normalize=True)
@@ -149,6 +161,8 @@ async def setup(server: MeshServer) -> None:
     async def close() -> None:
         if servicer.engine is not None:
             await servicer.engine.close()
+            if isinstance(servicer.engine.encoder.backend, TritonBackend):
+                await servicer.engine.encoder.backend.model.close()
 
     server.add_warmup(load)
     server.add_shutdown(close)

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from mesh.config import MeshSettings
+from mesh.triton import TritonSettings
 
 
 class EmbedderSettings(BaseModel, extra="forbid"):
     # loadtest/embed.py, 2 cores, 1 thread: ONNX Runtime 182 texts/s, torch 104.
-    backend: Literal["onnx", "torch"] = "onnx"
+    backend: Literal["onnx", "torch", "triton"] = "onnx"
+    # backend = "triton": the pooled model runs on Triton Inference Server (the model
+    # k8s/triton-model-repository/sentence_embedding serves); tokenizing stays here.
+    triton: TritonSettings | None = None
     max_batch_texts: int = Field(
         default=64, ge=1, description="a micro-batch stops gathering requests at this many texts"
     )
@@ -29,6 +33,12 @@ class EmbedderSettings(BaseModel, extra="forbid"):
     # Several model processes share the cores of a small machine; one intra-op thread each
     # keeps them from fighting. Raise it for an embedder with cores of its own.
     threads: int = Field(default=1, ge=1, description="torch / ONNX Runtime intra-op threads")
+
+    @model_validator(mode="after")
+    def _triton_named(self) -> EmbedderSettings:
+        if self.backend == "triton" and self.triton is None:
+            raise ValueError("backend 'triton' needs an [engines.embedder.triton] section")
+        return self
 
 
 def embedder_settings(settings: MeshSettings) -> EmbedderSettings:

@@ -1,0 +1,144 @@
+"""Model execution on Triton Inference Server, through tritonclient's asyncio gRPC client.
+
+A service whose engine runs on Triton must answer exactly like one running the model
+itself, so every call here carries the caller's remaining budget as its client timeout,
+passes a circuit breaker of its own (tritonclient owns its channel: the mesh's channel
+interceptors never see these calls), and comes back through the mesh's error table:
+Triton unreachable or the model not loaded -> UNAVAILABLE; Triton's deadline, overload
+and cancellation -> passed through; anything else Triton says about a request -> this
+service's INTERNAL error, since inputs were validated before they got here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import grpc
+import numpy as np
+import tritonclient.grpc as triton_grpc
+import tritonclient.grpc.aio as triton_aio
+from pydantic import BaseModel, Field
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+from mesh import deadline
+from mesh.breaker import CircuitBreaker
+from mesh.config import BreakerSettings
+from mesh.errors import local_error, status
+from mesh.failures import NotReady
+
+# Triton's own statuses, as the mesh reads a dependency's: see the module docstring.
+_NOT_READY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND}
+_PASSED_THROUGH = {
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.CANCELLED,
+}
+
+
+class TritonSettings(BaseModel, extra="forbid"):
+    """Where a model lives on Triton: a service's `[engines.<name>.triton]` section."""
+
+    url: str = Field(default="127.0.0.1:8001", description="Triton's gRPC endpoint, host:port")
+    model: str = Field(min_length=1, description="the model's name in Triton's repository")
+    version: str = Field(default="", description="empty: the version Triton's policy picks")
+    timeout_s: float = Field(
+        default=30.0, gt=0, description="per call when the caller brings no deadline, and its cap"
+    )
+    ssl: bool = False
+    root_certificates: Path | None = None
+    private_key: Path | None = None
+    certificate_chain: Path | None = None
+
+
+class TritonModel:
+    """One model on one Triton server: its readiness, and ModelInfer behind a breaker."""
+
+    def __init__(self, settings: TritonSettings, breaker: BreakerSettings | None = None) -> None:
+        self.settings = settings
+        self._client = triton_aio.InferenceServerClient(
+            settings.url,
+            ssl=settings.ssl,
+            root_certificates=_path(settings.root_certificates),
+            private_key=_path(settings.private_key),
+            certificate_chain=_path(settings.certificate_chain),
+        )
+        self.breaker = CircuitBreaker(f"triton:{settings.url}/{settings.model}", breaker)
+
+    async def ready(self) -> bool:
+        """Triton's ModelReady for this model: the readiness of a service it backs."""
+        try:
+            return await self._client.is_model_ready(
+                self.settings.model, self.settings.version, client_timeout=1.0
+            )
+        except InferenceServerException:
+            return False
+
+    async def infer(
+        self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]
+    ) -> dict[str, np.ndarray]:
+        """One ModelInfer within the caller's remaining budget. Cancelling the calling task
+        cancels the RPC, and Triton drops a request whose client has gone."""
+        refusal = self.breaker.before_call(f"{self.settings.model}/ModelInfer")
+        if refusal is not None:
+            raise local_error(refusal)
+        timeout_s = self._timeout_s()
+        started = time.monotonic()
+        try:
+            result = await self._client.infer(
+                self.settings.model,
+                [_tensor(name, array) for name, array in inputs.items()],
+                model_version=self.settings.version,
+                outputs=[triton_grpc.InferRequestedOutput(name) for name in outputs],
+                client_timeout=timeout_s,
+            )
+        except InferenceServerException as error:
+            code = _code(error)
+            self.breaker.record_status(
+                code, None, time.monotonic() - started, timeout_s, streaming=False
+            )
+            raise self._mesh_error(code, error) from None
+        self.breaker.record_status(
+            grpc.StatusCode.OK, None, time.monotonic() - started, timeout_s, streaming=False
+        )
+        return {name: result.as_numpy(name) for name in outputs}
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    def _timeout_s(self) -> float:
+        left = deadline.remaining()
+        if left is not None and left <= 0:
+            raise local_error(
+                status(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"no time left to call Triton at {self.settings.url}",
+                    reason="BUDGET_SPENT",
+                )
+            )
+        return self.settings.timeout_s if left is None else min(left, self.settings.timeout_s)
+
+    def _mesh_error(self, code: grpc.StatusCode, error: InferenceServerException) -> Exception:
+        where = f"Triton at {self.settings.url}, model {self.settings.model!r}: {error.message()}"
+        if code in _NOT_READY:
+            return NotReady(where, reason="TRITON_UNAVAILABLE")
+        if code in _PASSED_THROUGH:
+            return local_error(status(code, where, reason=f"TRITON_{code.name}"))
+        return RuntimeError(f"{where} ({code.name})")
+
+
+def _path(path: Path | None) -> str | None:
+    return None if path is None else str(path)
+
+
+def _tensor(name: str, array: np.ndarray) -> triton_grpc.InferInput:
+    tensor = triton_grpc.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def _code(error: InferenceServerException) -> grpc.StatusCode:
+    """tritonclient reports a status as the string 'StatusCode.NAME', or None."""
+    name = (error.status() or "").removeprefix("StatusCode.")
+    return grpc.StatusCode.__members__.get(name, grpc.StatusCode.UNKNOWN)
