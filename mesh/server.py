@@ -85,6 +85,10 @@ class MeshServer:
             ("grpc.max_concurrent_streams", transport.max_concurrent_streams),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+            # Never answer a mesh client's keepalive with GOAWAY "too_many_pings": a long
+            # client stream the server reads slowly (an ingest under load) drew one once and
+            # failed with UNAVAILABLE. Clients are the mesh's own; Envoy fronts outsiders.
+            ("grpc.http2.max_ping_strikes", 0),
             # Without this, Linux lets two servers bind one port and split its traffic.
             ("grpc.so_reuseport", 0),
         ]
