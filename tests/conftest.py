@@ -14,6 +14,7 @@ from pathlib import Path
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import pytest
+import rotel
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
@@ -144,3 +145,20 @@ async def serve_process() -> AsyncIterator[Callable[..., Awaitable[ServiceProces
         if child.process.returncode is None:
             child.process.kill()
             await child.process.wait()
+
+
+async def start_collector(log: Path) -> tuple[asyncio.subprocess.Process, int]:
+    """rotel, a real OTLP collector, printing every span it receives."""
+    port = free_port()
+    collector = await asyncio.create_subprocess_exec(
+        str(Path(rotel.__file__).parent / "rotel-agent"),
+        "start",
+        "--otlp-grpc-endpoint", f"127.0.0.1:{port}",
+        "--otlp-http-endpoint", f"127.0.0.1:{free_port()}",
+        "--exporter", "blackhole",
+        "--debug-log", "traces",
+        "--debug-log-verbosity", "detailed",
+        stdout=log.open("w"),
+        stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    return collector, port

@@ -11,11 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest_asyncio
-import rotel
 
 from mesh.edge.process import wait_ready
 from mesh.health import wait_until_serving
-from tests.conftest import VENV_BIN, free_port, subprocess_env
+from tests.conftest import VENV_BIN, free_port, start_collector, subprocess_env
 
 SERVICES = ("generation", "tokenizer", "prefill", "decode", "embedder")
 API_KEY = "test-edge-key"
@@ -37,23 +36,6 @@ class Edge:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-
-async def start_collector(log: Path) -> tuple[asyncio.subprocess.Process, int]:
-    """rotel, a real OTLP collector, printing every span it receives."""
-    port = free_port()
-    collector = await asyncio.create_subprocess_exec(
-        str(Path(rotel.__file__).parent / "rotel-agent"),
-        "start",
-        "--otlp-grpc-endpoint", f"127.0.0.1:{port}",
-        "--otlp-http-endpoint", f"127.0.0.1:{free_port()}",
-        "--exporter", "blackhole",
-        "--debug-log", "traces",
-        "--debug-log-verbosity", "detailed",
-        stdout=log.open("w"),
-        stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
-    return collector, port
 
 
 @pytest_asyncio.fixture(scope="package", loop_scope="package")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 from pydantic import SecretStr
@@ -22,6 +23,16 @@ def settings() -> MeshSettings:
     return settings
 
 
+def assert_envoy_accepts(path: Path) -> None:
+    result = subprocess.run(
+        [str(VENV_BIN / "envoy"), "--mode", "validate", "-c", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def routes_of(config: dict) -> dict[str, dict]:
     (listener, *_) = config["static_resources"]["listeners"]
     manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
@@ -37,13 +48,7 @@ def test_the_real_envoy_accepts_the_config(settings, tmp_path):
     )
     path = tmp_path / "envoy.yaml"
     path.write_text(json.dumps(config))
-    result = subprocess.run(
-        [str(VENV_BIN / "envoy"), "--mode", "validate", "-c", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert_envoy_accepts(path)
 
 
 def test_only_edge_services_are_routed(settings):
@@ -161,10 +166,4 @@ def test_the_kubernetes_edge_config_validates(tmp_path):
         ".svc.cluster.local"
     )
     assert clusters["otel_collector"]["type"] == "STRICT_DNS"
-    validation = subprocess.run(
-        [str(VENV_BIN / "envoy"), "--mode", "validate", "-c", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert validation.returncode == 0, validation.stderr[-2000:]
+    assert_envoy_accepts(config)

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest_asyncio
-import rotel
 
 from mesh.health import wait_until_serving
-from tests.conftest import VENV_BIN, free_port, subprocess_env
+from tests.conftest import VENV_BIN, free_port, start_collector, subprocess_env
 from tests.services.tools.conftest import fill_knowledge
 
 SERVICES = (
@@ -36,20 +35,8 @@ class Mesh:
 @pytest_asyncio.fixture(scope="package", loop_scope="package")
 async def mesh(tmp_path_factory) -> AsyncIterator[Mesh]:
     ports = {name: free_port() for name in SERVICES}
-    otlp_port = free_port()
     spans = tmp_path_factory.mktemp("otlp") / "spans.log"
-    # A real OTLP collector: rotel receives every process's spans and prints them.
-    collector = await asyncio.create_subprocess_exec(
-        str(Path(rotel.__file__).parent / "rotel-agent"),
-        "start",
-        "--otlp-grpc-endpoint", f"127.0.0.1:{otlp_port}",
-        "--otlp-http-endpoint", f"127.0.0.1:{free_port()}",
-        "--exporter", "blackhole",
-        "--debug-log", "traces",
-        "--debug-log-verbosity", "detailed",
-        stdout=spans.open("w"),
-        stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
+    collector, otlp_port = await start_collector(spans)
     env = subprocess_env(
         AIMESH_ENGINES__RETRIEVAL__PATH=str(tmp_path_factory.mktemp("agent-kb")),
         AIMESH_ENGINES__DIFFUSION__MODELS="digits",
