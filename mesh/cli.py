@@ -7,7 +7,7 @@ import logging
 import secrets
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from pydantic import SecretStr
@@ -120,6 +120,13 @@ def up(
     raise typer.Exit(asyncio.run(run()))
 
 
+def _edge_config(specs: list[ServiceSpec], settings: MeshSettings) -> dict[str, Any]:
+    """The same Envoy config for `up --edge` and `edge render`: spans go where ours do."""
+    return envoy.bootstrap(
+        envoy.upstreams_for(specs, settings), settings, otlp_endpoint=tracing.otlp_endpoint()
+    )
+
+
 async def _start_edge(
     specs: list[ServiceSpec], settings: MeshSettings, log_dir: Path | None, timeout_s: float
 ) -> asyncio.subprocess.Process | None:
@@ -128,9 +135,7 @@ async def _start_edge(
         key = secrets.token_urlsafe(24)
         settings.edge.api_keys = [SecretStr(key)]
         console.print(f"edge API key for this run (set AIMESH_EDGE__API_KEYS to fix one): {key}")
-    config = envoy.bootstrap(
-        envoy.upstreams_for(specs, settings), settings, otlp_endpoint=tracing.otlp_endpoint()
-    )
+    config = _edge_config(specs, settings)
     run_dir = log_dir or settings.cache_dir / "edge"
     path = edge_process.write_config(config, run_dir / "envoy.json")
     proxy = await edge_process.start(
@@ -211,10 +216,7 @@ def edge_render(
     """Write Envoy's config for the configured mesh: routes from the protos, upstreams from
     the service table, keys from AIMESH_EDGE__API_KEYS, tracing from OTEL_*."""
     settings = MeshSettings()
-    config = envoy.bootstrap(
-        envoy.upstreams_for(_specs(only), settings), settings, otlp_endpoint=tracing.otlp_endpoint()
-    )
-    edge_process.write_config(config, out)
+    edge_process.write_config(_edge_config(_specs(only), settings), out)
     console.print(f"wrote {out}")
 
 

@@ -37,6 +37,13 @@ CORS_ALLOW_HEADERS = (
 CORS_EXPOSE_HEADERS = "grpc-status,grpc-message,grpc-status-details-bin,x-request-id"
 # Retried only when the request never reached a service, whatever the method.
 NEVER_SENT = "connect-failure,refused-stream"
+HTTP_CONNECTION_MANAGER = (
+    "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+)
+ROUTER = {
+    "name": "envoy.filters.http.router",
+    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+}
 
 
 @dataclass(frozen=True)
@@ -76,11 +83,7 @@ def endpoints(target: str) -> tuple[str, list[tuple[str, int]]]:
         addresses = target.split(":", 1)[1].split(",")
         return "STATIC", [_host_port(address) for address in addresses]
     host, port = _host_port(target)
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return "STRICT_DNS", [(host, port)]
-    return "STATIC", [(host, port)]
+    return ("STATIC" if _is_ip(host) else "STRICT_DNS"), [(host, port)]
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -340,10 +343,7 @@ def _http_filters(
                 enable_upstream_stats=True,
             ),
         },
-        {
-            "name": "envoy.filters.http.router",
-            "typed_config": _typed("envoy.extensions.filters.http.router.v3.Router"),
-        },
+        ROUTER,
     ]
 
 
@@ -392,47 +392,34 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-def _metrics_listener(host: str, port: int) -> dict[str, Any]:
-    """Prometheus scrapes Envoy here; the admin API itself never leaves loopback."""
+def _listener(name: str, host: str, port: int, manager: dict[str, Any]) -> dict[str, Any]:
+    """One plain-text listener whose only filter is the given HTTP connection manager."""
     return {
-        "name": "metrics",
+        "name": name,
         "address": _address(host, port),
         "filter_chains": [
             {
                 "filters": [
                     {
                         "name": "envoy.filters.network.http_connection_manager",
-                        "typed_config": _typed(
-                            "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-                            stat_prefix="metrics",
-                            route_config={
-                                "virtual_hosts": [
-                                    {
-                                        "name": "metrics",
-                                        "domains": ["*"],
-                                        "routes": [
-                                            {
-                                                "match": {"path": "/stats/prometheus"},
-                                                "route": {"cluster": ADMIN_CLUSTER},
-                                            }
-                                        ],
-                                    }
-                                ]
-                            },
-                            http_filters=[
-                                {
-                                    "name": "envoy.filters.http.router",
-                                    "typed_config": _typed(
-                                        "envoy.extensions.filters.http.router.v3.Router"
-                                    ),
-                                }
-                            ],
-                        ),
+                        "typed_config": manager,
                     }
                 ]
             }
         ],
     }
+
+
+def _metrics_listener(host: str, port: int) -> dict[str, Any]:
+    """Prometheus scrapes Envoy here; the admin API itself never leaves loopback."""
+    scrape = {"match": {"path": "/stats/prometheus"}, "route": {"cluster": ADMIN_CLUSTER}}
+    manager = _typed(
+        HTTP_CONNECTION_MANAGER,
+        stat_prefix="metrics",
+        route_config={"virtual_hosts": [{"name": "metrics", "domains": ["*"], "routes": [scrape]}]},
+        http_filters=[ROUTER],
+    )
+    return _listener("metrics", host, port, manager)
 
 
 def bootstrap(
@@ -456,7 +443,7 @@ def bootstrap(
         for method in api.methods(upstream.services)
     ]
     manager: dict[str, Any] = _typed(
-        "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        HTTP_CONNECTION_MANAGER,
         stat_prefix="edge",
         codec_type="AUTO",
         generate_request_id=True,
@@ -484,22 +471,7 @@ def bootstrap(
     if otlp_endpoint:
         manager["tracing"], collector = _tracing(otlp_endpoint)
         clusters.append(collector)
-    listeners = [
-        {
-            "name": "edge",
-            "address": _address(edge.host, edge.port),
-            "filter_chains": [
-                {
-                    "filters": [
-                        {
-                            "name": "envoy.filters.network.http_connection_manager",
-                            "typed_config": manager,
-                        }
-                    ]
-                }
-            ],
-        }
-    ]
+    listeners = [_listener("edge", edge.host, edge.port, manager)]
     if edge.metrics_port:
         listeners.append(_metrics_listener(edge.host, edge.metrics_port))
     return {
