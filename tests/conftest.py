@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import sys
 import time
@@ -162,3 +163,23 @@ async def start_collector(log: Path) -> tuple[asyncio.subprocess.Process, int]:
         stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
     return collector, port
+
+
+async def wait_all_serving(ports: dict[str, int], timeout_s: float = 300) -> None:
+    """Every named service on 127.0.0.1:PORT answers readiness, or the test setup fails."""
+    for name, port in ports.items():
+        if not await wait_until_serving(f"127.0.0.1:{port}", name, timeout_s=timeout_s):
+            raise AssertionError(f"{name} did not become ready")
+
+
+async def stop_mesh(process: asyncio.subprocess.Process, grace_s: float = 60) -> None:
+    """SIGTERM to `aimesh up` (it drains its services); its whole process group is killed
+    if that takes longer than the grace period. Start it with start_new_session=True."""
+    if process.returncode is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(process.wait(), grace_s)
+    except TimeoutError:
+        os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()

@@ -4,8 +4,6 @@ with a real OTLP collector receiving the spans of every process, Envoy included.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,8 +11,14 @@ from pathlib import Path
 import pytest_asyncio
 
 from mesh.edge.process import wait_ready
-from mesh.health import wait_until_serving
-from tests.conftest import VENV_BIN, free_port, start_collector, subprocess_env
+from tests.conftest import (
+    VENV_BIN,
+    free_port,
+    start_collector,
+    stop_mesh,
+    subprocess_env,
+    wait_all_serving,
+)
 
 SERVICES = ("generation", "tokenizer", "prefill", "decode", "embedder")
 API_KEY = "test-edge-key"
@@ -65,19 +69,11 @@ async def edge(tmp_path_factory) -> AsyncIterator[Edge]:
         start_new_session=True,
     )  # fmt: skip
     try:
-        for name, port in ports.items():
-            if not await wait_until_serving(f"127.0.0.1:{port}", name, timeout_s=300):
-                raise AssertionError(f"{name} did not become ready")
+        await wait_all_serving(ports)
         if not await wait_ready(process, edge.admin_port, timeout_s=60):
             raise AssertionError(f"envoy did not become ready:\n{edge.access_log.read_text()}")
         yield edge
     finally:
         collector.kill()
         await collector.wait()
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(process.wait(), 60)
-            except TimeoutError:
-                os.killpg(process.pid, signal.SIGKILL)
-                await process.wait()
+        await stop_mesh(process)

@@ -4,16 +4,20 @@ knowledge collection in a store of the test's own."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest_asyncio
 
-from mesh.health import wait_until_serving
-from tests.conftest import VENV_BIN, free_port, start_collector, subprocess_env
+from tests.conftest import (
+    VENV_BIN,
+    free_port,
+    start_collector,
+    stop_mesh,
+    subprocess_env,
+    wait_all_serving,
+)
 from tests.services.tools.conftest import fill_knowledge
 
 SERVICES = (
@@ -57,18 +61,10 @@ async def mesh(tmp_path_factory) -> AsyncIterator[Mesh]:
         start_new_session=True,
     )
     try:
-        for name, port in ports.items():
-            if not await wait_until_serving(f"127.0.0.1:{port}", name, timeout_s=300):
-                raise AssertionError(f"{name} did not become ready")
+        await wait_all_serving(ports)
         await fill_knowledge(f"127.0.0.1:{ports['retrieval']}")
         yield Mesh(env, ports, spans)
     finally:
         collector.kill()
         await collector.wait()
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(process.wait(), 60)
-            except TimeoutError:
-                os.killpg(process.pid, signal.SIGKILL)
-                await process.wait()
+        await stop_mesh(process)
