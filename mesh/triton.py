@@ -11,8 +11,10 @@ service's INTERNAL error, since inputs were validated before they got here.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 
 import grpc
@@ -27,6 +29,8 @@ from mesh.breaker import CircuitBreaker
 from mesh.config import BreakerSettings
 from mesh.errors import local_error, status
 from mesh.failures import NotReady
+
+log = logging.getLogger(__name__)
 
 # Triton's own statuses, as the mesh reads a dependency's: see the module docstring.
 _NOT_READY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND}
@@ -75,15 +79,27 @@ class TritonModel:
         except InferenceServerException:
             return False
 
+    async def wait_until_ready(self, interval_s: float = 1.0) -> None:
+        """Polls ModelReady until it holds: a service backed by Triton is alive but not
+        ready meanwhile. Polling, since a remote server's readiness has no local event."""
+        if await self.ready():
+            return
+        log.info(
+            "waiting for Triton's model",
+            extra={"url": self.settings.url, "model": self.settings.model},
+        )
+        while not await self.ready():  # noqa: ASYNC110
+            await asyncio.sleep(interval_s)
+
     async def infer(
         self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]
     ) -> dict[str, np.ndarray]:
         """One ModelInfer within the caller's remaining budget. Cancelling the calling task
         cancels the RPC, and Triton drops a request whose client has gone."""
+        timeout_s = self._timeout_s()
         refusal = self.breaker.before_call(f"{self.settings.model}/ModelInfer")
         if refusal is not None:
             raise local_error(refusal)
-        timeout_s = self._timeout_s()
         started = time.monotonic()
         try:
             result = await self._client.infer(
@@ -98,11 +114,79 @@ class TritonModel:
             self.breaker.record_status(
                 code, None, time.monotonic() - started, timeout_s, streaming=False
             )
-            raise self._mesh_error(code, error) from None
+            raise self._mesh_error(code, error.message()) from None
+        except asyncio.CancelledError:
+            # Recorded all the same: a half-open breaker's trial slot must come back.
+            self.breaker.record_status(
+                grpc.StatusCode.CANCELLED,
+                None,
+                time.monotonic() - started,
+                timeout_s,
+                streaming=False,
+            )
+            raise
         self.breaker.record_status(
             grpc.StatusCode.OK, None, time.monotonic() - started, timeout_s, streaming=False
         )
         return {name: result.as_numpy(name) for name in outputs}
+
+    async def stream(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        outputs: Sequence[str],
+        final: str,
+        request_id: str = "",
+    ) -> AsyncIterator[dict[str, np.ndarray | None]]:
+        """One request to a decoupled model over ModelStreamInfer, its responses as they
+        arrive, up to the first that carries the `final` output.
+
+        The stream lives within the caller's remaining budget. Closing this iterator early
+        (the caller has what it needs, or was cancelled) cancels the gRPC stream, and Triton
+        cancels the request with it. One request per stream: the asyncio client cannot ask
+        for Triton's empty final response, so `final` marks the end, and the request side
+        stays open until then (half-closing it early would end the stream on Triton's side).
+        """
+        timeout_s = self._timeout_s()
+        refusal = self.breaker.before_call(f"{self.settings.model}/ModelStreamInfer")
+        if refusal is not None:
+            raise local_error(refusal)
+        started = time.monotonic()
+        answered = asyncio.Event()
+
+        async def request() -> AsyncIterator[dict]:
+            yield {
+                "model_name": self.settings.model,
+                "model_version": self.settings.version,
+                "request_id": request_id,
+                "inputs": [_tensor(name, array) for name, array in inputs.items()],
+                "outputs": [triton_grpc.InferRequestedOutput(name) for name in outputs],
+            }
+            await answered.wait()
+
+        responses = self._client.stream_infer(request(), stream_timeout=timeout_s)
+        code = grpc.StatusCode.CANCELLED
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    code = grpc.StatusCode.INTERNAL
+                    raise self._mesh_error(code, error.message())
+                response = {name: result.as_numpy(name) for name in outputs}
+                if response[final] is not None:
+                    code = grpc.StatusCode.OK
+                    yield response
+                    return
+                yield response
+            code = grpc.StatusCode.INTERNAL
+            raise self._mesh_error(code, "the stream ended before its final response")
+        except grpc.aio.AioRpcError as error:
+            code = error.code()
+            raise self._mesh_error(code, error.details() or "") from None
+        finally:
+            answered.set()
+            responses.cancel()
+            self.breaker.record_status(
+                code, None, time.monotonic() - started, timeout_s, streaming=True
+            )
 
     async def close(self) -> None:
         await self._client.close()
@@ -119,8 +203,8 @@ class TritonModel:
             )
         return self.settings.timeout_s if left is None else min(left, self.settings.timeout_s)
 
-    def _mesh_error(self, code: grpc.StatusCode, error: InferenceServerException) -> Exception:
-        where = f"Triton at {self.settings.url}, model {self.settings.model!r}: {error.message()}"
+    def _mesh_error(self, code: grpc.StatusCode, message: str) -> Exception:
+        where = f"Triton at {self.settings.url}, model {self.settings.model!r}: {message}"
         if code in _NOT_READY:
             return NotReady(where, reason="TRITON_UNAVAILABLE")
         if code in _PASSED_THROUGH:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -19,6 +20,7 @@ from mesh.failures import Cancelled, NotReady, OutOfMemory
 from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
+from services.diffusion.denoisers import Denoiser, TritonDenoiser, connect_triton
 from services.diffusion.engine import DiffusionModel, ModelCard, Plan
 from services.diffusion.jobs import Job, JobQueue
 from services.diffusion.metrics import JOBS
@@ -62,7 +64,10 @@ def memory_budget_bytes(settings: DiffusionSettings) -> int:
     return psutil.virtual_memory().available // 2
 
 
-def load_models(settings: DiffusionSettings) -> dict[str, DiffusionModel]:
+def load_models(
+    settings: DiffusionSettings, terrain_denoiser: Denoiser | None = None
+) -> dict[str, DiffusionModel]:
+    """`terrain_denoiser`: where terrain's passes run when not in this process (Triton)."""
     # Imported here: each pulls in its runtime only when configured.
     from services.diffusion.digits import DigitsModel
     from services.diffusion.terrain import TerrainModel
@@ -72,7 +77,7 @@ def load_models(settings: DiffusionSettings) -> dict[str, DiffusionModel]:
     device = "cuda" if uses_cuda(settings) else "cpu"
     loaders: dict[str, Callable[[], DiffusionModel]] = {
         "digits": lambda: DigitsModel(device=device),
-        "terrain": lambda: TerrainModel(device=settings.device, threads=settings.threads),
+        "terrain": lambda: TerrainModel(settings.device, settings.threads, terrain_denoiser),
     }
     return {name: loaders[name]() for name in settings.models}
 
@@ -126,7 +131,8 @@ class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
                 finally:
                     emit(None)
 
-            running = loop.run_in_executor(self.workers, work)
+            # In this call's context: the job's passes see its deadline (and trace).
+            running = loop.run_in_executor(self.workers, contextvars.copy_context().run, work)
             # The slot is freed when the worker thread has really returned, never before.
             running.add_done_callback(lambda _: self.queue.finish(job))
             async for event in newest_progress(events):
@@ -246,9 +252,17 @@ async def setup(server: MeshServer) -> DiffusionServicer:
     servicer = DiffusionServicer(settings)
     server.add_service(diffusion_pb2_grpc.add_DiffusionServiceServicer_to_server, servicer, SERVICE)
 
+    triton: TritonDenoiser | None = None
+
     async def load() -> None:
+        nonlocal triton
         loop = asyncio.get_running_loop()
-        models = await loop.run_in_executor(servicer.workers, load_models, settings)
+        if "terrain" in settings.models and settings.terrain_backend == "triton":
+            assert settings.triton is not None  # the settings' validator requires it
+            # Not ready until Triton has the model, and only while it has; alive all along.
+            triton = await connect_triton(settings.triton, server.settings.client.breaker)
+            server.add_readiness_probe(triton.model.ready)
+        models = await loop.run_in_executor(servicer.workers, load_models, settings, triton)
         for model in models.values():
             await loop.run_in_executor(servicer.workers, warm_up, model)
         servicer.models = models
@@ -257,6 +271,8 @@ async def setup(server: MeshServer) -> DiffusionServicer:
         for job_id in servicer.queue.job_ids():
             servicer.queue.cancel(job_id)
         servicer.workers.shutdown(wait=False, cancel_futures=True)
+        if triton is not None:
+            await triton.model.close()
 
     server.add_warmup(load)
     server.add_shutdown(shut_down)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from mesh.config import MeshSettings
+from mesh.triton import TritonSettings
 
 
 class DiffusionSettings(BaseModel, extra="forbid"):
@@ -35,6 +36,18 @@ class DiffusionSettings(BaseModel, extra="forbid"):
     # A progress bar needs no more than ~20 updates a second; previews cost a PNG each.
     progress_min_interval_s: float = Field(default=0.05, ge=0)
     preview_min_interval_s: float = Field(default=0.25, ge=0)
+    # terrain_backend = "triton": the terrain UNet's forward passes run on Triton Inference
+    # Server (k8s/triton-model-repository/terrain_denoiser serves the same ONNX file), as
+    # the [engines.diffusion.triton] section says; noise, tiles, blending and cancellation
+    # stay here. `device` and `threads` then concern the digits model alone.
+    terrain_backend: Literal["onnx", "triton"] = "onnx"
+    triton: TritonSettings | None = None
+
+    @model_validator(mode="after")
+    def _triton_named(self) -> DiffusionSettings:
+        if self.terrain_backend == "triton" and self.triton is None:
+            raise ValueError("terrain_backend 'triton' needs an [engines.diffusion.triton] section")
+        return self
 
 
 def diffusion_settings(settings: MeshSettings) -> DiffusionSettings:

@@ -1,26 +1,28 @@
 """The terrain model: the pretrained one-step consistency UNet of `adaptive-terrain-diffusion`.
 
 The ONNX file ships in that package; aimesh runs it with its own ONNX Runtime session
-(CUDA provider when present) and its own sampling loop so that jobs step, cancel and
-report like every other model. Native output is 128x128; larger squares are generated as
-overlapping 128-pixel views of one noise canvas, blended with a Hann window, as the
-package does. The model is endpoint-distilled: one step only (a multistep consistency
-schedule makes its heightfields measurably rougher, so it is not offered).
+(CUDA provider when present) or on Triton Inference Server (denoisers.py), and with its
+own sampling loop either way, so that jobs step, cancel and report like every other
+model. Native output is 128x128; larger squares are generated as overlapping 128-pixel
+views of one noise canvas, blended with a Hann window, as the package does. The model
+is endpoint-distilled: one step only (a multistep consistency schedule makes its
+heightfields measurably rougher, so it is not offered).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.resources
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from aimesh.diffusion.v1 import diffusion_pb2
 from mesh.artifacts import sha256_of
 from mesh.failures import NotReady
 from mesh.validation import Violations
+from services.diffusion.denoisers import Denoiser, OnnxDenoiser
 from services.diffusion.engine import ModelCard, Plan
 
 # The file the package's wheel RECORD lists; checked at every load.
@@ -35,16 +37,18 @@ DIFFICULTIES = 100
 # Model space [-1, 1] maps to heights in metres through an asinh curve.
 HEIGHT_RANGE_M = 22.16864013671875
 ASINH_SCALE = 0.1
-# Bytes ONNX Runtime's CPU arena grows by for one 128x128 forward pass (measured, with
-# headroom); a CUDA arena is of the same order.
-WORKSPACE_BYTES = 256 * 1024 * 1024
+
+
+def describe(runs_on: str) -> str:
+    return (
+        f"Pretrained consistency UNet (adaptive-terrain-diffusion) run on {runs_on}: "
+        f"heightfields as 16-bit grayscale PNG, 0 = 0 m, 65535 = {HEIGHT_RANGE_M:.2f} m."
+    )
+
 
 CARD = ModelCard(
     name="terrain",
-    description=(
-        "Pretrained consistency UNet (adaptive-terrain-diffusion) run on ONNX Runtime: "
-        f"heightfields as 16-bit grayscale PNG, 0 = 0 m, 65535 = {HEIGHT_RANGE_M:.2f} m."
-    ),
+    description=describe(OnnxDenoiser.runs_on),
     conditioning=(
         "conditioning: difficulty, a whole number 1-100 (default 50); the prompt must be empty"
     ),
@@ -61,34 +65,27 @@ def bundled_onnx() -> Path:
     return Path(str(importlib.resources.files("terrain_diffusion").joinpath(ONNX_RESOURCE)))
 
 
-def create_session(path: Path, device: str, threads: int | None) -> ort.InferenceSession:
-    """A session on CUDA when asked for or (device "auto") when the provider exists."""
-    available = ort.get_available_providers()
-    use_cuda = device == "cuda" or (device == "auto" and "CUDAExecutionProvider" in available)
-    if device == "cuda" and "CUDAExecutionProvider" not in available:
-        raise NotReady("device cuda was asked for, but ONNX Runtime has no CUDA provider")
-    providers = (
-        ["CUDAExecutionProvider", "CPUExecutionProvider"] if use_cuda else ["CPUExecutionProvider"]
-    )
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if threads:
-        options.intra_op_num_threads = threads
-    return ort.InferenceSession(str(path), sess_options=options, providers=providers)
+def verified_onnx() -> Path:
+    """The bundled file, checked against its pins at every load."""
+    path = bundled_onnx()
+    if not path.is_file() or path.stat().st_size != ONNX_SIZE or sha256_of(path) != ONNX_SHA256:
+        raise NotReady(
+            f"{path} is missing or does not match its pinned size and sha256; "
+            "reinstall adaptive-terrain-diffusion==0.4.2"
+        )
+    return path
 
 
 class TerrainModel:
-    card = CARD
-
-    def __init__(self, device: str = "auto", threads: int | None = None) -> None:
-        path = bundled_onnx()
-        if not path.is_file() or path.stat().st_size != ONNX_SIZE or sha256_of(path) != ONNX_SHA256:
-            raise NotReady(
-                f"{path} is missing or does not match its pinned size and sha256; "
-                "reinstall adaptive-terrain-diffusion==0.4.2"
-            )
-        self.session = create_session(path, device, threads)
-        self.providers = tuple(self.session.get_providers())
+    def __init__(
+        self, device: str = "auto", threads: int | None = None, denoiser: Denoiser | None = None
+    ) -> None:
+        """`denoiser`: where the forward passes run (e.g. a TritonDenoiser); by default the
+        bundled file on an ONNX Runtime session here, on `device` with `threads`."""
+        if denoiser is None:
+            denoiser = OnnxDenoiser(verified_onnx(), device, threads)
+        self.denoiser = denoiser
+        self.card = dataclasses.replace(CARD, description=describe(denoiser.runs_on))
 
     def parse_condition(
         self, prompt: str, conditioning: Mapping[str, float], violations: Violations
@@ -114,17 +111,21 @@ class TerrainModel:
         return int(difficulty) if np.isfinite(difficulty) else 50
 
     def estimate_bytes(self, images: int, size: int) -> int:
-        # One image's canvas in flight (noise, blended sum, blend weights as float32, the
-        # height conversion in float64) and the batch's uint16 heightfields.
-        return WORKSPACE_BYTES + 28 * size * size + images * 2 * size * size
+        # A pass's workspace (none here when the passes run on Triton), one image's canvas
+        # in flight (noise, blended sum, blend weights as float32, the height conversion
+        # in float64) and the batch's uint16 heightfields.
+        return self.denoiser.workspace_bytes + 28 * size * size + images * 2 * size * size
 
     def denoise(self, noisy: np.ndarray, difficulty: int) -> np.ndarray:
-        feeds = {
-            "noisy": np.ascontiguousarray(noisy, dtype=np.float32),
-            "sigma": np.full(len(noisy), SIGMA_MAX, dtype=np.float32),
-            "difficulty": np.full(len(noisy), (difficulty - 1) / (DIFFICULTIES - 1), np.float32),
-        }
-        return self.session.run(["denoised"], feeds)[0]
+        return self.denoiser(
+            {
+                "noisy": np.ascontiguousarray(noisy, dtype=np.float32),
+                "sigma": np.full(len(noisy), SIGMA_MAX, dtype=np.float32),
+                "difficulty": np.full(
+                    len(noisy), (difficulty - 1) / (DIFFICULTIES - 1), np.float32
+                ),
+            }
+        )
 
     def start(self, plan: Plan) -> TerrainSampling:
         return TerrainSampling(self, plan)

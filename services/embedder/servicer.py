@@ -148,10 +148,7 @@ async def setup(server: MeshServer) -> None:
         # A Triton client belongs to this event loop; a local model loads in a thread.
         encoder = load() if settings.backend == "triton" else await asyncio.to_thread(load)
         if isinstance(encoder.backend, TritonBackend):
-            # Not ready until Triton has the model; alive all along. Polling: a remote
-            # server's readiness has no local event to wait on.
-            while not await encoder.backend.model.ready():  # noqa: ASYNC110
-                await asyncio.sleep(1.0)
+            await encoder.backend.model.wait_until_ready()
             server.add_readiness_probe(encoder.backend.model.ready)
         engine = EmbedEngine(encoder, settings.max_batch_texts, settings.max_wait_ms / 1000)
         (warmup,) = encoder.tokenizer.tokenize([WARMUP_TEXT], "right")

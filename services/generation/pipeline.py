@@ -23,12 +23,12 @@ from aimesh.llm.v1 import (
     prefill_pb2_grpc,
     sampling_pb2,
 )
-from aimesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mesh.client import ChannelPool
+from mesh.validation import Violations
+from services.generation.text import TokenizerClient
 from services.generation.workers import DecodePicker, PrefillPicker
 from services.llm.kv_transfer import KvReleaser
 
-TOKENIZER = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"]
 PREFILL = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"]
 DECODE = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"]
 
@@ -54,51 +54,28 @@ def _stage_seconds(timing: common_pb2.Timing, name: str) -> float:
 
 
 class Pipeline:
+    """Generation on aimesh's own prefill and decode workers."""
+
     def __init__(
         self,
         channels: ChannelPool,
-        tokenizer_target: str,
+        tokenizer: TokenizerClient,
         prefill: PrefillPicker,
         decode: DecodePicker,
     ) -> None:
         self.channels = channels
-        self.tokenizer_target = tokenizer_target
+        self.tokenizer = tokenizer
         self.prefill = prefill
         self.decode = decode
         self.releaser = KvReleaser(channels)
 
-    def _tokenizer(self) -> tokenizer_pb2_grpc.TokenizerServiceStub:
-        return tokenizer_pb2_grpc.TokenizerServiceStub(
-            self.channels.get(self.tokenizer_target, TOKENIZER)
-        )
-
-    async def tokenize(self, prompt: str, request_id: str) -> list[int]:
-        response = await self._tokenizer().Tokenize(
-            tokenizer_pb2.TokenizeRequest(
-                request_id=request_id, text=prompt, add_special_tokens=True
-            )
-        )
-        return list(response.token_ids)
-
-    async def tokenize_choice(self, choice: str, request_id: str) -> list[int]:
-        """A guided choice's tokens as they follow the prompt: no special tokens."""
-        response = await self._tokenizer().Tokenize(
-            tokenizer_pb2.TokenizeRequest(
-                request_id=request_id, text=choice, add_special_tokens=False
-            )
-        )
-        return list(response.token_ids)
-
-    async def apply_chat_template(self, request_id: str, messages: list) -> list[int]:
-        response = await self._tokenizer().ApplyChatTemplate(
-            tokenizer_pb2.ApplyChatTemplateRequest(
-                request_id=request_id,
-                messages=messages,
-                add_generation_prompt=True,
-                return_token_ids=True,
-            )
-        )
-        return list(response.token_ids)
+    def unsupported(
+        self,
+        sampling: sampling_pb2.SamplingParameters,
+        stopping: sampling_pb2.StoppingCriteria,
+        violations: Violations,
+    ) -> None:
+        """Every option of the API runs here."""
 
     async def run(
         self,
@@ -137,14 +114,8 @@ class Pipeline:
         )
         detokenize_s = 0.0
         complete: decode_pb2.DecodeComplete | None = None
-        detokenizer = self._tokenizer().DetokenizeStream()
+        detokenizer = await self.tokenizer.detokenizer(request_id)
         try:
-            await detokenizer.write(
-                tokenizer_pb2.DetokenizeStreamRequest(
-                    request_id=request_id, skip_special_tokens=True
-                )
-            )
-            await detokenizer.read()
             decode_target = ""
             async for message, target in self._decode(decode_request):
                 decode_target = target
@@ -153,14 +124,11 @@ class Pipeline:
                     continue
                 ids = list(message.chunk.token_ids)
                 started = time.perf_counter()
-                await detokenizer.write(tokenizer_pb2.DetokenizeStreamRequest(token_ids=ids))
-                text = (await detokenizer.read()).text
+                text = await detokenizer.push(ids)
                 detokenize_s += time.perf_counter() - started
                 yield Delta(text, ids)
-            await detokenizer.done_writing()
-            while (tail := await detokenizer.read()) is not grpc.aio.EOF:
-                if tail.text:
-                    yield Delta(tail.text, [])
+            async for tail in detokenizer.finish():
+                yield Delta(tail, [])
         finally:
             if complete is None:
                 self.releaser.release_later(handle.address, handle.id)

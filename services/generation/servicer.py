@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Literal, Protocol
 
 import grpc
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
@@ -18,8 +19,11 @@ from mesh.health import probe
 from mesh.registry import discover
 from mesh.server import MeshServer
 from mesh.timing import stage
+from mesh.triton import TritonModel, TritonSettings
 from mesh.validation import Violations
+from services.generation.on_triton import TritonGeneration
 from services.generation.pipeline import Delta, Outcome, Pipeline
+from services.generation.text import TokenizerClient
 from services.generation.workers import DecodePicker, PrefillPicker
 from services.llm import metrics
 from services.llm.artifacts import DEFAULT_NAME
@@ -40,9 +44,41 @@ class RouterOptions(BaseModel, extra="forbid"):
     """[services.generation.options]; empty lists mean each service's configured target."""
 
     tokenizer: str | None = None
+    # "triton": the model runs on Triton Inference Server as a decoupled model (the one
+    # k8s/triton-model-repository/text_generation serves); tokenizing stays in the mesh.
+    backend: Literal["disaggregated", "triton"] = "disaggregated"
+    triton: TritonSettings | None = None
     prefill: list[str] = Field(default_factory=list)
     decode: list[str] = Field(default_factory=list)
     poll_interval_s: float = Field(default=0.25, gt=0)
+
+    @model_validator(mode="after")
+    def _triton_named(self) -> RouterOptions:
+        if (self.backend == "triton") != (self.triton is not None):
+            raise ValueError(
+                "backend 'triton' and a [services.generation.options.triton] section go together"
+            )
+        return self
+
+
+class Engine(Protocol):
+    """What generates the tokens: aimesh's prefill and decode workers, or Triton."""
+
+    def unsupported(
+        self,
+        sampling: sampling_pb2.SamplingParameters,
+        stopping: sampling_pb2.StoppingCriteria,
+        violations: Violations,
+    ) -> None:
+        """Adds a violation for each option of the request this engine cannot honour."""
+
+    def run(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: sampling_pb2.SamplingParameters,
+        stopping: sampling_pb2.StoppingCriteria,
+    ) -> AsyncIterator[Delta | Outcome]: ...
 
 
 def _targets(settings: MeshSettings, options: RouterOptions) -> tuple[str, list[str], list[str]]:
@@ -69,8 +105,11 @@ _KINDS = {
 
 
 class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, pipeline: Pipeline, settings: LlmSettings, model_name: str) -> None:
-        self.pipeline = pipeline
+    def __init__(
+        self, tokenizer: TokenizerClient, engine: Engine, settings: LlmSettings, model_name: str
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.engine = engine
         self.settings = settings
         self.model_name = model_name
 
@@ -80,6 +119,7 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
                 "model", f"unknown model {request.model!r}; this mesh serves {self.model_name!r}"
             )
         sampling_params(request.sampling, _ANY_VOCAB, violations)
+        self.engine.unsupported(request.sampling, request.stopping, violations)
         choices = request.sampling.choices
         violations.check(
             len(choices) <= MAX_CHOICES and len(set(choices)) == len(choices),
@@ -112,7 +152,7 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         stopping = sampling_pb2.StoppingCriteria()
         stopping.CopyFrom(request.stopping)
         tokenized = await asyncio.gather(
-            *(self.pipeline.tokenize_choice(choice, rid) for choice in request.sampling.choices)
+            *(self.tokenizer.tokenize_choice(choice, rid) for choice in request.sampling.choices)
         )
         for ids in tokenized:
             sampling.choice_token_ids.add(ids=ids)
@@ -143,7 +183,7 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         stopping(request.stopping, 0, self.settings, violations)
         violations.raise_if_any()
         rid = request_id.ensure(request.request_id)
-        prompt_ids = await self.pipeline.tokenize(request.prompt, rid)
+        prompt_ids = await self.tokenizer.tokenize(request.prompt, rid)
         self._check_length(request, prompt_ids, "prompt")
         tokenize_s = time.perf_counter() - received
         async for event in self._stream(rid, prompt_ids, request, received, tokenize_s):
@@ -170,7 +210,7 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         stopping(request.stopping, 0, self.settings, violations)
         violations.raise_if_any()
         rid = request_id.ensure(request.request_id)
-        prompt_ids = await self.pipeline.apply_chat_template(rid, list(request.messages))
+        prompt_ids = await self.tokenizer.apply_chat_template(rid, list(request.messages))
         self._check_length(request, prompt_ids, "messages")
         tokenize_s = time.perf_counter() - received
         async for event in self._stream(rid, prompt_ids, request, received, tokenize_s):
@@ -181,7 +221,7 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
     ) -> AsyncIterator[dict]:
         last_token_at: float | None = None
         sampling, stopping_criteria = await self._guided(rid, request)
-        async for event in self.pipeline.run(rid, prompt_ids, sampling, stopping_criteria):
+        async for event in self.engine.run(rid, prompt_ids, sampling, stopping_criteria):
             now = time.perf_counter()
             if isinstance(event, Delta):
                 if event.token_ids:
@@ -225,30 +265,49 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
 async def setup(server: MeshServer) -> None:
     settings = llm_settings(server.settings)
     options = RouterOptions.model_validate(server.options)
-    tokenizer, prefill, decode = _targets(server.settings, options)
-    decode_picker = DecodePicker(decode, server.channels, options.poll_interval_s)
-    pipeline = Pipeline(
-        server.channels, tokenizer, PrefillPicker(prefill, server.channels), decode_picker
-    )
+    tokenizer_target, prefill, decode = _targets(server.settings, options)
+    tokenizer = TokenizerClient(server.channels, tokenizer_target)
     model_name = settings.model.name if settings.model else DEFAULT_NAME
+    if options.triton is not None:
+        model = TritonModel(options.triton, server.settings.client.breaker)
+        engine: Engine = TritonGeneration(model, tokenizer, settings)
+        server.add_warmup(lambda: _wait_for_triton(tokenizer_target, model, options))
+        server.add_readiness_probe(model.ready)
+        server.add_shutdown(model.close)
+    else:
+        decode_picker = DecodePicker(decode, server.channels, options.poll_interval_s)
+        engine = Pipeline(
+            server.channels, tokenizer, PrefillPicker(prefill, server.channels), decode_picker
+        )
+        server.add_warmup(
+            lambda: _wait_for_workers(tokenizer_target, prefill, decode_picker, options)
+        )
+        server.add_shutdown(decode_picker.stop)
     server.add_service(
         generation_pb2_grpc.add_GenerationServiceServicer_to_server,
-        GenerationRouter(pipeline, settings, model_name),
+        GenerationRouter(tokenizer, engine, settings, model_name),
         GENERATION,
     )
 
-    async def wait_for_workers() -> None:
-        """Ready once the pipeline can run: the tokenizer, a prefill and a decode worker
-        answer. Only at start; later outages show as errors, not as an unready router."""
-        await decode_picker.poll()
-        while not (
-            decode_picker.any_healthy
-            and await probe(tokenizer, "tokenizer") == "SERVING"
-            and any([await probe(target, "prefill") == "SERVING" for target in prefill])
-        ):
-            await asyncio.sleep(options.poll_interval_s)
-            await decode_picker.poll()
-        decode_picker.start()
 
-    server.add_warmup(wait_for_workers)
-    server.add_shutdown(decode_picker.stop)
+async def _wait_for_workers(
+    tokenizer: str, prefill: list[str], decode_picker: DecodePicker, options: RouterOptions
+) -> None:
+    """Ready once the pipeline can run: the tokenizer, a prefill and a decode worker
+    answer. Only at start; later outages show as errors, not as an unready router."""
+    await decode_picker.poll()
+    while not (
+        decode_picker.any_healthy
+        and await probe(tokenizer, "tokenizer") == "SERVING"
+        and any([await probe(target, "prefill") == "SERVING" for target in prefill])
+    ):
+        await asyncio.sleep(options.poll_interval_s)
+        await decode_picker.poll()
+    decode_picker.start()
+
+
+async def _wait_for_triton(tokenizer: str, model: TritonModel, options: RouterOptions) -> None:
+    """Ready once the tokenizer answers and Triton has the model; afterwards readiness
+    follows Triton's ModelReady (a remote model has no local event to wait on)."""
+    while not (await probe(tokenizer, "tokenizer") == "SERVING" and await model.ready()):  # noqa: ASYNC110
+        await asyncio.sleep(options.poll_interval_s)

@@ -7,6 +7,9 @@ MaxSim) and blended with the pooled cosine the model was trained for. Measured o
 labelled stdlib questions (docs/benchmarks.md), it lifts nDCG@10 over hybrid retrieval
 where an off-the-shelf 135M LLM's query likelihood (UPR) made it worse. A real
 cross-encoder, from a local directory, replaces it by configuration.
+
+The scorers here run in this process, blocking, on the model thread; the late-interaction
+scorer whose transformer runs on Triton is in triton_scorer.py.
 """
 
 from __future__ import annotations
@@ -15,17 +18,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-import torch
-import torch.nn.functional as F
-
 from mesh.failures import FieldViolation, InvalidInput
+from services.rerank.late_interaction import LateInteraction
 
 
-class Scorer(Protocol):
-    name: str
+class TokenLimited(Protocol):
     max_tokens: int
 
     def token_count(self, query: str, document: str) -> int: ...
+
+
+class Scorer(TokenLimited, Protocol):
+    name: str
 
     def score(self, query: str, documents: list[str]) -> list[float]:
         """Native scores, higher = more relevant; blocking, run on the model thread."""
@@ -34,71 +38,33 @@ class Scorer(Protocol):
         """Scores mapped into [0, 1] for callers that did not ask for raw ones."""
 
 
-@dataclass
-class LateInteractionScorer:
-    """MiniLM token vectors: alpha * pooled cosine + (1 - alpha) * MaxSim.
+class LateInteractionScorer(LateInteraction):
+    """minilm-late-interaction with its transformer on torch, in this process."""
 
-    Documents are read up to `document_tokens` (their title and opening, where a passage
-    says what it is about; measured better than the full 256) in passes of at most
-    `pass_tokens` padded tokens, shortest first, so short candidates do not pay for long
-    ones.
-    """
+    def __init__(
+        self, path: Path, alpha: float = 0.3, document_tokens: int = 128, pass_tokens: int = 2048
+    ) -> None:
+        # torch and transformers take seconds to import: load time only, and never in a
+        # process whose transformer runs on Triton.
+        import torch
 
-    path: Path
-    alpha: float = 0.3
-    document_tokens: int = 128
-    pass_tokens: int = 2048
-    name: str = "minilm-late-interaction"
+        from services.rerank.token_model import load_token_states
 
-    def __post_init__(self) -> None:
-        from transformers import AutoModel, AutoTokenizer  # seconds to import: load time only
-
-        self._tokenizer = AutoTokenizer.from_pretrained(self.path)
-        self._model = AutoModel.from_pretrained(self.path).eval()
-        self.max_tokens = self._tokenizer.model_max_length
-
-    def token_count(self, query: str, document: str) -> int:
-        return len(self._tokenizer(query + " " + document)["input_ids"])
-
-    @torch.inference_mode()
-    def _vectors(self, texts: list[str], limit: int) -> list[torch.Tensor]:
-        """Unit-length token vectors of each text, special tokens included."""
-        encoded = self._tokenizer(texts, truncation=True, max_length=limit)["input_ids"]
-        order = sorted(range(len(texts)), key=lambda i: len(encoded[i]))
-        vectors: list[torch.Tensor] = [torch.empty(0)] * len(texts)
-        batch: list[int] = []
-
-        def run() -> None:
-            padded = self._tokenizer.pad(
-                {"input_ids": [encoded[i] for i in batch]}, return_tensors="pt"
-            )
-            states = F.normalize(self._model(**padded).last_hidden_state, dim=-1)
-            for row, index in enumerate(batch):
-                vectors[index] = states[row, : len(encoded[index])]
-
-        for index in order:
-            if batch and (len(batch) + 1) * len(encoded[index]) > self.pass_tokens:
-                run()
-                batch = []
-            batch.append(index)
-        if batch:
-            run()
-        return vectors
+        super().__init__(path, alpha, document_tokens, pass_tokens)
+        self._torch = torch
+        self._model = load_token_states(path)
 
     def score(self, query: str, documents: list[str]) -> list[float]:
-        (query_states,) = self._vectors([query], self.max_tokens)
-        query_vector = F.normalize(query_states.mean(0), dim=0)
-        query_tokens = query_states[1:-1] if len(query_states) > 2 else query_states
-        scores = []
-        for states in self._vectors(documents, self.document_tokens):
-            pooled = float(query_vector @ F.normalize(states.mean(0), dim=0))
-            body = states[1:-1] if len(states) > 2 else states
-            maxsim = float((query_tokens @ body.T).max(dim=-1).values.mean())
-            scores.append(self.alpha * pooled + (1 - self.alpha) * maxsim)
-        return scores
-
-    def to_unit(self, scores: list[float]) -> list[float]:
-        return [(s + 1.0) / 2.0 for s in scores]  # cosine-like, in [-1, 1]
+        plan = self.plan(query, documents)
+        with self._torch.inference_mode():
+            hidden = [
+                self._model(
+                    self._torch.from_numpy(one_pass.input_ids),
+                    self._torch.from_numpy(one_pass.attention_mask),
+                ).numpy()
+                for one_pass in plan.passes
+            ]
+        return self.scores(plan, hidden)
 
 
 @dataclass
@@ -108,26 +74,28 @@ class CrossEncoderScorer:
     path: Path
 
     def __post_init__(self) -> None:
-        from sentence_transformers import CrossEncoder  # load time only
+        import torch  # load time only, as above
+        from sentence_transformers import CrossEncoder
 
+        self._torch = torch
         self._model = CrossEncoder(str(self.path), device="cpu")
         self.name = self.path.name
-        self.max_tokens = self._model.max_length or 512
+        self.max_tokens = self._model.max_seq_length or 512
 
     def token_count(self, query: str, document: str) -> int:
         return len(self._model.tokenizer(query, document)["input_ids"])
 
     def score(self, query: str, documents: list[str]) -> list[float]:
         logits = self._model.predict(
-            [(query, d) for d in documents], activation_fn=torch.nn.Identity()
+            [(query, d) for d in documents], activation_fn=self._torch.nn.Identity()
         )
         return [float(x) for x in logits]
 
     def to_unit(self, scores: list[float]) -> list[float]:
-        return [float(torch.sigmoid(torch.tensor(s))) for s in scores]
+        return [float(self._torch.sigmoid(self._torch.tensor(s))) for s in scores]
 
 
-def check_lengths(scorer: Scorer, query: str, documents: list[str]) -> None:
+def check_lengths(scorer: TokenLimited, query: str, documents: list[str]) -> None:
     """Without `truncate`, a pair over the model's length is refused, never silently cut."""
     too_long = [
         FieldViolation(

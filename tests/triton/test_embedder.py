@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
@@ -18,15 +18,9 @@ from services.embedder.encoder import Encoder
 from services.embedder.settings import EmbedderSettings
 from tests.conftest import VENV_BIN, free_port, subprocess_env
 from tests.services.embedder.conftest import CACHE_DIR, TEXTS
+from tests.triton.conftest import until
 
 BREAKER_CALLS = 4
-
-
-async def until(condition: Callable[[], Awaitable[bool]], timeout_s: float) -> None:
-    give_up = time.monotonic() + timeout_s
-    while not await condition():
-        assert time.monotonic() < give_up, f"not within {timeout_s} s"
-        await asyncio.sleep(0.2)
 
 
 @pytest_asyncio.fixture(loop_scope="package")
@@ -97,7 +91,7 @@ async def test_triton_down_is_unavailable_at_once_opens_the_breaker_and_recovers
     assert await probe(embedder, "") == "SERVING", "alive all along"
 
     triton.start()
-    await triton.wait_ready("sentence_embedding")
+    await triton.wait_all_ready()
     assert await wait_until_serving(embedder, "embedder", timeout_s=30)
 
     async def serves() -> bool:
