@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test lint protos demo bench bench-llm bench-retrieval bench-diffusion bench-agent bench-edge clean
+.PHONY: install test lint protos demo bench bench-llm bench-retrieval bench-diffusion bench-agent bench-edge bench-triton clean
 
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -60,6 +60,9 @@ bench-agent: install
 
 bench-edge: install
 	$(PY) -m loadtest.edge --seconds 5 --rounds 2 --out docs/benchmarks.md
+
+bench-triton: install
+	$(PY) -m loadtest.triton --seconds 4 --rounds 2 --out docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) var

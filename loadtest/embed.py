@@ -179,18 +179,24 @@ async def through_mesh(
         return vectors, time.perf_counter() - started, calls
 
 
-def mesh_row(backend: str, texts: list[str], reference: np.ndarray, log_dir: Path) -> Row:
-    port = free_port()
-    env = {
+def embedder_env(backend: str, port: int) -> dict[str, str]:
+    """`aimesh serve embedder` on `backend` with default engine settings, quiet, on `port`.
+    Admission's default of 4 calls at once would hold half of 8 clients out of a batch."""
+    return {
         **os.environ,
         "AIMESH_SERVICES__EMBEDDER__PORT": str(port),
         "AIMESH_SERVICES__EMBEDDER__METRICS_PORT": "0",
-        # Admission's default of 4 calls at once would hold half the clients out of a batch.
         "AIMESH_SERVICES__EMBEDDER__MAX_CONCURRENCY": "64",
         "AIMESH_ENGINES__EMBEDDER__BACKEND": backend,
         "AIMESH_LOG_LEVEL": "WARNING",
         "GRPC_VERBOSITY": "ERROR",
+        "HF_HUB_OFFLINE": "1",
     }
+
+
+def mesh_row(backend: str, texts: list[str], reference: np.ndarray, log_dir: Path) -> Row:
+    port = free_port()
+    env = embedder_env(backend, port)
     aimesh = Path(sys.executable).parent / "aimesh"
     with (log_dir / f"embedder-{backend}.log").open("w") as log:
         server = subprocess.Popen([str(aimesh), "serve", "embedder"], env=env, stderr=log)
