@@ -30,6 +30,7 @@ class KnowledgeMesh:
     env: dict[str, str]
     retrieval: str
     rerank: str
+    first_ingest: str = ""
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -43,9 +44,14 @@ async def mesh(tmp_path_factory) -> AsyncIterator[KnowledgeMesh]:
         AIMESH_SERVICES__RERANK__TARGET=f"127.0.0.1:{rerank.port}",
         OTEL_TRACES_EXPORTER="none",
     )
-    yield KnowledgeMesh(env, f"127.0.0.1:{retrieval.port}", f"127.0.0.1:{rerank.port}")
-    for server in (rerank, retrieval, embedder):
-        await server.drain(0)
+    mesh = KnowledgeMesh(env, f"127.0.0.1:{retrieval.port}", f"127.0.0.1:{rerank.port}")
+    try:
+        code, mesh.first_ingest, err = await aimesh(mesh, "ingest")
+        assert code == 0, err
+        yield mesh
+    finally:
+        for server in (rerank, retrieval, embedder):
+            await server.drain(0)
 
 
 async def aimesh(mesh: KnowledgeMesh, *args: str) -> tuple[int, str, str]:
@@ -61,9 +67,7 @@ async def aimesh(mesh: KnowledgeMesh, *args: str) -> tuple[int, str, str]:
 
 
 async def test_ingest_is_idempotent_and_search_answers(mesh):
-    code, out, err = await aimesh(mesh, "ingest")
-    assert code == 0, err
-    written = int(out.split(" passages: ")[1].split(" written")[0])
+    written = int(mesh.first_ingest.split(" passages: ")[1].split(" written")[0])
     assert written > 3000
     code, out, err = await aimesh(mesh, "ingest")
     assert code == 0, err
@@ -94,6 +98,10 @@ async def test_ingest_is_idempotent_and_search_answers(mesh):
     assert {"copy", "copy.deepcopy"} & {h["id"] for h in json.loads(out)["hits"]}
 
 
+# A quality gate over 3,000+ passages and every labelled question: minutes on two cores,
+# so outside the default run (`pytest -m slow`); `make bench-retrieval` reports the same
+# nDCG figures in docs/benchmarks.md.
+@pytest.mark.slow
 async def test_rerank_beats_retrieval_alone_on_the_labelled_questions(mesh):
     labelled = questions()
     settings = MeshSettings()
