@@ -79,7 +79,8 @@ _QUEUED = "aimesh_admission_queue_depth"
 
 SIZING: dict[str, Sizing] = {
     "agent": Sizing("250m", "512Mi", "1Gi", startup_s=120, max_replicas=6),
-    "generation": Sizing("500m", "512Mi", "1Gi", startup_s=120, max_replicas=8),
+    # Not ready before a tokenizer, a prefill and a decode worker are: their budget.
+    "generation": Sizing("500m", "512Mi", "1Gi", startup_s=600, max_replicas=8),
     "tokenizer": Sizing("250m", "512Mi", "2Gi", startup_s=600, max_replicas=6),
     # 4 compute slots per pod: scale before they are all taken, and on any queue.
     "prefill": Sizing(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import subprocess
 import sys
 import tomllib
@@ -17,12 +18,18 @@ import pytest
 import yaml
 from prometheus_client import REGISTRY
 
+from mesh.config import MeshSettings
+from mesh.registry import discover
 from tests.conftest import ROOT, VENV_BIN
 
 K8S = ROOT / "k8s"
-OVERLAYS = ("cpu", "gpu")
+# gpu-triton: the gpu overlay with k8s/components/triton (tests/k8s/test_triton.py).
+OVERLAYS = ("cpu", "gpu", "gpu-triton")
 NAMESPACE = "aimesh"
 GPU_SERVICES = {"prefill", "decode", "diffusion"}
+# Mesh services an overlay does not run: in gpu-triton the generation router streams from
+# Triton and nothing calls prefill or decode, so k8s/components/triton deletes them.
+NOT_DEPLOYED = {"gpu-triton": frozenset({"prefill", "decode"})}
 # Light modules that define every metric the manifests, rules and dashboard may name.
 METRIC_MODULES = (
     "mesh.metrics",
@@ -70,8 +77,19 @@ def rendered(tmp_path_factory) -> dict[str, list[Doc]]:
 
 
 @pytest.fixture(scope="session", params=OVERLAYS)
-def overlay(request, rendered) -> list[Doc]:
-    return rendered[request.param]
+def overlay_name(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def overlay(overlay_name, rendered) -> list[Doc]:
+    return rendered[overlay_name]
+
+
+@pytest.fixture(scope="session")
+def deployed(overlay_name) -> set[str]:
+    """The mesh services the overlay runs."""
+    return set(discover()) - NOT_DEPLOYED.get(overlay_name, frozenset())
 
 
 def of_kind(docs: list[Doc], kind: str) -> dict[str, Doc]:
@@ -92,18 +110,54 @@ def containers(workload: Doc, *, init: bool = True) -> Iterator[Doc]:
     yield from spec["containers"]
 
 
+def gpus(docs: list[Doc]) -> dict[str, int]:
+    """The GPUs each workload's pods take, by workload name, for those that take any."""
+    return {
+        name: container["resources"].get("limits", {})["nvidia.com/gpu"]
+        for name, workload in workloads(docs).items()
+        for container in containers(workload)
+        if "nvidia.com/gpu" in container.get("resources", {}).get("limits", {})
+    }
+
+
 def env_of(container: Doc) -> dict[str, Doc]:
     return {entry["name"]: entry for entry in container.get("env", [])}
+
+
+def pod_settings(
+    docs: list[Doc], workload: Doc, container: Doc, monkeypatch, directory: Path, **env: str
+) -> MeshSettings:
+    """The mesh settings `container` of `workload` reads in its pod: the overlay's ConfigMap
+    mounted where its AIMESH_CONFIG points, then its literal AIMESH_* environment, then
+    `env` (for values a pod takes from elsewhere, such as a Secret)."""
+    variables = env_of(container)
+    mount_path, file_name = variables["AIMESH_CONFIG"]["value"].rsplit("/", 1)
+    (mount,) = (m for m in container["volumeMounts"] if m["mountPath"] == mount_path)
+    (volume,) = (v for v in pod_spec(workload)["volumes"] if v["name"] == mount["name"])
+    config_map = of_kind(docs, "ConfigMap")[volume["configMap"]["name"]]
+    config = directory / file_name
+    config.write_text(config_map["data"][file_name])
+
+    for name in list(os.environ):
+        if name.startswith("AIMESH_"):
+            monkeypatch.delenv(name)
+    literal = {
+        n: e["value"] for n, e in variables.items() if n.startswith("AIMESH_") and "value" in e
+    }
+    for name, value in {**literal, **env, "AIMESH_CONFIG": str(config)}.items():
+        assert "$(" not in value, f"{name}: Kubernetes expands $(VAR) there, this does not"
+        monkeypatch.setenv(name, value)
+    return MeshSettings()
 
 
 def config_toml() -> dict[str, Any]:
     return tomllib.loads((K8S / "base" / "aimesh.toml").read_text())
 
 
-def load_render() -> ModuleType:
-    """k8s/render.py, a script rather than a package module, loaded afresh each time (tests
-    patch it); registered while it runs, as its dataclasses need."""
-    spec = importlib.util.spec_from_file_location("k8s_render", K8S / "render.py")
+def load_script(path: Path, name: str) -> ModuleType:
+    """A script of k8s/ rather than a package module, loaded afresh each time (tests patch
+    it); registered while it runs, as dataclasses need."""
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -112,6 +166,10 @@ def load_render() -> ModuleType:
     finally:
         del sys.modules[spec.name]
     return module
+
+
+def load_render() -> ModuleType:
+    return load_script(K8S / "render.py", "k8s_render")
 
 
 def exported_metrics() -> dict[str, str]:

@@ -10,7 +10,20 @@ import os
 import subprocess
 from pathlib import PurePosixPath
 
-from tests.k8s.conftest import K8S, containers, documents, env_of, kustomize, of_kind, pod_spec
+from mesh import tracing
+from mesh.edge import envoy
+from mesh.registry import discover
+from tests.k8s.conftest import (
+    K8S,
+    NAMESPACE,
+    containers,
+    documents,
+    env_of,
+    kustomize,
+    of_kind,
+    pod_settings,
+    pod_spec,
+)
 
 RENDER = "aimesh edge render --out "
 
@@ -50,6 +63,43 @@ def test_envoy_serves_clients_and_prometheus_and_is_probed_over_http(overlay):
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == "9902"
     assert annotations["prometheus.io/path"] == "/stats/prometheus"
+
+
+def test_every_upstream_of_the_rendered_config_is_a_service_of_the_overlay(
+    overlay, deployed, monkeypatch, tmp_path
+):
+    """Envoy's clusters, from the config the init container renders with its pod's settings
+    and environment, each lead to a port of a Service this overlay deploys: every mesh
+    service with an edge API, and the collector."""
+    deployment, render, _ = edge(overlay)
+    settings = pod_settings(
+        overlay, deployment, render, monkeypatch, tmp_path, AIMESH_EDGE__API_KEYS='["key"]'
+    )
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    for name, entry in env_of(render).items():
+        if name.startswith("OTEL_"):
+            monkeypatch.setenv(name, entry["value"])
+    config = envoy.bootstrap(
+        envoy.upstreams_for(list(discover().values()), settings),
+        settings,
+        otlp_endpoint=tracing.otlp_endpoint(),
+    )
+    services = of_kind(overlay, "Service")
+    reached = set()
+    for cluster in config["static_resources"]["clusters"]:
+        for group in cluster["load_assignment"]["endpoints"]:
+            for endpoint in group["lb_endpoints"]:
+                address = endpoint["endpoint"]["address"]["socket_address"]
+                host, port = address["address"], address["port_value"]
+                if host == "127.0.0.1":  # Envoy's own admin interface
+                    continue
+                name, namespace, domain = host.split(".", 2)
+                assert (namespace, domain) == (NAMESPACE, "svc.cluster.local"), host
+                assert name in services, f"{cluster['name']} leads to {host}: no such Service"
+                assert port in [p["port"] for p in services[name]["spec"]["ports"]], host
+                reached.add(name)
+    fronted = {name for name, spec in discover().items() if spec.edge_services}
+    assert reached == (fronted & deployed) | {"otel-collector"}
 
 
 def test_api_keys_come_from_the_secret(overlay):

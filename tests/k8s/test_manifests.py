@@ -7,17 +7,22 @@ import math
 import re
 from urllib.parse import urlsplit
 
+import pytest
+
 from mesh.config import MeshSettings
 from mesh.registry import discover
 from tests.k8s.conftest import (
     GPU_SERVICES,
     K8S,
     NAMESPACE,
+    NOT_DEPLOYED,
+    OVERLAYS,
     Doc,
     config_toml,
     containers,
     env_of,
     exported_metrics,
+    gpus,
     load_render,
     of_kind,
     pod_spec,
@@ -43,11 +48,12 @@ def selected(service_or_budget: Doc, docs: list[Doc]) -> list[Doc]:
     ]
 
 
-def test_every_mesh_service_has_a_deployment_service_budget_and_autoscaler(overlay):
+def test_every_mesh_service_has_a_deployment_service_budget_and_autoscaler(overlay, deployed):
     assert len(SPECS) >= 11
+    assert deployed <= set(SPECS)
     for kind in ("Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler"):
-        missing = set(SPECS) - set(of_kind(overlay, kind))
-        assert not missing, f"no {kind} for {sorted(missing)}"
+        present = set(of_kind(overlay, kind)) & set(SPECS)
+        assert present == deployed, f"{kind}: {sorted(present ^ deployed)}"
 
 
 def test_grpc_probes_follow_the_health_contract(overlay):
@@ -65,7 +71,7 @@ def test_grpc_probes_follow_the_health_contract(overlay):
         assert budget_s >= (300 if name in GPU_SERVICES else 60), (name, budget_s)
 
 
-def test_every_grpc_probe_names_a_real_service_on_its_port(overlay):
+def test_every_grpc_probe_names_a_real_service_on_its_port(overlay, deployed):
     probed = 0
     for workload in workloads(overlay).values():
         for container in containers(workload):
@@ -78,7 +84,7 @@ def test_every_grpc_probe_names_a_real_service_on_its_port(overlay):
                 assert name in SPECS, f"{name} probes over gRPC but is no mesh service"
                 assert grpc.get("service", "") in ("", name)
                 assert grpc["port"] == SPECS[name].default_port
-    assert probed == 3 * len(SPECS)
+    assert probed == 3 * len(deployed)
 
 
 def test_termination_grace_covers_prestop_and_drain(overlay):
@@ -105,9 +111,9 @@ def test_every_service_port_reaches_a_container_port(overlay):
                 assert any(p.get(key) == target for p in ports), (name, port)
 
 
-def test_mesh_services_are_headless_and_the_edge_is_not(overlay):
+def test_mesh_services_are_headless_and_the_edge_is_not(overlay, deployed):
     services = of_kind(overlay, "Service")
-    for name in SPECS:
+    for name in deployed:
         assert services[name]["spec"]["clusterIP"] == "None", name
         (port,) = services[name]["spec"]["ports"]
         assert port["port"] == SPECS[name].default_port
@@ -135,7 +141,7 @@ def test_autoscalers_keep_two_pods_and_scale_on_exported_gauges(overlay):
             assert container["resources"]["requests"]["cpu"], name
 
 
-def test_disruption_budgets_leave_pods_running(overlay):
+def test_disruption_budgets_leave_pods_running(overlay, deployed):
     hpas = of_kind(overlay, "HorizontalPodAutoscaler")
     for name, budget in of_kind(overlay, "PodDisruptionBudget").items():
         (workload,) = selected(budget, overlay)
@@ -143,16 +149,7 @@ def test_disruption_budgets_leave_pods_running(overlay):
             hpas[name]["spec"]["minReplicas"] if name in hpas else workload["spec"]["replicas"]
         )
         assert budget["spec"]["maxUnavailable"] < smallest, name
-    assert set(of_kind(overlay, "PodDisruptionBudget")) >= {*SPECS, "edge", "qdrant"}
-
-
-def gpus(docs: list[Doc]) -> dict[str, int]:
-    return {
-        name: container["resources"].get("limits", {})["nvidia.com/gpu"]
-        for name, workload in workloads(docs).items()
-        for container in containers(workload)
-        if "nvidia.com/gpu" in container.get("resources", {}).get("limits", {})
-    }
+    assert set(of_kind(overlay, "PodDisruptionBudget")) >= {*deployed, "edge", "qdrant"}
 
 
 def test_gpu_overlay_gives_one_gpu_to_exactly_the_model_services(rendered):
@@ -166,6 +163,20 @@ def test_gpu_overlay_gives_one_gpu_to_exactly_the_model_services(rendered):
         assert spec["nodeSelector"]
     assert gpus(rendered["cpu"]) == {}
     assert not any("tolerations" in pod_spec(w) for w in workloads(rendered["cpu"]).values())
+
+
+def test_only_pods_that_take_a_gpu_go_to_gpu_nodes_and_they_roll_without_a_spare(overlay):
+    """A pod without a GPU on a GPU node holds CPU and memory the GPU pods need there; a
+    pod with one must not need a spare GPU to roll out."""
+    with_gpu = gpus(overlay)
+    for name, deployment in of_kind(overlay, "Deployment").items():
+        spec = pod_spec(deployment)
+        tolerates = any(t.get("key") == "nvidia.com/gpu" for t in spec.get("tolerations", []))
+        selects = "nvidia.com/gpu.present" in spec.get("nodeSelector", {})
+        assert tolerates == selects == (name in with_gpu), name
+        if name in with_gpu:
+            rolling = deployment["spec"]["strategy"]["rollingUpdate"]
+            assert rolling == {"maxSurge": 0, "maxUnavailable": 1}, name
 
 
 def test_every_mesh_pod_exports_traces_to_the_collector(overlay):
@@ -212,7 +223,7 @@ def test_images_are_set_by_the_overlay_and_name_no_registry(rendered):
     assert not names_a_registry("qdrant/qdrant:v1.19.0")
 
 
-def test_mounted_config_is_valid_and_names_every_service(overlay, monkeypatch):
+def test_mounted_config_is_valid_and_names_every_service(overlay, deployed, monkeypatch):
     monkeypatch.setenv("AIMESH_CONFIG", str(K8S / "base" / "aimesh.toml"))
     settings = MeshSettings()
     services = of_kind(overlay, "Service")
@@ -222,7 +233,8 @@ def test_mounted_config_is_valid_and_names_every_service(overlay, monkeypatch):
         port = settings.port_of(name, spec.default_port)
         target = settings.target_of(name, spec.default_port)
         assert target == f"dns:///{name}.{NAMESPACE}.svc.cluster.local:{port}"
-        assert services[name]["spec"]["ports"][0]["port"] == port
+        if name in deployed:
+            assert services[name]["spec"]["ports"][0]["port"] == port
     assert settings.transport.max_connection_age_s
     # Every engine section passes its engine's own settings model.
     from services.agent.settings import agent_settings
@@ -249,17 +261,20 @@ def test_mounted_config_is_valid_and_names_every_service(overlay, monkeypatch):
     assert url.port in [p["port"] for p in services[qdrant]["spec"]["ports"]]
 
 
-def test_llm_threads_match_the_cpus_prefill_and_decode_request(overlay):
+def test_llm_threads_match_the_cpus_prefill_and_decode_request(overlay, deployed):
     threads = config_toml()["engines"]["llm"]["threads"]
-    for name in ("prefill", "decode"):
+    for name in {"prefill", "decode"} & deployed:
         (container,) = pod_spec(of_kind(overlay, "Deployment")[name])["containers"]
         assert math.isclose(float(container["resources"]["requests"]["cpu"]), threads)
 
 
-def test_prefill_advertises_its_pod_address(overlay):
+@pytest.mark.parametrize(
+    "name", [name for name in OVERLAYS if "prefill" not in NOT_DEPLOYED.get(name, ())]
+)
+def test_prefill_advertises_its_pod_address(rendered, name):
     """KV handles name the prefill pod that holds the KV; the Service name would send a
     decoder's Pull to any prefill pod."""
-    env = env_of(next(containers(of_kind(overlay, "Deployment")["prefill"])))
+    env = env_of(next(containers(of_kind(rendered[name], "Deployment")["prefill"])))
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     advertise = "AIMESH_SERVICES__PREFILL__OPTIONS__ADVERTISE_ADDRESS"
     assert env[advertise]["value"] == f"$(POD_IP):{SPECS['prefill'].default_port}"
