@@ -77,7 +77,7 @@ class TritonGeneration:
         first_at: float | None = None
         finish = sampling_pb2.FINISH_REASON_UNSPECIFIED
         detokenize_s = 0.0
-        holdback = _Holdback(limits.stop_sequences)
+        holdback = Holdback(limits.stop_sequences)
         detokenizer = await self.tokenizer.detokenizer(request_id)
         finished = False
         try:
@@ -128,7 +128,7 @@ class TritonGeneration:
         )
 
 
-class _Holdback:
+class Holdback:
     """Stop sequences on the router's side of Triton's stream, with the decode workers'
     own StopChecker fed each token's text from the detokenizer: text that could still
     become a stop sequence is held back, and one that appears is never shown. It only
