@@ -3,6 +3,7 @@ ids back to text while one streams, whichever engine generates."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -63,14 +64,23 @@ class Detokenizer:
         self._call = call
 
     async def open(self, request_id: str) -> None:
-        await self._call.write(
+        await self._write(
             tokenizer_pb2.DetokenizeStreamRequest(request_id=request_id, skip_special_tokens=True)
         )
         await self._call.read()
 
     async def push(self, token_ids: list[int]) -> str:
-        await self._call.write(tokenizer_pb2.DetokenizeStreamRequest(token_ids=token_ids))
+        await self._write(tokenizer_pb2.DetokenizeStreamRequest(token_ids=token_ids))
         return (await self._call.read()).text
+
+    async def _write(self, request: tokenizer_pb2.DetokenizeStreamRequest) -> None:
+        """A write to a stream that already ended (its deadline, a margin before the
+        caller's, passed) says only "RPC already finished": reading gives its status."""
+        try:
+            await self._call.write(request)
+        except asyncio.InvalidStateError:
+            await self._call.read()
+            raise
 
     async def finish(self) -> AsyncIterator[str]:
         """The text still held back once no more tokens come."""

@@ -1,14 +1,21 @@
-"""The generation router's Triton option without a server: its settings, and the
-stop-sequence holdback it puts on Triton's token stream (tests/triton runs the rest)."""
+"""The generation router's Triton option without a Triton server: its settings, the
+stop-sequence holdback it puts on Triton's token stream, and its detokenizer stream at
+its deadline (tests/triton runs the rest)."""
 
 from __future__ import annotations
 
+import asyncio
+
+import grpc
 import pytest
 from pydantic import ValidationError
 
+from aimesh.tokenizer.v1 import tokenizer_pb2_grpc
+from mesh.client import create_channel
 from mesh.config import MeshSettings
 from services.generation.on_triton import Holdback
 from services.generation.servicer import RouterOptions
+from services.generation.text import TOKENIZER, Detokenizer
 
 
 def test_triton_and_its_section_go_together():
@@ -76,3 +83,18 @@ def test_what_is_held_when_the_stream_ends_comes_out_with_rest():
     assert (ids, text) == ([0], "end")
     assert holdback.rest() == ([1], "\n")
     assert holdback.rest() == ([], "")
+
+
+async def test_a_detokenizer_stream_past_its_deadline_reports_deadline_exceeded(serve_process):
+    """Its deadline ends a margin before the caller's: the caller's next token meets a
+    finished stream, and must learn why (DEADLINE_EXCEEDED), not "RPC already finished"."""
+    tokenizer = await serve_process("tokenizer")
+    async with create_channel(tokenizer.target, MeshSettings(), services=[TOKENIZER]) as channel:
+        call = tokenizer_pb2_grpc.TokenizerServiceStub(channel).DetokenizeStream(timeout=1.0)
+        detokenizer = Detokenizer(call)
+        await detokenizer.open("late")
+        assert await detokenizer.push([504]) != ""
+        await asyncio.sleep(1.5)
+        with pytest.raises(grpc.aio.AioRpcError) as late:
+            await detokenizer.push([3575])
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
