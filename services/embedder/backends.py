@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 import onnxruntime
@@ -19,6 +19,9 @@ from mesh.artifacts import build_once
 from mesh.config import BreakerSettings
 from mesh.triton import TritonModel, TritonSettings
 from services.embedder.model import SentenceModel
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -104,24 +107,29 @@ def onnx_graph(model: SentenceModel, cache_dir: Path) -> Path:
 
 
 def _export(model: SentenceModel, path: Path) -> None:
-    """torch.onnx's dynamo exporter, batch and sequence axes dynamic, weights inside the
-    one file (90 MB, far below protobuf's 2 GB limit), so the manifest covers one file."""
-    import torch
-
     from services.embedder.pooled import load_pooled
+
+    export_onnx(load_pooled(model), path, "sentence_embedding", model.max_tokens)
+
+
+def export_onnx(module: torch.nn.Module, path: Path, output: str, max_tokens: int) -> None:
+    """A module of (input_ids, attention_mask) through torch.onnx's dynamo exporter, batch
+    and sequence axes dynamic, weights inside the one file (90 MB for MiniLM, far below
+    protobuf's 2 GB limit), so an artifact manifest covers one file."""
+    import torch
 
     # The exporter's optimizer logs each of its hundreds of rewrites at INFO.
     for name in ("onnxscript", "onnx_ir"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    batch, tokens = torch.export.Dim("batch"), torch.export.Dim("tokens", max=model.max_tokens)
+    batch, tokens = torch.export.Dim("batch"), torch.export.Dim("tokens", max=max_tokens)
     # Two distinct tensors: the exporter would take one tensor passed twice for one input.
     example = (torch.ones((2, 8), dtype=torch.int64), torch.ones((2, 8), dtype=torch.int64))
     torch.onnx.export(
-        load_pooled(model),
+        module,
         example,
         str(path),
         input_names=["input_ids", "attention_mask"],
-        output_names=["sentence_embedding"],
+        output_names=[output],
         dynamic_shapes={
             "input_ids": {0: batch, 1: tokens},
             "attention_mask": {0: batch, 1: tokens},

@@ -4,17 +4,16 @@ compute the same thing by construction."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
 from transformers import AutoModel
 
 from mesh.artifacts import build_once
+from services.embedder.backends import export_onnx
 
 ONNX_DIRECTORY = "all-MiniLM-L6-v2-tokens-onnx"
 ONNX_FILE = "model.onnx"
-OPSET = 18  # torch's dynamo exporter's own opset: no version conversion after export
 
 
 class TokenStates(torch.nn.Module):
@@ -45,27 +44,7 @@ def token_graph(path: Path, cache_dir: Path) -> Path:
 
 
 def _export(path: Path, graph: Path) -> None:
-    """torch.onnx's dynamo exporter, batch and token axes dynamic, weights inside the one
-    file so the manifest covers one file."""
-    # The exporter's optimizer logs each of its hundreds of rewrites at INFO.
-    for name in ("onnxscript", "onnx_ir"):
-        logging.getLogger(name).setLevel(logging.WARNING)
     module = load_token_states(path)
-    longest = module.transformer.config.max_position_embeddings
-    batch, tokens = torch.export.Dim("batch"), torch.export.Dim("tokens", max=longest)
-    # Two distinct tensors: the exporter would take one tensor passed twice for one input.
-    example = (torch.ones((2, 8), dtype=torch.int64), torch.ones((2, 8), dtype=torch.int64))
-    torch.onnx.export(
-        module,
-        example,
-        str(graph),
-        input_names=["input_ids", "attention_mask"],
-        output_names=["token_embeddings"],
-        dynamic_shapes={
-            "input_ids": {0: batch, 1: tokens},
-            "attention_mask": {0: batch, 1: tokens},
-        },
-        opset_version=OPSET,
-        external_data=False,
-        verbose=False,
+    export_onnx(
+        module, graph, "token_embeddings", module.transformer.config.max_position_embeddings
     )
