@@ -82,7 +82,15 @@ def prepare_repository(out: Path, cache_dir: Path, models: Sequence[str] | None 
 class TritonServer:
     """tritonserver on a fixed port, stoppable and restartable on that same port."""
 
-    def __init__(self, venv: Path, repository: Path, work: Path, port: int) -> None:
+    def __init__(
+        self,
+        venv: Path,
+        repository: Path,
+        work: Path,
+        port: int,
+        *,
+        otlp_traces_url: str | None = None,
+    ) -> None:
         site = next((venv / "lib").glob("python3*/site-packages"))
         bundled = site / "pytriton" / "tritonserver"
         self.backends = work / "backends"
@@ -103,6 +111,19 @@ class TritonServer:
             "PATH": f"{venv / 'bin'}:{os.environ.get('PATH', '')}",
             "PYTHONPATH": str(site),
         }
+        # Triton's OpenTelemetry mode: every request traced, exported over OTLP/HTTP,
+        # joining the trace its client's traceparent header names.
+        self.tracing = (
+            [
+                "--trace-config=mode=opentelemetry",
+                "--trace-config=rate=1",
+                "--trace-config=level=TIMESTAMPS",
+                f"--trace-config=opentelemetry,url={otlp_traces_url}",
+                "--trace-config=opentelemetry,resource=service.name=triton",
+            ]
+            if otlp_traces_url
+            else []
+        )
         self.process: subprocess.Popen | None = None
 
     @property
@@ -121,6 +142,7 @@ class TritonServer:
                 "--allow-metrics=false",
                 "--log-info=true",
                 "--exit-timeout-secs=5",
+                *self.tracing,
             ],
             env=self.env,
             stdout=self.log.open("ab"),

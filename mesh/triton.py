@@ -21,6 +21,7 @@ import grpc
 import numpy as np
 import tritonclient.grpc as triton_grpc
 import tritonclient.grpc.aio as triton_aio
+from opentelemetry import propagate, trace
 from pydantic import BaseModel, Field
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
@@ -31,6 +32,8 @@ from mesh.errors import local_error, status
 from mesh.failures import NotReady
 
 log = logging.getLogger(__name__)
+_TRACER = trace.get_tracer(__name__)
+_TRITON_SERVICE = "inference.GRPCInferenceService"
 
 # Triton's own statuses, as the mesh reads a dependency's: see the module docstring.
 _NOT_READY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND}
@@ -101,6 +104,8 @@ class TritonModel:
         if refusal is not None:
             raise local_error(refusal)
         started = time.monotonic()
+        span, headers = self._start_span("ModelInfer")
+        code = grpc.StatusCode.CANCELLED  # unless the call ends otherwise
         try:
             result = await self._client.infer(
                 self.settings.model,
@@ -108,26 +113,19 @@ class TritonModel:
                 model_version=self.settings.version,
                 outputs=[triton_grpc.InferRequestedOutput(name) for name in outputs],
                 client_timeout=timeout_s,
+                headers=headers,
             )
+            code = grpc.StatusCode.OK
         except InferenceServerException as error:
             code = _code(error)
-            self.breaker.record_status(
-                code, None, time.monotonic() - started, timeout_s, streaming=False
-            )
             raise self._mesh_error(code, error.message()) from None
-        except asyncio.CancelledError:
-            # Recorded all the same: a half-open breaker's trial slot must come back.
-            self.breaker.record_status(
-                grpc.StatusCode.CANCELLED,
-                None,
-                time.monotonic() - started,
-                timeout_s,
-                streaming=False,
-            )
+        except Exception:
+            code = grpc.StatusCode.UNKNOWN
             raise
-        self.breaker.record_status(
-            grpc.StatusCode.OK, None, time.monotonic() - started, timeout_s, streaming=False
-        )
+        finally:
+            # Recorded however the call ends: a half-open breaker's trial slot must come
+            # back even from a cancelled call.
+            self._finish(span, code, time.monotonic() - started, timeout_s, streaming=False)
         return {name: result.as_numpy(name) for name in outputs}
 
     async def stream(
@@ -163,7 +161,8 @@ class TritonModel:
             }
             await answered.wait()
 
-        responses = self._client.stream_infer(request(), stream_timeout=timeout_s)
+        span, headers = self._start_span("ModelStreamInfer")
+        responses = self._client.stream_infer(request(), stream_timeout=timeout_s, headers=headers)
         code = grpc.StatusCode.CANCELLED
         try:
             async for result, error in responses:
@@ -184,12 +183,45 @@ class TritonModel:
         finally:
             answered.set()
             responses.cancel()
-            self.breaker.record_status(
-                code, None, time.monotonic() - started, timeout_s, streaming=True
-            )
+            self._finish(span, code, time.monotonic() - started, timeout_s, streaming=True)
 
     async def close(self) -> None:
         await self._client.close()
+
+    def _start_span(self, method: str) -> tuple[trace.Span, dict[str, str]]:
+        """A client span for the call, and the headers that carry it to Triton: with its
+        OpenTelemetry tracing on, Triton's own spans join the caller's trace. Not made the
+        current span, as a stream's span outlives the context it started in."""
+        span = _TRACER.start_span(
+            f"/{_TRITON_SERVICE}/{method}",
+            kind=trace.SpanKind.CLIENT,
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.service": _TRITON_SERVICE,
+                "rpc.method": method,
+                "server.address": self.settings.url,
+                "triton.model": self.settings.model,
+                "triton.model_version": self.settings.version,
+            },
+        )
+        headers: dict[str, str] = {}
+        propagate.inject(headers, context=trace.set_span_in_context(span))
+        return span, headers
+
+    def _finish(
+        self,
+        span: trace.Span,
+        code: grpc.StatusCode,
+        duration_s: float,
+        timeout_s: float,
+        *,
+        streaming: bool,
+    ) -> None:
+        self.breaker.record_status(code, None, duration_s, timeout_s, streaming=streaming)
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        if code != grpc.StatusCode.OK:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, code.name))
+        span.end()
 
     def _timeout_s(self) -> float:
         left = deadline.remaining()

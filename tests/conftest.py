@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import sys
@@ -148,14 +149,17 @@ async def serve_process() -> AsyncIterator[Callable[..., Awaitable[ServiceProces
             await child.process.wait()
 
 
-async def start_collector(log: Path) -> tuple[asyncio.subprocess.Process, int]:
-    """rotel, a real OTLP collector, printing every span it receives."""
+async def start_collector(
+    log: Path, http_port: int | None = None
+) -> tuple[asyncio.subprocess.Process, int]:
+    """rotel, a real OTLP collector, printing every span it receives; its OTLP/gRPC port
+    is returned, its OTLP/HTTP one is `http_port` when given."""
     port = free_port()
     collector = await asyncio.create_subprocess_exec(
         str(Path(rotel.__file__).parent / "rotel-agent"),
         "start",
         "--otlp-grpc-endpoint", f"127.0.0.1:{port}",
-        "--otlp-http-endpoint", f"127.0.0.1:{free_port()}",
+        "--otlp-http-endpoint", f"127.0.0.1:{http_port or free_port()}",
         "--exporter", "blackhole",
         "--debug-log", "traces",
         "--debug-log-verbosity", "detailed",
@@ -163,6 +167,22 @@ async def start_collector(log: Path) -> tuple[asyncio.subprocess.Process, int]:
         stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
     return collector, port
+
+
+def spans_of(log: str, trace_id: str) -> list[dict[str, str]]:
+    """Every span of one trace in the collector's debug log: service, name, id, parent."""
+    spans, service, current = [], "", None
+    for line in log.splitlines():
+        text = line.strip()
+        if "-> service.name: Str(" in text:
+            service = text.split("Str(", 1)[1].rstrip(")")
+        elif text.startswith("Trace ID"):
+            current = {"service": service, "trace": text.split(":", 1)[1].strip()}
+            spans.append(current)
+        elif current is not None and re.match(r"^(Parent ID|ID|Name)\s*:", text):
+            key, _, value = text.partition(":")
+            current[key.strip()] = value.strip()
+    return [span for span in spans if span["trace"] == trace_id]
 
 
 async def wait_all_serving(ports: dict[str, int], timeout_s: float = 300) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
-from tests.conftest import VENV_BIN, eventually
+from tests.conftest import VENV_BIN, eventually, spans_of
 from tests.edge.conftest import API_KEY
 
 AUTH = (("authorization", f"Bearer {API_KEY}"),)
@@ -153,22 +153,6 @@ async def test_reflection_and_internal_services_stay_inside(edge):
         with pytest.raises(grpc.aio.AioRpcError) as hidden:
             await load(b"", metadata=AUTH, timeout=10)
     assert hidden.value.code() == grpc.StatusCode.UNIMPLEMENTED
-
-
-def spans_of(log: str, trace_id: str) -> list[dict[str, str]]:
-    """Every span of one trace in the collector's debug log: service, name, id, parent."""
-    spans, service, current = [], "", None
-    for line in log.splitlines():
-        text = line.strip()
-        if "-> service.name: Str(" in text:
-            service = text.split("Str(", 1)[1].rstrip(")")
-        elif text.startswith("Trace ID"):
-            current = {"service": service, "trace": text.split(":", 1)[1].strip()}
-            spans.append(current)
-        elif current is not None and re.match(r"^(Parent ID|ID|Name)\s*:", text):
-            key, _, value = text.partition(":")
-            current[key.strip()] = value.strip()
-    return [span for span in spans if span["trace"] == trace_id]
 
 
 async def test_an_incoming_traceparent_continues_through_envoy_into_the_mesh(edge):
