@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -124,6 +125,40 @@ def env_of(container: Doc) -> dict[str, Doc]:
     return {entry["name"]: entry for entry in container.get("env", [])}
 
 
+def mounted_file(docs: list[Doc], workload: Doc, container: Doc, path: str) -> str:
+    """The text `container` of `workload` reads at `path`: a key of the ConfigMap in
+    `docs` mounted at its directory."""
+    mount_path, file_name = path.rsplit("/", 1)
+    (mount,) = (m for m in container["volumeMounts"] if m["mountPath"] == mount_path)
+    (volume,) = (v for v in pod_spec(workload)["volumes"] if v["name"] == mount["name"])
+    return of_kind(docs, "ConfigMap")[volume["configMap"]["name"]]["data"][file_name]
+
+
+def otlp_receiver(docs: list[Doc], url: str) -> tuple[str, Doc]:
+    """The protocol of the collector's OTLP receiver that `url` reaches in `docs`, and its
+    settings: the URL's host names a Service in its namespace, its port is one of that
+    Service's, whose target port is the collector container's, where one protocol of the
+    receiver that the collector's traces pipeline takes (in the config its pod mounts)
+    listens."""
+    endpoint = urlsplit(url)
+    name, namespace = endpoint.hostname.split(".")[:2]
+    assert endpoint.hostname == f"{name}.{namespace}.svc.cluster.local"
+    service = of_kind(docs, "Service")[name]
+    assert service["metadata"]["namespace"] == namespace
+    (port,) = (p for p in service["spec"]["ports"] if p["port"] == endpoint.port)
+    collector = of_kind(docs, "Deployment")[name]
+    labels = collector["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    (container,) = containers(collector)
+    (target,) = (p["containerPort"] for p in container["ports"] if p["name"] == port["targetPort"])
+    (config_path,) = (arg.removeprefix("--config=") for arg in container["args"])
+    config = yaml.safe_load(mounted_file(docs, collector, container, config_path))
+    assert "otlp" in config["service"]["pipelines"]["traces"]["receivers"]
+    protocols = config["receivers"]["otlp"]["protocols"]
+    (protocol,) = (p for p, s in protocols.items() if s["endpoint"] == f"0.0.0.0:{target}")
+    return protocol, protocols[protocol]
+
+
 def pod_settings(
     docs: list[Doc], workload: Doc, container: Doc, monkeypatch, directory: Path, **env: str
 ) -> MeshSettings:
@@ -131,12 +166,9 @@ def pod_settings(
     mounted where its AIMESH_CONFIG points, then its literal AIMESH_* environment, then
     `env` (for values a pod takes from elsewhere, such as a Secret)."""
     variables = env_of(container)
-    mount_path, file_name = variables["AIMESH_CONFIG"]["value"].rsplit("/", 1)
-    (mount,) = (m for m in container["volumeMounts"] if m["mountPath"] == mount_path)
-    (volume,) = (v for v in pod_spec(workload)["volumes"] if v["name"] == mount["name"])
-    config_map = of_kind(docs, "ConfigMap")[volume["configMap"]["name"]]
-    config = directory / file_name
-    config.write_text(config_map["data"][file_name])
+    path = variables["AIMESH_CONFIG"]["value"]
+    config = directory / path.rsplit("/", 1)[1]
+    config.write_text(mounted_file(docs, workload, container, path))
 
     for name in list(os.environ):
         if name.startswith("AIMESH_"):

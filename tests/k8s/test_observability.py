@@ -155,9 +155,15 @@ def test_every_autoscaler_metric_is_served_by_the_adapter(overlay):
     assert wanted and wanted <= served
 
 
-def test_collector_receives_otlp_grpc_and_batches_into_its_exporter(overlay):
+def test_collector_receives_otlp_grpc_and_http_and_batches_into_its_exporter(overlay):
+    """OTLP/gRPC from the mesh's pods and the edge, OTLP/HTTP from Triton, on the standard
+    ports, each a port of the collector's container and of its Service."""
     config = load("otel-collector-config.yaml")
-    assert config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].endswith(":4317")
+    endpoints = {
+        protocol: settings["endpoint"]
+        for protocol, settings in config["receivers"]["otlp"]["protocols"].items()
+    }
+    assert endpoints == {"grpc": "0.0.0.0:4317", "http": "0.0.0.0:4318"}
     pipeline = config["service"]["pipelines"]["traces"]
     assert pipeline["receivers"] == ["otlp"]
     assert "batch" in pipeline["processors"]
@@ -166,7 +172,11 @@ def test_collector_receives_otlp_grpc_and_batches_into_its_exporter(overlay):
     collector = of_kind(overlay, "Deployment")["otel-collector"]
     (container,) = containers(collector)
     assert container["image"].startswith("otel/opentelemetry-collector-contrib:")
-    assert {"name": "otlp-grpc", "containerPort": 4317} in container["ports"]
+    for name, port in {"otlp-grpc": 4317, "otlp-http": 4318}.items():
+        assert {"name": name, "containerPort": port} in container["ports"]
+    service = of_kind(overlay, "Service")["otel-collector"]
+    served = {p["targetPort"]: (p["port"], p["appProtocol"]) for p in service["spec"]["ports"]}
+    assert served == {"otlp-grpc": (4317, "grpc"), "otlp-http": (4318, "http")}
 
 
 def test_monitoring_config_ships_as_configmaps(overlay):

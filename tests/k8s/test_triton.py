@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from urllib.parse import urlsplit
 
 import pytest
 from google.protobuf import text_format
@@ -42,6 +43,7 @@ from tests.k8s.conftest import (
     gpus,
     load_script,
     of_kind,
+    otlp_receiver,
     pod_settings,
     pod_spec,
 )
@@ -56,6 +58,7 @@ TRITON_OBJECTS = {
     ("PodDisruptionBudget", "triton"),
 }
 WORKER_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler")
+TRACE_CONFIG = "--trace-config="
 
 
 def router_options(settings: MeshSettings) -> RouterOptions:
@@ -157,16 +160,36 @@ def differences(before: Doc, after: Doc) -> set[str]:
 
 
 def triton(docs: list[Doc]) -> tuple[Doc, Doc, dict[str, str]]:
-    """Triton's Deployment, its container and the server's options (`--name=value` once
-    each after the command)."""
+    """Triton's Deployment, its container and the server's options (`--name=value` after
+    the command), each once but --trace-config, one setting per argument (trace_config)."""
     deployment = of_kind(docs, "Deployment")["triton"]
     (container,) = containers(deployment)
     command, *args = container["args"]
     assert command == "tritonserver"
     assert all(re.fullmatch(r"--[a-z-]+=\S+", arg) for arg in args), args
-    options = dict(arg.removeprefix("--").split("=", 1) for arg in args)
-    assert len(options) == len(args), "an option given twice"
+    once = [arg for arg in args if not arg.startswith(TRACE_CONFIG)]
+    options = dict(arg.removeprefix("--").split("=", 1) for arg in once)
+    assert len(options) == len(once), "an option given twice"
     return deployment, container, options
+
+
+def trace_config(container: Doc) -> tuple[dict[str, str], dict[str, str]]:
+    """Triton's --trace-config settings (`setting=value`, or `mode,setting=value` for one
+    trace mode's), each given once, and the resource attributes of its spans
+    (`opentelemetry,resource=key=value`, one per argument)."""
+    settings: dict[str, str] = {}
+    resource: dict[str, str] = {}
+    for arg in container["args"]:
+        if not arg.startswith(TRACE_CONFIG):
+            continue
+        setting, value = arg.removeprefix(TRACE_CONFIG).split("=", 1)
+        if setting == "opentelemetry,resource":
+            into, (key, value) = resource, value.split("=", 1)
+        else:
+            into, key = settings, setting
+        assert key not in into, f"{arg}: given twice"
+        into[key] = value
+    return settings, resource
 
 
 def model_config(model: str) -> model_config_pb2.ModelConfig:
@@ -299,6 +322,28 @@ def test_triton_is_ready_when_every_model_is_and_live_apart_from_that(rendered):
     assert container["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+
+
+def test_triton_traces_every_request_into_its_callers_trace_at_the_collector(rendered):
+    """OpenTelemetry mode: Triton's spans join the trace whose context the services send in
+    the traceparent header, every request of them as the services trace every call, named
+    "triton", exported over OTLP/HTTP (Triton's only OTLP protocol) to the collector's
+    Service port that leads to its OTLP/HTTP receiver."""
+    docs = rendered[OPTION]
+    _, container, _ = triton(docs)
+    settings, resource = trace_config(container)
+    assert settings["mode"] == "opentelemetry"
+    assert settings["rate"] == "1"
+    assert settings["level"] == "TIMESTAMPS"
+    assert resource == {"service.name": "triton"}
+    url = settings["opentelemetry,url"]
+    assert urlsplit(url).scheme == "http"
+    protocol, receiver = otlp_receiver(docs, url)
+    assert protocol == "http"
+    # The receiver's path for traces, /v1/traces unless its config names another.
+    assert urlsplit(url).path == receiver.get("traces_url_path", "/v1/traces")
+    # Nothing else: a `count` would stop tracing after that many requests.
+    assert set(settings) == {"mode", "rate", "level", "opentelemetry,url"}
 
 
 def test_triton_drains_and_rotates_connections_as_the_mesh_does(rendered):
