@@ -78,9 +78,10 @@ class TritonGeneration:
         finish = sampling_pb2.FINISH_REASON_UNSPECIFIED
         detokenize_s = 0.0
         holdback = Holdback(limits.stop_sequences)
-        detokenizer = await self.tokenizer.detokenizer(request_id)
+        detokenizer = self.tokenizer.detokenizer()
         finished = False
         try:
+            await detokenizer.open(request_id)
             # Leaving this block before the final response (a stop sequence, or the caller
             # gone) closes the stream, which cancels the request on Triton.
             async with aclosing(

@@ -114,8 +114,10 @@ class Pipeline:
         )
         detokenize_s = 0.0
         complete: decode_pb2.DecodeComplete | None = None
-        detokenizer = await self.tokenizer.detokenizer(request_id)
+        detokenizer = self.tokenizer.detokenizer()
         try:
+            # Opened here: a cancel while it opens still releases the leased KV below.
+            await detokenizer.open(request_id)
             decode_target = ""
             async for message, target in self._decode(decode_request):
                 decode_target = target

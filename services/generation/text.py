@@ -50,10 +50,9 @@ class TokenizerClient:
         )
         return list(response.token_ids)
 
-    async def detokenizer(self, request_id: str) -> Detokenizer:
-        detokenizer = Detokenizer(self._stub().DetokenizeStream())
-        await detokenizer.open(request_id)
-        return detokenizer
+    def detokenizer(self) -> Detokenizer:
+        """A stream not yet opened: open it inside the block that cleans up after it."""
+        return Detokenizer(self._stub().DetokenizeStream())
 
 
 class Detokenizer:
