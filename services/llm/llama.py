@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from mesh.failures import NotReady
 from services.llm.artifacts import load_state_dict
+from services.llm.linear import Projection, packable
 
 
 @dataclass(frozen=True)
@@ -76,11 +77,11 @@ class LlamaConfig:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    out: torch.Tensor
+    qkv: Projection  # hidden -> (heads + 2 * kv_heads) * head_dim
+    out: Projection
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: Projection  # hidden -> 2 * intermediate
+    down: Projection
 
 
 # Per layer: keys and values of one sequence, each [kv_heads, tokens, head_dim].
@@ -151,28 +152,30 @@ class Llama:
         self.dtype = dtype
         self.device = torch.device(device)
 
+        packed = packable(dtype, self.device)
+
         def weight(name: str) -> torch.Tensor:
             return state[name].to(device=self.device, dtype=dtype).contiguous()
+
+        def projection(*names: str) -> Projection:
+            return Projection(torch.cat([weight(name) for name in names]), packed)
 
         self.embed = weight("model.embed_tokens.weight")
         self.norm = weight("model.norm.weight")
         head = "lm_head.weight"
-        self.lm_head = (
-            self.embed if config.tie_word_embeddings or head not in state else weight(head)
-        )
+        tied = config.tie_word_embeddings or head not in state
+        self.lm_head = Projection(self.embed, packed) if tied else projection(head)
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             self.layers.append(
                 _Layer(
                     input_norm=weight(p + "input_layernorm.weight"),
-                    qkv=torch.cat(
-                        [weight(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
-                    ),
-                    out=weight(p + "self_attn.o_proj.weight"),
+                    qkv=projection(*(p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v"))),
+                    out=projection(p + "self_attn.o_proj.weight"),
                     post_norm=weight(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([weight(p + f"mlp.{n}_proj.weight") for n in ("gate", "up")]),
-                    down=weight(p + "mlp.down_proj.weight"),
+                    gate_up=projection(*(p + f"mlp.{n}_proj.weight" for n in ("gate", "up"))),
+                    down=projection(p + "mlp.down_proj.weight"),
                 )
             )
         inv_freq = 1.0 / (
@@ -213,7 +216,7 @@ class Llama:
         """[N, hidden] -> q [N, heads, hd], k and v [N, kv_heads, hd], rotated."""
         c = self.config
         h = self._rms_norm(x, layer.input_norm)
-        q, k, v = F.linear(h, layer.qkv).split(
+        q, k, v = layer.qkv(h).split(
             [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim],
             dim=-1,
         )
@@ -224,13 +227,13 @@ class Llama:
         return q, k, v.view(-1, c.num_kv_heads, c.head_dim)
 
     def _finish_layer(self, layer: _Layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        x = x + F.linear(attended, layer.out)
-        gate, up = F.linear(self._rms_norm(x, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, layer.down)
+        x = x + layer.out(attended)
+        gate, up = layer.gate_up(self._rms_norm(x, layer.post_norm)).chunk(2, dim=-1)
+        return x + layer.down(F.silu(gate) * up)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits on the CPU, where sampling runs whatever the model's device."""
-        return F.linear(self._rms_norm(x, self.norm), self.lm_head).float().cpu()
+        return self.lm_head(self._rms_norm(x, self.norm)).float().cpu()
 
     # ---- serving entry points ----
 
@@ -254,7 +257,7 @@ class Llama:
                 enable_gqa=c.num_heads != c.num_kv_heads,
             )
             x = self._finish_layer(layer, x, attended[0].transpose(0, 1).reshape(len(ids), -1))
-        return self._logits(x[-1]), kv
+        return self._logits(x[-1:])[0], kv
 
     @torch.inference_mode()
     def decode(self, token_ids: list[int], positions: list[int], cache: SlotCache) -> torch.Tensor:
