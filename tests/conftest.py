@@ -153,20 +153,43 @@ async def start_collector(
     log: Path, http_port: int | None = None
 ) -> tuple[asyncio.subprocess.Process, int]:
     """rotel, a real OTLP collector, printing every span it receives; its OTLP/gRPC port
-    is returned, its OTLP/HTTP one is `http_port` when given."""
+    is returned, its OTLP/HTTP one is `http_port` when given. It returns once both ports
+    accept connections: an exporter that sends earlier loses its spans for good."""
     port = free_port()
+    http_port = http_port or free_port()
     collector = await asyncio.create_subprocess_exec(
         str(Path(rotel.__file__).parent / "rotel-agent"),
         "start",
         "--otlp-grpc-endpoint", f"127.0.0.1:{port}",
-        "--otlp-http-endpoint", f"127.0.0.1:{http_port or free_port()}",
+        "--otlp-http-endpoint", f"127.0.0.1:{http_port}",
         "--exporter", "blackhole",
         "--debug-log", "traces",
         "--debug-log-verbosity", "detailed",
         stdout=log.open("w"),
         stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
+    for listening in (port, http_port):
+        await wait_accepting(listening, collector, log)
     return collector, port
+
+
+async def wait_accepting(
+    port: int, process: asyncio.subprocess.Process, log: Path, timeout_s: float = 30
+) -> None:
+    """Until 127.0.0.1:port takes a TCP connection; fails with the log if the process
+    exits first (a port taken between free_port() and its bind, say)."""
+    give_up = time.monotonic() + timeout_s
+    while process.returncode is None and time.monotonic() < give_up:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(0.1)
+            continue
+        writer.close()
+        await writer.wait_closed()
+        return
+    output = await asyncio.to_thread(log.read_text)
+    raise AssertionError(f"nothing on {port} (exit {process.returncode}):\n{output}")
 
 
 def spans_of(log: str, trace_id: str) -> list[dict[str, str]]:
