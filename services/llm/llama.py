@@ -273,22 +273,24 @@ class Llama:
         length = max(positions) + 1
         rows = torch.arange(n, device=self.device)
         # [n, 1, 1, length]: True where a sequence may attend (its own filled positions).
+        # A sequence alone attends to all `length` positions and gets no mask: that is
+        # transformers' own call, and in bfloat16 it rounds exactly as transformers does.
         span = torch.arange(length, device=self.device)
-        mask = (span.unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :]
-        groups = c.num_heads // c.num_kv_heads
+        mask = (span.unsqueeze(0) <= pos.unsqueeze(1))[:, None, None, :] if n > 1 else None
         x = self.embed[ids]
         for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, pos)
             keys, values = cache.keys[index], cache.values[index]
             keys[rows, :, pos] = k
             values[rows, :, pos] = v
-            # Query heads that share a KV head ride along as extra query rows, so the
-            # grouped-query attention needs no repeated copy of the cache.
+            # Grouped-query attention reads each KV head for its query heads in place: no
+            # repeated copy of the cache.
             attended = F.scaled_dot_product_attention(
-                q.view(n, c.num_kv_heads, groups, c.head_dim),
+                q.view(n, c.num_heads, 1, c.head_dim),
                 keys[:n, :, :length],
                 values[:n, :, :length],
                 attn_mask=mask,
+                enable_gqa=c.num_heads != c.num_kv_heads,
             )
             x = self._finish_layer(layer, x, attended.reshape(n, -1))
         return self._logits(x)

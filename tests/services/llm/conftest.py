@@ -7,6 +7,7 @@ import asyncio
 import signal
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,10 +108,10 @@ class LlmMesh:
                 process.kill()
 
 
-@pytest.fixture(scope="module")
-def llm_mesh(tmp_path_factory, model_dir) -> Iterator[LlmMesh]:
-    """Five processes, as `aimesh up` runs them; started once per test module."""
-    root = tmp_path_factory.mktemp("llm-mesh")
+@contextmanager
+def running_llm_mesh(root: Path, llm_engine: str = "") -> Iterator[LlmMesh]:
+    """Five processes, as `aimesh up` runs them; `llm_engine` adds lines to the shared
+    `[engines.llm]` section (the dtype, say)."""
     ports = {name: free_port() for name in ("tokenizer", "prefill", "generation")}
     ports["prefill_metrics"] = free_port()
     ports["generation_metrics"] = free_port()
@@ -119,6 +120,7 @@ def llm_mesh(tmp_path_factory, model_dir) -> Iterator[LlmMesh]:
     config = root / "aimesh.toml"
     config.write_text(
         f"[engines.llm]\nmax_seq_len = {MAX_SEQ_LEN}\nmax_batch_size = {MAX_BATCH}\n"
+        f"{llm_engine}"
         f"[services.tokenizer]\nport = {ports['tokenizer']}\nmetrics_port = 0\n"
         f"[services.prefill]\nport = {ports['prefill']}\n"
         f"metrics_port = {ports['prefill_metrics']}\n"
@@ -149,6 +151,13 @@ def llm_mesh(tmp_path_factory, model_dir) -> Iterator[LlmMesh]:
         yield mesh
     finally:
         mesh.stop()
+
+
+@pytest.fixture(scope="module")
+def llm_mesh(tmp_path_factory, model_dir) -> Iterator[LlmMesh]:
+    """The LLM mesh in its default dtype (float32), started once per test module."""
+    with running_llm_mesh(tmp_path_factory.mktemp("llm-mesh")) as mesh:
+        yield mesh
 
 
 def stopping(max_new_tokens: int, **extra) -> sampling_pb2.StoppingCriteria:
