@@ -72,6 +72,17 @@ class Run:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
+    def arrived(self, count: int, started: float, last: float | None) -> float:
+        """`count` tokens came in one message now: the first message is the TTFT, a later
+        one's gap is spread over its tokens. Returns now, the next call's `last`."""
+        now = time.perf_counter()
+        if last is None:
+            self.ttft.append(now - started)
+        else:
+            self.itl.extend([(now - last) / count] * count)
+        self.tokens += count
+        return now
+
 
 def pct(values: list[float], q: float) -> float:
     if not values:
@@ -162,14 +173,7 @@ async def one_request(stub, prompt: str, run: Run, in_flight: list[int]) -> None
             timeout=300,
         ):
             if message.HasField("chunk") and message.chunk.token_ids:
-                now = time.perf_counter()
-                count = len(message.chunk.token_ids)
-                if last is None:
-                    run.ttft.append(now - started)
-                else:
-                    run.itl.extend([(now - last) / count] * count)
-                last = now
-                run.tokens += count
+                last = run.arrived(len(message.chunk.token_ids), started, last)
     finally:
         in_flight[0] -= 1
     run.e2e.append(time.perf_counter() - started)

@@ -144,13 +144,7 @@ async def timed(stream: Stream, prompt: str, new_tokens: int, run: Run) -> None:
     started = time.perf_counter()
     last = None
     async for count in stream(prompt, new_tokens):
-        now = time.perf_counter()
-        if last is None:
-            run.ttft.append(now - started)
-        else:
-            run.itl.extend([(now - last) / count] * count)
-        last = now
-        run.tokens += count
+        last = run.arrived(count, started, last)
     run.e2e.append(time.perf_counter() - started)
 
 
