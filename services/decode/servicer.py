@@ -21,7 +21,7 @@ from services.llm import kv_codec, kv_transfer
 from services.llm.artifacts import resolve_model
 from services.llm.detokenize import IncrementalDetokenizer
 from services.llm.kv_transfer import KvReleaser
-from services.llm.llama import Llama, resolve_device
+from services.llm.llama import Llama, resolve_device, resolve_dtype
 from services.llm.requests import check_prompt, end_token, sampling_params, stopping
 from services.llm.settings import LlmSettings, llm_settings
 from services.llm.stopping import Finish, StopChecker
@@ -69,11 +69,12 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
                 "kv_handle",
                 f"KV of shape {got} does not fit this model's {expected}",
             )
-            ours = kv_codec.dtype_name(engine.model.dtype)
+            # KV of another dtype (prefill resolved 'auto' on other hardware) is converted
+            # as it is copied into this worker's cache.
             violations.check(
-                handle.dtype == ours,
+                handle.dtype in kv_codec.DTYPES,
                 "kv_handle.dtype",
-                f"{handle.dtype!r} is not this worker's {ours!r}",
+                f"{handle.dtype!r} is none of {sorted(kv_codec.DTYPES)}",
             )
         violations.check(
             request.first_token_id < config.vocab_size,
@@ -206,9 +207,8 @@ async def setup(server: MeshServer) -> None:
         torch.set_num_threads(settings.threads)
         directory = resolve_model(settings.model, server.settings.cache_dir)
         worker.tokenizer = AutoTokenizer.from_pretrained(directory)
-        model = Llama.load(
-            directory, kv_codec.torch_dtype(settings.dtype), resolve_device(settings.device)
-        )
+        device = resolve_device(settings.device)
+        model = Llama.load(directory, resolve_dtype(settings.dtype, device), device)
         return DecodeEngine(model, settings.max_batch_size, settings.max_seq_len)
 
     async def warm_up() -> None:

@@ -20,7 +20,7 @@ DEFAULT_CHUNK_BYTES = 1024 * 1024
 MIN_CHUNK_BYTES = 64 * 1024
 MAX_CHUNK_BYTES = 4 * 1024 * 1024 - 64 * 1024
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 if sys.byteorder != "little":  # pragma: no cover
     raise ImportError("the KV wire format is little-endian; this host is not")
@@ -28,10 +28,6 @@ if sys.byteorder != "little":  # pragma: no cover
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return _DTYPES[name]
 
 
 def clamp_chunk_bytes(requested: int) -> int:
@@ -72,11 +68,11 @@ class KvAssembler:
     """Collects chunks into per-layer tensors; raises ValueError on anything inconsistent."""
 
     def __init__(self, num_layers: int, shape: tuple[int, int, int], dtype: str) -> None:
-        if dtype not in _DTYPES:
+        if dtype not in DTYPES:
             raise ValueError(f"unsupported KV dtype {dtype!r}")
         self.dtype = dtype
         self.shape = shape
-        size = int(np.prod(shape)) * torch.empty((), dtype=_DTYPES[dtype]).element_size()
+        size = int(np.prod(shape)) * torch.empty((), dtype=DTYPES[dtype]).element_size()
         self._size = size
         self._buffers = [[bytearray(size), bytearray(size)] for _ in range(num_layers)]
         self._filled = [[0, 0] for _ in range(num_layers)]
@@ -113,5 +109,5 @@ class KvAssembler:
         if self.dtype == "bfloat16":
             raw = torch.frombuffer(buffer, dtype=torch.int16).view(torch.bfloat16)
         else:
-            raw = torch.frombuffer(buffer, dtype=_DTYPES[self.dtype])
+            raw = torch.frombuffer(buffer, dtype=DTYPES[self.dtype])
         return raw.view(self.shape)

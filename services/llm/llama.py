@@ -96,6 +96,23 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda" if use_cuda else "cpu")
 
 
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether the device multiplies bfloat16 in hardware: a CUDA GPU that supports it, or
+    a CPU with AVX-512 BF16 or AMX. Elsewhere bfloat16 halves the bytes a step reads but
+    its matrix products are emulated: on this project's AVX2 machines one decode step's
+    projections took 19 ms for one row (fp32: 37) but 266 ms for 16 rows (fp32: 68)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' | 'float32' | 'bfloat16' -> the dtype the model is served in on `device`."""
+    if name == "auto":
+        return torch.bfloat16 if native_bfloat16(device) else torch.float32
+    return getattr(torch, name)
+
+
 class SlotCache:
     """Preallocated K and V for `slots` sequences of up to `max_len` tokens, per layer.
 

@@ -20,7 +20,12 @@ class LlmSettings(BaseModel, extra="forbid"):
         description="A local Hugging Face model directory (Llama family); None: the "
         "embedded SmolLM2-135M-Instruct, converted once from its GGUF into cache_dir",
     )
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto",
+        description="auto: bfloat16 where the device multiplies it in hardware (a CUDA GPU "
+        "with bfloat16, a CPU with AVX-512 BF16 or AMX), else float32; resolved in each "
+        "process, and decode takes KV in either",
+    )
     # Weights, activations and the KV cache live on this device; logits come back to the
     # CPU for sampling (one [batch, vocab] copy a step, which reading the token needs anyway).
     device: Literal["auto", "cpu", "cuda"] = Field(

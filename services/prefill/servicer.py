@@ -22,7 +22,7 @@ from mesh.timing import stage
 from mesh.validation import Violations
 from services.llm import kv_codec
 from services.llm.artifacts import resolve_model
-from services.llm.llama import Llama, resolve_device
+from services.llm.llama import Llama, resolve_device, resolve_dtype
 from services.llm.requests import check_prompt, end_token, sampling_params
 from services.llm.settings import LlmSettings, llm_settings
 from services.prefill.engine import KvStore, PrefillEngine
@@ -165,11 +165,8 @@ async def setup(server: MeshServer) -> None:
     def load() -> PrefillEngine:
         torch.set_num_threads(settings.threads)
         directory = resolve_model(settings.model, server.settings.cache_dir)
-        engine = PrefillEngine(
-            Llama.load(
-                directory, kv_codec.torch_dtype(settings.dtype), resolve_device(settings.device)
-            )
-        )
+        device = resolve_device(settings.device)
+        engine = PrefillEngine(Llama.load(directory, resolve_dtype(settings.dtype, device), device))
         engine.warm_up()
         return engine
 

@@ -66,10 +66,10 @@ class LlmMesh:
     def target(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
 
-    def launch(self, name: str, service: str, port: int) -> None:
+    def launch(self, name: str, service: str, port: int, **env: str) -> None:
         self.processes[name] = subprocess.Popen(
             [str(VENV_BIN / "aimesh"), "serve", service, "--port", str(port)],
-            env=self.env,
+            env={**self.env, **env},
             stderr=(self.root / f"{name}.log").open("ab"),
         )
 
@@ -83,8 +83,8 @@ class LlmMesh:
         log = (self.root / f"{name}.log").read_text()[-3000:]
         raise AssertionError(f"{name} did not become ready:\n{log}")
 
-    async def start(self, name: str, service: str, port: int) -> None:
-        self.launch(name, service, port)
+    async def start(self, name: str, service: str, port: int, **env: str) -> None:
+        self.launch(name, service, port, **env)
         await self.wait_ready(name, service, port)
 
     def metrics_url(self, name: str) -> str:

@@ -6,9 +6,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import grpc
 import pytest
 import torch
 
+from aimesh.llm.v1 import decode_pb2, decode_pb2_grpc, kv_cache_pb2, prefill_pb2, prefill_pb2_grpc
+from mesh.client import create_channel
+from mesh.config import MeshSettings
+from mesh.errors import field_violations
+from tests.conftest import free_port
 from tests.services.llm.conftest import (
     LlmMesh,
     generate,
@@ -43,3 +49,53 @@ async def test_greedy_output_equals_transformers_in_bfloat16(
             expected = greedy_reference(bfloat16_reference, tokenizer(prompt)["input_ids"], 24)
             assert ids == expected, prompt
             assert text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+async def test_a_float32_decode_takes_bfloat16_kv_from_prefill(bfloat16_mesh, bfloat16_reference):
+    """dtype "auto" resolves in each process, so prefill on bfloat16 hardware can hand its
+    KV to a float32 decode: decode converts it as it copies it into its cache."""
+    _, tokenizer = bfloat16_reference
+    port = free_port()
+    await bfloat16_mesh.start(
+        "decode-float32",
+        "decode",
+        port,
+        AIMESH_ENGINES__LLM__DTYPE="float32",
+        AIMESH_SERVICES__DECODE__METRICS_PORT="0",
+    )
+    prompt_ids = tokenizer("The capital of France is")["input_ids"]
+    settings = MeshSettings()
+    async with (
+        create_channel(bfloat16_mesh.target("prefill"), settings) as prefill_channel,
+        create_channel(f"127.0.0.1:{port}", settings) as decode_channel,
+    ):
+        prefill = prefill_pb2_grpc.PrefillServiceStub(prefill_channel)
+        decode = decode_pb2_grpc.DecodeServiceStub(decode_channel)
+        leased = await prefill.Prefill(prefill_pb2.PrefillRequest(token_ids=prompt_ids), timeout=30)
+        assert leased.kv_handle.dtype == "bfloat16"
+
+        def request(handle: kv_cache_pb2.KvHandle) -> decode_pb2.DecodeRequest:
+            return decode_pb2.DecodeRequest(
+                kv_handle=handle,
+                prompt_token_ids=prompt_ids,
+                first_token_id=leased.first_token_id,
+                stopping=stopping(8, ignore_eos=True),
+            )
+
+        unknown = kv_cache_pb2.KvHandle()
+        unknown.CopyFrom(leased.kv_handle)
+        unknown.dtype = "int3"
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in decode.Decode(request(unknown), timeout=30):
+                pass
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "kv_handle.dtype" in {v.field for v in field_violations(caught.value)}
+
+        tokens: list[int] = []
+        async for message in decode.Decode(request(leased.kv_handle), timeout=60):
+            if message.HasField("chunk"):
+                tokens.extend(message.chunk.token_ids)
+            else:
+                assert message.complete.generated_tokens == 8
+    assert len(tokens) == 8 and tokens[0] == leased.first_token_id
+    assert tokenizer.decode(tokens).strip()

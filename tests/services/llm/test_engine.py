@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.decode.engine import DecodeEngine, Sequence
-from services.llm.llama import Llama, SlotCache, resolve_device
+from services.llm.llama import Llama, SlotCache, resolve_device, resolve_dtype
 from services.llm.sampling import SamplingParams
 from services.llm.stopping import Finish, StopChecker
 from tests.conftest import eventually
@@ -179,3 +179,15 @@ def test_asking_for_cuda_without_it_fails_at_startup_not_mid_request():
     assert resolve_device("auto") == torch.device("cpu")
     with pytest.raises(RuntimeError, match="no CUDA device"):
         resolve_device("cuda")
+
+
+def test_auto_dtype_is_bfloat16_only_where_the_hardware_multiplies_it(monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve_dtype("float32", cpu) == torch.float32
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    # The CPU's instruction set is the edge this machine cannot vary: both answers of the
+    # probe torch reads it with.
+    for native, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda native=native: native)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        assert resolve_dtype("auto", cpu) == expected
