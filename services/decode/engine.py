@@ -134,6 +134,8 @@ class DecodeEngine:
                 await self._wake.wait()
                 continue
             plan = _Plan(keep, joins)
+            # A joining sequence's wait ends as its first step starts, not after it ran.
+            scheduled = time.perf_counter()
             try:
                 sampled = await loop.run_in_executor(self.model_thread, self._step, plan)
             except Exception as error:  # a failed step fails its batch, not the worker
@@ -141,10 +143,9 @@ class DecodeEngine:
                 continue
             self.running = plan.keep + plan.joins
             self.steps += 1
-            now = time.perf_counter()
             for sequence in plan.joins:
-                sequence.joined_at = now
-                metrics.REQUEST_QUEUE_TIME.observe(now - sequence.submitted_at)
+                sequence.joined_at = scheduled
+                metrics.REQUEST_QUEUE_TIME.observe(scheduled - sequence.submitted_at)
             self._report()
             for sequence, (token, logprob) in zip(self.running, sampled, strict=True):
                 self._deliver(sequence, token, logprob)
