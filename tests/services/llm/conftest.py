@@ -6,15 +6,21 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
 
-from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
+from aimesh.llm.v1 import (
+    decode_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+    prefill_pb2_grpc,
+    sampling_pb2,
+)
 from mesh.client import create_channel
 from mesh.config import MeshSettings
 from mesh.health import wait_until_serving
@@ -158,6 +164,22 @@ def llm_mesh(tmp_path_factory, model_dir) -> Iterator[LlmMesh]:
     """The LLM mesh in its default dtype (float32), started once per test module."""
     with running_llm_mesh(tmp_path_factory.mktemp("llm-mesh")) as mesh:
         yield mesh
+
+
+@asynccontextmanager
+async def prefill_and_decode(
+    prefill_target: str, decode_target: str
+) -> AsyncIterator[tuple[prefill_pb2_grpc.PrefillServiceStub, decode_pb2_grpc.DecodeServiceStub]]:
+    """Stubs straight to one prefill and one decode, past the router: for the KV handoff."""
+    settings = MeshSettings()
+    async with (
+        create_channel(prefill_target, settings) as prefill_channel,
+        create_channel(decode_target, settings) as decode_channel,
+    ):
+        yield (
+            prefill_pb2_grpc.PrefillServiceStub(prefill_channel),
+            decode_pb2_grpc.DecodeServiceStub(decode_channel),
+        )
 
 
 def stopping(max_new_tokens: int, **extra) -> sampling_pb2.StoppingCriteria:

@@ -10,15 +10,14 @@ import grpc
 import pytest
 import torch
 
-from aimesh.llm.v1 import decode_pb2, decode_pb2_grpc, kv_cache_pb2, prefill_pb2, prefill_pb2_grpc
-from mesh.client import create_channel
-from mesh.config import MeshSettings
+from aimesh.llm.v1 import decode_pb2, kv_cache_pb2, prefill_pb2
 from mesh.errors import field_violations
 from tests.conftest import free_port
 from tests.services.llm.conftest import (
     LlmMesh,
     generate,
     greedy_reference,
+    prefill_and_decode,
     running_llm_mesh,
     stopping,
 )
@@ -64,13 +63,10 @@ async def test_a_float32_decode_takes_bfloat16_kv_from_prefill(bfloat16_mesh, bf
         AIMESH_SERVICES__DECODE__METRICS_PORT="0",
     )
     prompt_ids = tokenizer("The capital of France is")["input_ids"]
-    settings = MeshSettings()
-    async with (
-        create_channel(bfloat16_mesh.target("prefill"), settings) as prefill_channel,
-        create_channel(f"127.0.0.1:{port}", settings) as decode_channel,
+    async with prefill_and_decode(bfloat16_mesh.target("prefill"), f"127.0.0.1:{port}") as (
+        prefill,
+        decode,
     ):
-        prefill = prefill_pb2_grpc.PrefillServiceStub(prefill_channel)
-        decode = decode_pb2_grpc.DecodeServiceStub(decode_channel)
         leased = await prefill.Prefill(prefill_pb2.PrefillRequest(token_ids=prompt_ids), timeout=30)
         assert leased.kv_handle.dtype == "bfloat16"
 

@@ -20,14 +20,19 @@ from aimesh.llm.v1 import (
     generation_pb2,
     kv_cache_pb2,
     prefill_pb2,
-    prefill_pb2_grpc,
     sampling_pb2,
 )
 from mesh.client import create_channel
 from mesh.config import MeshSettings
 from mesh.errors import field_violations
 from tests.conftest import VENV_BIN
-from tests.services.llm.conftest import MAX_SEQ_LEN, generate, greedy_reference, stopping
+from tests.services.llm.conftest import (
+    MAX_SEQ_LEN,
+    generate,
+    greedy_reference,
+    prefill_and_decode,
+    stopping,
+)
 
 
 def _metric(url: str, name: str) -> float:
@@ -229,13 +234,9 @@ async def test_bad_input_is_invalid_argument_with_field_violations(llm_mesh, req
 async def test_unknown_and_expired_kv_handles_are_not_found(llm_mesh, reference):
     _, tokenizer = reference
     prompt_ids = tokenizer("Hello there")["input_ids"]
-    settings = MeshSettings()
-    async with (
-        create_channel(llm_mesh.target("prefill"), settings) as prefill_channel,
-        create_channel(f"127.0.0.1:{llm_mesh.decode_ports[0]}", settings) as decode_channel,
-    ):
-        prefill = prefill_pb2_grpc.PrefillServiceStub(prefill_channel)
-        decode = decode_pb2_grpc.DecodeServiceStub(decode_channel)
+    async with prefill_and_decode(
+        llm_mesh.target("prefill"), f"127.0.0.1:{llm_mesh.decode_ports[0]}"
+    ) as (prefill, decode):
         leased = await prefill.Prefill(
             prefill_pb2.PrefillRequest(token_ids=prompt_ids, lease_ttl_ms=1), timeout=30
         )
