@@ -11,6 +11,7 @@ its logits and greedy tokens against transformers' own LlamaForCausalLM.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,8 @@ import torch.nn.functional as F
 from mesh.failures import NotReady
 from services.llm.artifacts import load_state_dict
 from services.llm.linear import Projection, packable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -213,7 +216,18 @@ class Llama:
         device: torch.device | str = "cpu",
     ) -> Llama:
         config = LlamaConfig.from_directory(directory)
-        return cls(config, load_state_dict(directory), dtype, device)
+        model = cls(config, load_state_dict(directory), dtype, device)
+        # What dtype "auto" and device "auto" came to on this machine, for the operator.
+        log.info(
+            "model loaded",
+            extra={
+                "model": directory.name,
+                "dtype": str(dtype).removeprefix("torch."),
+                "device": str(model.device),
+                "packed_weights": model.lm_head.packed,
+            },
+        )
+        return model
 
     # ---- building blocks ----
 

@@ -4,6 +4,7 @@ engine's own test checks every step's logits bit for bit on all the test prompts
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import grpc
@@ -95,3 +96,13 @@ async def test_a_float32_decode_takes_bfloat16_kv_from_prefill(bfloat16_mesh, bf
                 assert message.complete.generated_tokens == 8
     assert len(tokens) == 8 and tokens[0] == leased.first_token_id
     assert tokenizer.decode(tokens).strip()
+    assert loaded_dtype(bfloat16_mesh, "decode-float32") == "float32"
+    assert loaded_dtype(bfloat16_mesh, "prefill") == "bfloat16"
+
+
+def loaded_dtype(mesh: LlmMesh, name: str) -> str:
+    """The dtype a process's "model loaded" log line says it serves."""
+    lines = (mesh.root / f"{name}.log").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.startswith("{")]  # not warnings
+    (record,) = [r for r in records if r["message"] == "model loaded"]
+    return record["dtype"]
