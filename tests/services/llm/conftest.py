@@ -47,6 +47,15 @@ def reference(model_dir: Path):
     return model, AutoTokenizer.from_pretrained(model_dir)
 
 
+@pytest.fixture(scope="session")
+def bfloat16_reference(model_dir: Path, reference):
+    """transformers in bfloat16, the ground truth for the served bfloat16 model."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    return model, reference[1]
+
+
 def greedy_reference(reference, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers greedy generation, cut at (and without) the end-of-sequence token."""
     model, tokenizer = reference

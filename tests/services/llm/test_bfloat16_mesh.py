@@ -9,7 +9,6 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-import torch
 
 from aimesh.llm.v1 import decode_pb2, kv_cache_pb2, prefill_pb2
 from mesh.errors import field_violations
@@ -28,14 +27,6 @@ from tests.services.llm.conftest import (
 def bfloat16_mesh(tmp_path_factory, model_dir) -> Iterator[LlmMesh]:
     with running_llm_mesh(tmp_path_factory.mktemp("bf16-mesh"), 'dtype = "bfloat16"\n') as mesh:
         yield mesh
-
-
-@pytest.fixture(scope="module")
-def bfloat16_reference(model_dir, reference):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    return model, reference[1]
 
 
 async def test_greedy_output_equals_transformers_in_bfloat16(

@@ -59,16 +59,13 @@ def test_batched_decode_steps_match_transformers_greedy(llama, reference, prompt
         assert gen[: len(expected)] == expected
 
 
-def test_bfloat16_greedy_equals_transformers_in_bfloat16(model_dir, reference, prompts):
+def test_bfloat16_greedy_equals_transformers_in_bfloat16(model_dir, bfloat16_reference, prompts):
     """Alone, the bfloat16 model is transformers in bfloat16 bit for bit: prefill and each
     decode step make the same calls in the same order (a lone sequence's attention takes
     no mask, as transformers' does), so every step's logits are equal and the greedy
     output matches token for token. Batched rows are not bit-equal to lone ones: a
     projection over 16 rows rounds differently than over one, in transformers too."""
-    from transformers import AutoModelForCausalLM
-
-    _, tokenizer = reference
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    model, tokenizer = bfloat16_reference
     llama = Llama.load(model_dir, torch.bfloat16)
     for prompt in prompts:
         ids = tokenizer(prompt)["input_ids"]
