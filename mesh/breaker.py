@@ -7,6 +7,11 @@ INVALID_ARGUMENT is the caller's fault, a DEADLINE_EXCEEDED only counts when the
 sane), covers streams, and treats RESOURCE_EXHAUSTED + RetryInfo as backpressure to honour
 rather than a failure. The state machine follows resilience4j: a count-based sliding
 window of failure and slow-call rates, CLOSED -> OPEN -> HALF_OPEN -> CLOSED.
+
+One breaker per target is shared by every caller in the process, so it counts only what
+says the target itself is unwell (unreachable, not ready, too slow). INTERNAL and UNKNOWN
+are a live target's answer to one request (a bug its content set off) and count for no
+one else; nor does a refusal that names the caller's own deadline as the reason.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import grpc
 from prometheus_client import Counter, Gauge
 
 from mesh.config import BreakerSettings
-from mesh.errors import retry_delay_s, status
+from mesh.errors import error_info, retry_delay_s, status
 
 
 class State(enum.IntEnum):
@@ -35,14 +40,10 @@ class Outcome(enum.Enum):
     IGNORED = "ignored"
 
 
-FAILURE_CODES = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.DATA_LOSS,
-    }
-)
+FAILURE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS})
+# RESOURCE_EXHAUSTED reasons that are about one call, not the target's capacity: holding
+# every caller back for them would let one caller's short deadline stall the rest.
+CALLER_REASONS = frozenset({"DEADLINE_TOO_SHORT"})
 
 STATE = Gauge(
     "aimesh_breaker_state",
@@ -164,8 +165,9 @@ class CircuitBreaker:
         """Feeds a finished call by its status; RESOURCE_EXHAUSTED + RetryInfo holds calls."""
         self.record(classify(code, timeout_s, self.settings), duration_s, streaming=streaming)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and error is not None:
+            info = error_info(error)
             delay = retry_delay_s(error)
-            if delay:
+            if delay and (info is None or info.reason not in CALLER_REASONS):
                 self.push_back(delay)
 
     def push_back(self, delay_s: float) -> None:

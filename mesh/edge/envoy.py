@@ -14,7 +14,6 @@ and admission settings the in-process clients use.
 from __future__ import annotations
 
 import base64
-import ipaddress
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,6 +21,7 @@ from urllib.parse import urlsplit
 from google.protobuf.descriptor import ServiceDescriptor
 from google.rpc import error_details_pb2, status_pb2
 
+from mesh import targets
 from mesh.config import MeshSettings
 from mesh.edge import api
 from mesh.registry import ServiceSpec
@@ -76,21 +76,8 @@ def upstreams_for(specs: list[ServiceSpec], settings: MeshSettings) -> list[Upst
 
 def endpoints(target: str) -> tuple[str, list[tuple[str, int]]]:
     """Envoy's discovery type and the (host, port) list for a gRPC target string."""
-    if target.startswith("dns:"):
-        host, port = _host_port(target.removeprefix("dns:").lstrip("/"))
-        return "STRICT_DNS", [(host, port)]
-    if target.startswith(("ipv4:", "ipv6:")):
-        addresses = target.split(":", 1)[1].split(",")
-        return "STATIC", [_host_port(address) for address in addresses]
-    host, port = _host_port(target)
-    return ("STATIC" if _is_ip(host) else "STRICT_DNS"), [(host, port)]
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"{address!r} is not host:port")
-    return host.strip("[]"), int(port)
+    named, pairs = targets.endpoints(target)
+    return ("STRICT_DNS" if named else "STATIC"), pairs
 
 
 def _seconds(value: float) -> str:
@@ -204,16 +191,15 @@ def cluster(upstream: Upstream, settings: MeshSettings) -> dict[str, Any]:
             }
         ],
         # Envoy reads gRPC statuses as HTTP codes here: UNAVAILABLE (503) and
-        # DEADLINE_EXCEEDED (504) are gateway failures, RESOURCE_EXHAUSTED (429) and
-        # INVALID_ARGUMENT (400) are not, which is how the in-process breaker counts them.
+        # DEADLINE_EXCEEDED (504) are gateway failures and eject a replica; INTERNAL (500)
+        # answers one request's content, not a replica's health, so the 5xx-based
+        # detectors (on by default) are off, as in the in-process breaker.
         "outlier_detection": {
             "consecutive_gateway_failure": max(2, breaker.minimum_calls // 2),
             "enforcing_consecutive_gateway_failure": 100,
-            "consecutive_5xx": breaker.minimum_calls,
-            "failure_percentage_threshold": round(breaker.failure_rate * 100),
-            "failure_percentage_request_volume": breaker.minimum_calls,
-            "failure_percentage_minimum_hosts": 2,
-            "enforcing_failure_percentage": 100,
+            "enforcing_consecutive_5xx": 0,
+            "enforcing_success_rate": 0,
+            "enforcing_failure_percentage": 0,
             "interval": "1s",
             "base_ejection_time": _seconds(max(breaker.open_wait_s, 1.0)),
             "max_ejection_percent": 50,
@@ -368,7 +354,7 @@ def _tracing(endpoint: str) -> tuple[dict[str, Any], dict[str, Any]]:
     collector = _static_cluster(
         COLLECTOR_CLUSTER, parts.hostname or "127.0.0.1", parts.port or 4317, http2=True
     )
-    if not _is_ip(parts.hostname or ""):
+    if not targets.is_ip(parts.hostname or ""):
         collector["type"] = "STRICT_DNS"
     tracing = {
         "provider": {
@@ -382,14 +368,6 @@ def _tracing(endpoint: str) -> tuple[dict[str, Any], dict[str, Any]]:
         "random_sampling": {"value": 100},
     }
     return tracing, collector
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def _listener(name: str, host: str, port: int, manager: dict[str, Any]) -> dict[str, Any]:

@@ -103,7 +103,10 @@ def test_breakers_and_ejection_match_the_mesh_settings(settings):
     assert cluster["health_checks"][0]["grpc_health_check"]["service_name"] == "embedder"
     outlier = cluster["outlier_detection"]
     assert outlier["base_ejection_time"] == f"{settings.client.breaker.open_wait_s:.3f}s"
-    assert outlier["failure_percentage_threshold"] == 50
+    # Only gateway failures eject a replica: one request's INTERNAL is not its health.
+    assert outlier["enforcing_consecutive_gateway_failure"] == 100
+    assert outlier["enforcing_consecutive_5xx"] == 0
+    assert outlier["enforcing_success_rate"] == outlier["enforcing_failure_percentage"] == 0
 
 
 @pytest.mark.parametrize(

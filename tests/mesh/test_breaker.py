@@ -10,7 +10,7 @@ import pytest
 from aimesh.echo.v1 import echo_pb2
 from mesh.breaker import CircuitBreaker, Outcome, State, classify
 from mesh.config import BreakerSettings, ClientSettings, MeshSettings
-from mesh.errors import error_info, retry_delay_s
+from mesh.errors import error_info, local_error, retry_delay_s, status
 from tests.conftest import echo_stub, metric, target
 
 SETTINGS = BreakerSettings(
@@ -41,8 +41,9 @@ def breaker(settings: BreakerSettings = SETTINGS) -> tuple[CircuitBreaker, Clock
     [
         (grpc.StatusCode.OK, None, Outcome.SUCCESS),
         (grpc.StatusCode.UNAVAILABLE, None, Outcome.FAILURE),
-        (grpc.StatusCode.INTERNAL, None, Outcome.FAILURE),
-        (grpc.StatusCode.UNKNOWN, None, Outcome.FAILURE),
+        # A live target's answer to one request's content: no one else's failure.
+        (grpc.StatusCode.INTERNAL, None, Outcome.IGNORED),
+        (grpc.StatusCode.UNKNOWN, None, Outcome.IGNORED),
         (grpc.StatusCode.DATA_LOSS, None, Outcome.FAILURE),
         (grpc.StatusCode.DEADLINE_EXCEEDED, 5.0, Outcome.FAILURE),
         (grpc.StatusCode.DEADLINE_EXCEEDED, 0.05, Outcome.IGNORED),
@@ -122,6 +123,17 @@ def test_backpressure_holds_calls_without_tripping():
     assert b.before_call("m") is None
 
 
+@pytest.mark.parametrize(("reason", "held"), [("QUEUE_FULL", True), ("DEADLINE_TOO_SHORT", False)])
+def test_only_the_targets_own_overload_holds_every_caller(reason, held):
+    """A refusal for one caller's too-short deadline says nothing of the target's capacity."""
+    b, _ = breaker()
+    refusal = local_error(
+        status(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", reason=reason, retry_after_s=0.5)
+    )
+    b.record_status(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal, 0.01, 5.0, streaming=False)
+    assert (b.before_call("m") is not None) is held
+
+
 def _client_settings() -> MeshSettings:
     return MeshSettings(client=ClientSettings(breaker=SETTINGS))
 
@@ -143,16 +155,25 @@ async def test_real_server_trips_fails_fast_half_opens_and_closes(echo_server):
     server = await echo_server()
     stub, channel = echo_stub(server, _client_settings())
     internal = echo_pb2.EchoRequest(response_status=echo_pb2.EchoStatus(code=13, message="boom"))
+    unavailable = echo_pb2.EchoRequest(
+        response_status=echo_pb2.EchoStatus(code=14, message="going away")
+    )
     async with channel:
-        # INVALID_ARGUMENT is the caller's fault: ten of them leave the breaker closed.
-        for _ in range(10):
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await stub.Echo(echo_pb2.EchoRequest(delay_ms=-1), timeout=5)
-            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # INVALID_ARGUMENT is the caller's fault, INTERNAL one request's bug: a dozen of
+        # each leave the breaker closed for everyone else.
+        for bad, code in (
+            (echo_pb2.EchoRequest(delay_ms=-1), grpc.StatusCode.INVALID_ARGUMENT),
+            (internal, grpc.StatusCode.INTERNAL),
+        ):
+            for _ in range(12):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await stub.Echo(bad, timeout=5)
+                assert caught.value.code() == code
+        assert _state(server) == State.CLOSED
         for _ in range(4):
             with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await stub.Echo(internal, timeout=5)
-            assert caught.value.code() == grpc.StatusCode.INTERNAL
+                await stub.Echo(unavailable, timeout=5)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
 
         served_before = _handled("OK")
         with pytest.raises(grpc.aio.AioRpcError) as caught:
