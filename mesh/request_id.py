@@ -7,13 +7,17 @@ it, so one grep finds a request everywhere, even where tracing is off.
 from __future__ import annotations
 
 import os
+import re
 from contextvars import ContextVar
 from typing import Any
 
 import grpc
 
+from mesh.failures import FieldViolation, InvalidInput
+
 METADATA_KEY = "x-request-id"
 _MAX_LENGTH = 128
+_PRINTABLE = re.compile(r"[\x21-\x7e]*")
 
 _request_id: ContextVar[str] = ContextVar("aimesh_request_id", default="")
 # True while the id was made up here rather than given by a caller.
@@ -24,12 +28,27 @@ def current() -> str:
     return _request_id.get()
 
 
+def check(request_id: str, field: str = "request_id") -> None:
+    """Refuses a body's request id that cannot travel on: ids go out in gRPC metadata,
+    whose values are printable ASCII, and into every log line, so they stay short."""
+    if len(request_id) > _MAX_LENGTH or not _PRINTABLE.fullmatch(request_id):
+        raise InvalidInput(
+            [
+                FieldViolation(
+                    field, f"must be at most {_MAX_LENGTH} printable ASCII characters (0x21-0x7e)"
+                )
+            ]
+        )
+
+
 def ensure(request_id: str = "") -> str:
     """The current request's id. An id given in a request body (`request_id` fields)
-    replaces one this server made up, but never one the caller sent in metadata."""
+    replaces one this server made up, but never one the caller sent in metadata; one
+    that could not travel on is refused (InvalidInput on `request_id`)."""
+    check(request_id)
     existing = _request_id.get()
     if request_id and (not existing or _generated.get()):
-        _request_id.set(request_id[:_MAX_LENGTH])
+        _request_id.set(request_id)
         _generated.set(False)
     elif not existing:
         _request_id.set(os.urandom(16).hex())

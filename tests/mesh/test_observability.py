@@ -14,6 +14,7 @@ from opentelemetry import trace
 
 from aimesh.echo.v1 import echo_pb2
 from mesh import logs, request_id
+from mesh.failures import InvalidInput
 from tests.conftest import echo_stub, target
 
 
@@ -84,3 +85,11 @@ def test_request_id_from_a_body_replaces_only_a_made_up_one():
     assert run(scenario, "", "from-body") == "from-body"
     assert run(scenario, "from-metadata", "from-body") == "from-metadata"
     assert len(run(scenario, "", "")) == 32
+
+
+@pytest.mark.parametrize("body_id", ["é-request", "two words", "x" * 129, "tab\there", "\x00"])
+def test_a_body_request_id_that_cannot_travel_in_metadata_is_refused(body_id):
+    """It would go out as x-request-id on the next hop, where grpc refuses to send it."""
+    with pytest.raises(InvalidInput) as caught:
+        contextvars.copy_context().run(request_id.ensure, body_id)
+    assert [v.field for v in caught.value.violations] == ["request_id"]
