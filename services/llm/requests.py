@@ -15,6 +15,9 @@ from services.llm.llama import LlamaConfig
 from services.llm.sampling import SamplingParams
 from services.llm.settings import LlmSettings
 
+# A seen token's logit is divided (or multiplied) by the penalty: far below this, a logit
+# overflows float32 to inf and the step's softmax turns to NaN.
+MIN_REPETITION_PENALTY = 0.01
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_BYTES = 64
 
@@ -40,9 +43,9 @@ def sampling_params(
         )
     penalty = message.repetition_penalty or 1.0
     violations.check(
-        math.isfinite(penalty) and 0.0 < penalty <= 10.0,
+        math.isfinite(penalty) and MIN_REPETITION_PENALTY <= penalty <= 10.0,
         f"{field}.repetition_penalty",
-        f"must be in (0, 10] (0 = off), got {message.repetition_penalty}",
+        f"must be in [{MIN_REPETITION_PENALTY}, 10] (0 = off), got {message.repetition_penalty}",
     )
     violations.in_range(message.frequency_penalty, f"{field}.frequency_penalty", -2.0, 2.0)
     choices = tuple(tuple(c.ids) for c in message.choice_token_ids)

@@ -79,7 +79,10 @@ def sample(
     if params.greedy:
         token = int(torch.argmax(logits))
         return token, float(torch.log_softmax(logits, dim=-1)[token])
-    logits = logits / params.temperature
+    # Shifted so the largest logit is 0 before dividing: every positive temperature,
+    # subnormal ones included, then gives finite or -inf logits (a near-zero temperature
+    # becomes greedy) instead of inf - inf = NaN in the softmax.
+    logits = (logits - logits.max()) / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         threshold = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < threshold, float("-inf"))

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from aimesh.llm.v1 import kv_cache_pb2
+from aimesh.llm.v1 import kv_cache_pb2, sampling_pb2
 from mesh.artifacts import manifest_problems
+from mesh.validation import Violations
 from services.llm import artifacts, kv_codec
 from services.llm.detokenize import IncrementalDetokenizer
+from services.llm.kv_transfer import new_handle_id
+from services.llm.requests import sampling_params
 from services.llm.sampling import SamplingParams, sample
 from services.llm.stopping import Finish, StopChecker
 
@@ -30,6 +36,53 @@ def test_seeded_sampling_depends_only_on_seed_and_index():
     assert draws == [sample(logits, params, [], i)[0] for i in range(20)]
     other = [sample(logits, SamplingParams(temperature=1.0, seed=43), [], i)[0] for i in range(20)]
     assert draws != other
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-45, 1e-8])
+def test_a_near_zero_temperature_is_greedy_not_nan(temperature):
+    """1e-40 used to pass validation and overflow the logits to inf, then NaN."""
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 20
+    token, logprob = sample(logits, SamplingParams(temperature=temperature, seed=1), [5, 9], 0)
+    assert token == int(logits.argmax())
+    assert math.isfinite(logprob)
+
+
+_floats = st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True, width=32)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    temperature=_floats,
+    top_k=st.integers(0, 2000),
+    top_p=st.none() | _floats,
+    repetition_penalty=_floats,
+    frequency_penalty=_floats,
+    seed=st.none() | st.integers(0, 2**64 - 1),
+    history=st.lists(st.integers(0, 999), max_size=40),
+    scale=st.sampled_from([1.0, 30.0, 1e4]),
+)
+def test_whatever_validation_lets_through_samples_a_token(
+    temperature, top_k, top_p, repetition_penalty, frequency_penalty, seed, history, scale
+):
+    """The engine handles every value validation accepts: no exception, no NaN."""
+    message = sampling_pb2.SamplingParameters(
+        temperature=temperature,
+        top_k=top_k,
+        repetition_penalty=repetition_penalty,
+        frequency_penalty=frequency_penalty,
+    )
+    if top_p is not None:
+        message.top_p = top_p
+    if seed is not None:
+        message.seed = seed
+    violations = Violations()
+    params = sampling_params(message, 1000, violations)
+    if violations:
+        return
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(len(history))) * scale
+    token, logprob = sample(logits, params, history, len(history))
+    assert 0 <= token < 1000
+    assert not math.isnan(logprob)
 
 
 def test_repetition_penalty_pushes_seen_tokens_down():
@@ -140,12 +193,28 @@ def test_kv_released_before_it_exists_is_never_kept():
     from services.prefill.engine import KvStore
 
     store = KvStore(capacity_bytes=10**9)
-    assert store.release("chosen-by-router-0001") is False
-    lease = store.put(_kv(8), ttl_s=30, handle_id="chosen-by-router-0001")
-    assert lease.handle_id == "chosen-by-router-0001"
+    released, other = new_handle_id(), new_handle_id()
+    assert store.release(released) is False
+    lease = store.put(_kv(8), ttl_s=30, handle_id=released)
+    assert lease.handle_id == released
     assert len(store) == 0 and store.used_bytes == 0
-    kept = store.put(_kv(8), ttl_s=30, handle_id="chosen-by-router-0002")
+    kept = store.put(_kv(8), ttl_s=30, handle_id=other)
     assert len(store) == 1 and store.release(kept.handle_id) and store.used_bytes == 0
+
+
+def test_releases_of_unknown_handles_are_remembered_in_bounded_number_and_time():
+    """Each Release of an id never leased leaves a tombstone: a flood of them must not
+    grow prefill's memory without bound, nor cost a scan of all of them per second."""
+    from services.prefill import engine
+
+    clock = [0.0]
+    store = engine.KvStore(capacity_bytes=10**9, clock=lambda: clock[0])
+    for _ in range(engine.MAX_TOMBSTONES + 500):
+        store.release(new_handle_id())
+    assert len(store._tombstones) == engine.MAX_TOMBSTONES
+    clock[0] = engine.TOMBSTONE_S + 1
+    store.expire()
+    assert len(store._tombstones) == 0
 
 
 def test_a_local_model_directory_is_used_as_given_and_checked(tmp_path, model_dir):

@@ -141,8 +141,8 @@ class _Options:
             raise _Refused("temperature must be a finite number >= 0")
         if options.top_k < 0 or not (0.0 < options.top_p <= 1.0):
             raise _Refused("top_k must be >= 0 and top_p in (0, 1]")
-        if not (np.isfinite(options.repetition_penalty) and options.repetition_penalty > 0):
-            raise _Refused("repetition_penalty must be a finite number > 0")
+        if not (np.isfinite(options.repetition_penalty) and options.repetition_penalty >= 0.01):
+            raise _Refused("repetition_penalty must be a finite number >= 0.01")
         if not np.isfinite(options.frequency_penalty):
             raise _Refused("frequency_penalty must be a finite number")
         return options
@@ -159,7 +159,8 @@ class _Options:
             logits -= self.frequency_penalty * counts.to(logits.dtype)
         if self.temperature == 0.0:
             return int(torch.argmax(logits))
-        logits = logits / self.temperature
+        # Shifted to a maximum of 0 first, so a tiny temperature means greedy, not NaN.
+        logits = (logits - logits.max()) / self.temperature
         if 0 < self.top_k < logits.shape[-1]:
             logits[logits < torch.topk(logits, self.top_k).values[-1]] = float("-inf")
         if self.top_p < 1.0:
