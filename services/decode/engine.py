@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mesh.failures import OutOfMemory
+from mesh.failures import NotReady, OutOfMemory
 from services.llm import metrics
 from services.llm.llama import LayerKV, Llama, SlotCache
 from services.llm.sampling import SamplingParams, sample
@@ -70,10 +70,28 @@ class Sequence:
 
 @dataclass
 class _Plan:
-    """Work for one model-thread call: drops, joins, then a step over `running`."""
+    """Work for one model-thread call: drops, joins, then a step over `running`.
+
+    The model thread fills in the outcome: which sequences stepped and what each sampled,
+    and which failed alone (a KV that would not load, a row that would not sample, the
+    sequence evicted to make an out-of-memory step fit), so one request's failure is
+    that request's alone and its neighbours keep streaming.
+    """
 
     keep: list[Sequence]
     joins: list[Sequence]
+    stepped: list[tuple[Sequence, int, float]] = field(default_factory=list)
+    failed: list[tuple[Sequence, BaseException]] = field(default_factory=list)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """torch raises OutOfMemoryError on a GPU, RuntimeError from the CPU allocator."""
+    if isinstance(error, MemoryError | torch.OutOfMemoryError):
+        return True
+    message = str(error).lower()
+    return isinstance(error, RuntimeError) and (
+        "out of memory" in message or "can't allocate memory" in message
+    )
 
 
 class DecodeEngine:
@@ -91,8 +109,11 @@ class DecodeEngine:
 
     # ---- called from servicers (event loop) ----
 
-    def start(self) -> None:
+    def start(self) -> asyncio.Task[None]:
+        """Starts the scheduler; the caller watches the task (a scheduler that died must
+        not leave the worker looking healthy with every stream hanging)."""
         self._task = asyncio.create_task(self._run(), name="decode-scheduler")
+        return self._task
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -101,6 +122,8 @@ class DecodeEngine:
         self.model_thread.shutdown(wait=False, cancel_futures=True)
 
     def submit(self, sequence: Sequence) -> None:
+        if self._task is None or self._task.done():
+            raise NotReady("the decode scheduler is not running")
         sequence.submitted_at = time.perf_counter()
         self.waiting.append(sequence)
         self._wake.set()
@@ -112,6 +135,13 @@ class DecodeEngine:
             self.waiting.remove(sequence)
             sequence.kv = None
         self._wake.set()
+
+    def fail_all(self, error: BaseException) -> None:
+        """Ends every running and waiting sequence with `error` (the scheduler is gone)."""
+        for sequence in [*self.running, *self.waiting]:
+            self._fail_one(sequence, error)
+        self.running = []
+        self.waiting.clear()
 
     @property
     def used_positions(self) -> int:
@@ -137,17 +167,20 @@ class DecodeEngine:
             # A joining sequence's wait ends as its first step starts, not after it ran.
             scheduled = time.perf_counter()
             try:
-                sampled = await loop.run_in_executor(self.model_thread, self._step, plan)
-            except Exception as error:  # a failed step fails its batch, not the worker
-                self._fail(plan, error)
-                continue
-            self.running = plan.keep + plan.joins
+                await loop.run_in_executor(self.model_thread, self._step, plan)
+            except Exception as error:  # a step failed for every row alike: fail the batch
+                log.exception("decode step failed", exc_info=error)
+                plan.stepped = []
+                plan.failed = [(s, error) for s in plan.keep + plan.joins]
+            for sequence, error in plan.failed:
+                self._fail_one(sequence, error)
+            self.running = [sequence for sequence, _, _ in plan.stepped]
             self.steps += 1
             for sequence in plan.joins:
                 sequence.joined_at = scheduled
                 metrics.REQUEST_QUEUE_TIME.observe(scheduled - sequence.submitted_at)
             self._report()
-            for sequence, (token, logprob) in zip(self.running, sampled, strict=True):
+            for sequence, token, logprob in plan.stepped:
                 self._deliver(sequence, token, logprob)
             await asyncio.sleep(0)  # let streams send before the next step
 
@@ -156,25 +189,63 @@ class DecodeEngine:
         metrics.NUM_REQUESTS_WAITING.set(len(self.waiting))
         metrics.KV_CACHE_USAGE.set(self.used_positions / (self.max_batch_size * self.max_seq_len))
 
-    def _step(self, plan: _Plan) -> list[tuple[int, float]]:
-        """Model thread: compact the kept sequences, load the joining ones, run one step."""
-        for slot, sequence in enumerate(plan.keep):
+    def _compact(self, batch: list[Sequence]) -> None:
+        """Moves each sequence's KV down to its index in `batch` (slot order is kept)."""
+        for slot, sequence in enumerate(batch):
             if sequence.slot != slot:
                 self.cache.move(sequence.slot, slot, sequence.position)
                 sequence.slot = slot
-        for offset, sequence in enumerate(plan.joins):
-            sequence.slot = len(plan.keep) + offset
+
+    def _step(self, plan: _Plan) -> None:
+        """Model thread: compact the kept sequences, load the joining ones, run one step."""
+        batch = list(plan.keep)
+        self._compact(batch)
+        for sequence in plan.joins:
             assert sequence.kv is not None
-            self.cache.load(sequence.slot, sequence.kv)
-            sequence.kv = None
-        batch = plan.keep + plan.joins
-        logits = self.model.decode(
-            [s.history[-1] for s in batch], [s.position for s in batch], self.cache
-        )
-        return [
-            sample(row, s.params, s.history, index=len(s.history) - len(s.prompt))
-            for row, s in zip(logits, batch, strict=True)
-        ]
+            try:
+                self.cache.load(len(batch), sequence.kv)
+            except Exception as error:
+                plan.failed.append((sequence, self._own_failure(error, "loading its KV")))
+                continue
+            finally:
+                sequence.kv = None
+            sequence.slot = len(batch)
+            batch.append(sequence)
+        logits = self._forward(batch, plan)
+        for row, sequence in zip(logits, batch, strict=True):
+            index = len(sequence.history) - len(sequence.prompt)
+            try:
+                token, logprob = sample(row, sequence.params, sequence.history, index=index)
+            except Exception as error:
+                plan.failed.append((sequence, self._own_failure(error, "sampling")))
+                continue
+            plan.stepped.append((sequence, token, logprob))
+
+    def _forward(self, batch: list[Sequence], plan: _Plan) -> torch.Tensor:
+        """One decode step over `batch`; out of memory, the longest sequence leaves (its
+        caller may retry) and the step runs again for the rest. Shrinks `batch` in place."""
+        while batch:
+            try:
+                return self.model.decode(
+                    [s.history[-1] for s in batch], [s.position for s in batch], self.cache
+                )
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
+                evicted = max(batch, key=lambda s: s.position)
+                batch.remove(evicted)
+                plan.failed.append(
+                    (evicted, OutOfMemory(f"decode ran out of memory for this sequence: {error}"))
+                )
+                self._compact(batch)
+        return torch.empty(0)
+
+    @staticmethod
+    def _own_failure(error: Exception, doing: str) -> BaseException:
+        if is_out_of_memory(error):
+            return OutOfMemory(f"decode ran out of memory {doing}: {error}")
+        log.exception("one sequence failed %s; the rest of the batch goes on", doing)
+        return error
 
     def _deliver(self, sequence: Sequence, token: int, logprob: float) -> None:
         if sequence.cancelled:
@@ -187,17 +258,11 @@ class DecodeEngine:
                 Emission(tokens, [logprob] * len(tokens), finish=sequence.stop.finish)
             )
 
-    def _fail(self, plan: _Plan, error: Exception) -> None:
-        if isinstance(error, RuntimeError) and "memory" in str(error).lower():
-            failure: BaseException = OutOfMemory(f"decode step ran out of memory: {error}")
-        else:
-            log.exception("decode step failed", exc_info=error)
-            failure = error
-        for sequence in plan.keep + plan.joins:
-            sequence.cancelled = True
-            sequence.kv = None
-            sequence.outbox.put_nowait(Emission([], [], error=failure))
-        self.running = []
+    @staticmethod
+    def _fail_one(sequence: Sequence, error: BaseException) -> None:
+        sequence.cancelled = True
+        sequence.kv = None
+        sequence.outbox.put_nowait(Emission([], [], error=error))
 
     # ---- warm-up ----
 

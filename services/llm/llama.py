@@ -143,7 +143,20 @@ class SlotCache:
         ]
 
     def load(self, slot: int, kv: list[LayerKV]) -> None:
-        """Copies one sequence's KV in, from whichever device it arrived on."""
+        """Copies one sequence's KV in, from whichever device it arrived on.
+
+        Checked first, since `copy_` broadcasts: a KV with a missing layer or one head
+        would otherwise load without complaint and decode garbage."""
+        _, heads, _, head_dim = self.keys[0].shape
+        if len(kv) != len(self.keys):
+            raise ValueError(f"KV has {len(kv)} layers, the cache {len(self.keys)}")
+        for k, v in kv:
+            if k.shape != v.shape or k.dim() != 3 or (k.shape[0], k.shape[2]) != (heads, head_dim):
+                raise ValueError(
+                    f"KV of shape {tuple(k.shape)} does not fit ({heads}, n, {head_dim})"
+                )
+            if k.shape[1] > self.max_len:
+                raise ValueError(f"KV of {k.shape[1]} tokens exceeds the cache's {self.max_len}")
         for layer, (k, v) in enumerate(kv):
             length = k.shape[1]
             self.keys[layer][slot, :, :length].copy_(k)

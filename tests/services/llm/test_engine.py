@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 import torch
 
+from mesh.failures import NotReady, OutOfMemory
 from services.decode.engine import DecodeEngine, Sequence
 from services.llm.llama import Llama, SlotCache, resolve_device, resolve_dtype
 from services.llm.sampling import SamplingParams
@@ -188,3 +190,119 @@ def test_auto_dtype_is_bfloat16_only_where_the_hardware_multiplies_it(monkeypatc
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda native=native: native)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
         assert resolve_dtype("auto", cpu) == expected
+
+
+def _sequence(llama: Llama, tokenizer, prompt: str, length: int, **params) -> Sequence:
+    ids = tokenizer(prompt)["input_ids"]
+    logits, kv = llama.prefill(ids)
+    first = int(logits.argmax())
+    checker = StopChecker(max_new_tokens=length, eos_ids=frozenset({-1}))
+    checker.feed(first)
+    return Sequence(ids, kv, first, SamplingParams(**params), checker, max_seq_len=256)
+
+
+async def _collect(sequence: Sequence) -> list[int] | BaseException:
+    tokens = [sequence.first_token]
+    while True:
+        emission = await sequence.outbox.get()
+        if emission.error is not None:
+            return emission.error
+        tokens += emission.tokens
+        if emission.finish is not None:
+            return tokens
+
+
+async def _alone(llama: Llama, tokenizer, prompt: str, length: int) -> list[int]:
+    engine = DecodeEngine(llama, max_batch_size=1, max_seq_len=256)
+    engine.start()
+    try:
+        sequence = _sequence(llama, tokenizer, prompt, length)
+        engine.submit(sequence)
+        return await _collect(sequence)
+    finally:
+        await engine.stop()
+
+
+async def test_a_sequence_that_fails_to_sample_fails_alone(llama, reference):
+    """One row's sampling bug (a choice outside the vocabulary, which validation would
+    refuse) used to fail the whole step and with it every neighbour's stream."""
+    _, tokenizer = reference
+    engine = DecodeEngine(llama, max_batch_size=4, max_seq_len=256)
+    engine.start()
+    try:
+        good = _sequence(llama, tokenizer, "The capital of France is", 12)
+        bad = _sequence(llama, tokenizer, "Once upon a time", 12)
+        bad.params = replace(bad.params, choices=((bad.first_token, 10**9),))
+        engine.submit(good)
+        engine.submit(bad)
+        good_out, bad_out = await asyncio.gather(_collect(good), _collect(bad))
+    finally:
+        await engine.stop()
+    assert isinstance(bad_out, IndexError)
+    assert good_out == await _alone(llama, tokenizer, "The capital of France is", 12)
+
+
+async def test_a_kv_that_does_not_load_fails_only_its_own_sequence(llama, reference):
+    _, tokenizer = reference
+    engine = DecodeEngine(llama, max_batch_size=4, max_seq_len=256)
+    engine.start()
+    try:
+        good = _sequence(llama, tokenizer, "def fibonacci(n):", 10)
+        bad = _sequence(llama, tokenizer, "List three colors:", 10)
+        bad.kv = bad.kv[:-1]  # a layer short
+        engine.submit(good)
+        engine.submit(bad)
+        good_out, bad_out = await asyncio.gather(_collect(good), _collect(bad))
+    finally:
+        await engine.stop()
+    assert isinstance(bad_out, Exception)
+    assert good_out == await _alone(llama, tokenizer, "def fibonacci(n):", 10)
+
+
+class _OutOfMemoryAboveOneRow:
+    """Fault injection: the real model, except that a step over more than one sequence
+    raises torch's out-of-memory error, as a GPU that is nearly full would."""
+
+    def __init__(self, model: Llama) -> None:
+        self.model = model
+        self.config = model.config
+        self.dtype = model.dtype
+        self.device = model.device
+
+    def decode(self, tokens, positions, cache):
+        if len(tokens) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return self.model.decode(tokens, positions, cache)
+
+
+async def test_out_of_memory_evicts_the_longest_sequence_and_the_rest_go_on(llama, reference):
+    _, tokenizer = reference
+    engine = DecodeEngine(_OutOfMemoryAboveOneRow(llama), max_batch_size=4, max_seq_len=256)
+    engine.start()
+    short = "Hi"
+    long = "Tell me a long story about a dragon who lived in a castle by the sea"
+    try:
+        kept = _sequence(llama, tokenizer, short, 8)
+        evicted = _sequence(llama, tokenizer, long, 8)
+        engine.submit(kept)
+        engine.submit(evicted)
+        kept_out, evicted_out = await asyncio.gather(_collect(kept), _collect(evicted))
+    finally:
+        await engine.stop()
+    assert isinstance(evicted_out, OutOfMemory) and evicted_out.retry_after_s
+    assert kept_out == await _alone(llama, tokenizer, short, 8)
+
+
+async def test_a_dead_scheduler_fails_every_stream_and_refuses_new_ones(llama, reference):
+    _, tokenizer = reference
+    engine = DecodeEngine(llama, max_batch_size=2, max_seq_len=256)
+    task = engine.start()
+    waiting = _sequence(llama, tokenizer, "Water boils at", 50)
+    engine.waiting.append(waiting)  # queued, never scheduled: the task dies first
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    engine.fail_all(NotReady("decode-scheduler stopped"))
+    assert isinstance(await _collect(waiting), NotReady)
+    with pytest.raises(NotReady):
+        engine.submit(_sequence(llama, tokenizer, "Water boils at", 5))
+    await engine.stop()
