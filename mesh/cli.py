@@ -55,7 +55,7 @@ def serve(
     chosen_port = settings.port_of(name, spec.default_port) if port is None else port
     metrics_port = settings.metrics_port_of(name, chosen_port)
 
-    async def run() -> None:
+    async def run() -> int:
         server = MeshServer(
             name,
             settings,
@@ -67,9 +67,9 @@ def serve(
         await spec.load_setup()(server)
         if metrics_port:
             serve_metrics(metrics_port, settings.service(name).host)
-        await server.serve_until_signal()
+        return await server.serve_until_signal()
 
-    asyncio.run(run())
+    raise typer.Exit(asyncio.run(run()))
 
 
 @app.command()

@@ -6,6 +6,12 @@ every warm-up has run (readiness), follow the readiness probes of a remote engin
 Triton's ModelReady) after that, and go NOT_SERVING when draining. Reflection is on for
 grpcurl. On SIGTERM: NOT_SERVING, new calls refused, in-flight calls (streams included)
 get the grace period to finish, then the process exits.
+
+Background tasks a service cannot work without (a batch scheduler, a load poller) are
+`watch`ed: if one ends while the server runs, the process is broken, and says so instead
+of answering SERVING while its streams hang: liveness and readiness go NOT_SERVING, the
+task's owner fails what waited on it (UNAVAILABLE), and the server drains and exits with
+status 1, so its supervisor (`aimesh up`, Kubernetes) starts a fresh one.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from mesh import tracing
 from mesh.admission import Admission
 from mesh.client import ChannelPool, transport_options
 from mesh.config import MeshSettings
+from mesh.failures import NotReady
 from mesh.interceptors import MeshServerInterceptor
 from mesh.metrics import watch_event_loop
 
@@ -36,6 +43,9 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 Hook = Callable[[], Awaitable[None]]
 Probe = Callable[[], Awaitable[bool]]
+OnDeath = Callable[[BaseException], None]
+# The process exits with this status after a watched task died, so supervisors restart it.
+BROKEN_EXIT_STATUS = 1
 
 
 class MeshServer:
@@ -69,6 +79,9 @@ class MeshServer:
         self._shutdown_hooks: list[Hook] = []
         self._probes: list[Probe] = []
         self._following: asyncio.Task[None] | None = None
+        self._watched: set[asyncio.Task[Any]] = set()
+        self._draining = False
+        self.broken = asyncio.Event()
         self.grpc_server = grpc.aio.server(
             interceptors=[
                 *tracing.server_interceptors(),
@@ -125,15 +138,50 @@ class MeshServer:
         service whose model runs elsewhere is ready only while that model is."""
         self._probes.append(probe)
 
+    async def _probe(self, probe: Probe) -> bool:
+        """A probe that raises answers "not ready"; it must not end the following."""
+        try:
+            return await probe()
+        except Exception:
+            log.exception("readiness probe failed")
+            return False
+
     async def _follow_probes(self, interval_s: float = 1.0) -> None:
         ready = True
         while True:
             await asyncio.sleep(interval_s)
-            now = all([await probe() for probe in self._probes])
+            now = all([await self._probe(probe) for probe in self._probes])
             if now != ready:
                 log.warning("readiness follows a remote engine", extra={"ready": now})
                 await self.set_ready(now)
                 ready = now
+
+    def watch(self, task: asyncio.Task[Any], on_death: OnDeath | None = None) -> None:
+        """Treats the end of `task` before draining as the end of this process's health:
+        `on_death(NotReady)` fails whatever waited on the task, then liveness and
+        readiness go NOT_SERVING and `serve_until_signal` drains and exits with status 1."""
+        self._watched.add(task)
+
+        def ended(done: asyncio.Task[Any]) -> None:
+            self._watched.discard(done)
+            if self._draining:
+                return
+            error = None if done.cancelled() else done.exception()
+            log.error(
+                "background task ended; this process is broken and will exit",
+                extra={"task": done.get_name()},
+                exc_info=error,
+            )
+            if on_death is not None:
+                on_death(NotReady(f"{self.name}: {done.get_name()} stopped; retry elsewhere"))
+            asyncio.get_running_loop().create_task(self._break())
+
+        task.add_done_callback(ended)
+
+    async def _break(self) -> None:
+        await self.set_ready(False)
+        await self.health.set("", NOT_SERVING)
+        self.broken.set()
 
     @property
     def readiness_names(self) -> list[str]:
@@ -162,6 +210,7 @@ class MeshServer:
         log.info("ready")
         if self._probes:
             self._following = asyncio.create_task(self._follow_probes(), name="readiness")
+            self.watch(self._following)
         return self.port
 
     async def set_ready(self, ready: bool) -> None:
@@ -172,6 +221,7 @@ class MeshServer:
         """NOT_SERVING, refuse new calls, let in-flight ones finish within the grace period."""
         grace = self.grace_s if grace_s is None else grace_s
         log.info("draining", extra={"grace_s": grace})
+        self._draining = True
         if self._following is not None:
             self._following.cancel()
         await self.health.enter_graceful_shutdown()
@@ -181,20 +231,25 @@ class MeshServer:
         await self.channels.close()
         log.info("stopped")
 
-    async def serve_until_signal(self) -> None:
-        """Runs until SIGTERM or SIGINT, then drains; a signal during warm-up drains too."""
+    async def serve_until_signal(self) -> int:
+        """Runs until SIGTERM or SIGINT, then drains; a signal during warm-up drains too.
+        Returns the process's exit status: 0, or BROKEN_EXIT_STATUS after a watched task
+        died (the process then drains and ends on its own)."""
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         starting = asyncio.create_task(self.start())
         stopping = asyncio.create_task(stop.wait())
-        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        breaking = asyncio.create_task(self.broken.wait())
+        await asyncio.wait({starting, stopping, breaking}, return_when=asyncio.FIRST_COMPLETED)
         if not starting.done():
             starting.cancel()
         elif starting.exception() is None:
-            await stopping
+            await asyncio.wait({stopping, breaking}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
+        breaking.cancel()
         await self.drain()
         if starting.done() and not starting.cancelled() and starting.exception() is not None:
             raise starting.exception()
+        return BROKEN_EXIT_STATUS if self.broken.is_set() else 0

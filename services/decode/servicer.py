@@ -9,18 +9,21 @@ from collections.abc import AsyncIterator
 
 import grpc
 import torch
+from pydantic import BaseModel, Field
 
 from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import decode_pb2, decode_pb2_grpc, sampling_pb2
-from mesh.failures import NotReady
+from mesh.failures import FieldViolation, InvalidInput, NotReady
+from mesh.registry import discover
 from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
 from services.decode.engine import BLOCK_TOKENS, DecodeEngine, Sequence
+from services.decode.sources import PrefillSources
 from services.llm import kv_codec, kv_transfer
 from services.llm.artifacts import resolve_model
 from services.llm.detokenize import IncrementalDetokenizer
-from services.llm.kv_transfer import KvReleaser
+from services.llm.kv_transfer import HANDLE_ID, HANDLE_ID_RULE, KvReleaser
 from services.llm.llama import Llama, resolve_device, resolve_dtype
 from services.llm.requests import check_prompt, end_token, sampling_params, stopping
 from services.llm.settings import LlmSettings, llm_settings
@@ -35,10 +38,19 @@ FINISH_REASONS = {
 }
 
 
+class DecodeOptions(BaseModel, extra="forbid"):
+    """[services.decode.options]"""
+
+    # The prefill workers' targets (host:port, dns:///name:port, ipv4:a:p,b:p); empty:
+    # the configured prefill service. KV handles naming any other address are refused.
+    prefill: list[str] = Field(default_factory=list)
+
+
 class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, server: MeshServer, settings: LlmSettings) -> None:
+    def __init__(self, server: MeshServer, settings: LlmSettings, sources: PrefillSources) -> None:
         self.server = server
         self.settings = settings
+        self.sources = sources
         self.engine: DecodeEngine | None = None
         self.tokenizer = None
         self.releaser = KvReleaser(server.channels)
@@ -55,7 +67,9 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
         prompt = list(request.prompt_token_ids)
         check_prompt(prompt, config.vocab_size, self.settings, violations, "prompt_token_ids")
         if violations.check(request.HasField("kv_handle"), "kv_handle", "is required"):
-            violations.check(bool(handle.id), "kv_handle.id", "must not be empty")
+            violations.check(
+                HANDLE_ID.fullmatch(handle.id) is not None, "kv_handle.id", HANDLE_ID_RULE
+            )
             violations.check(bool(handle.address), "kv_handle.address", "must not be empty")
             violations.check(
                 handle.num_tokens == len(prompt),
@@ -95,6 +109,16 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
         engine = self._engine()
         prompt, params, stop = self._validate(request, engine)
         handle = request.kv_handle
+        if not await self.sources.allows(handle.address):
+            raise InvalidInput(
+                [
+                    FieldViolation(
+                        "kv_handle.address",
+                        "is not a prefill worker this decode worker pulls from "
+                        "([services.decode.options] prefill)",
+                    )
+                ]
+            )
         detokenizer = IncrementalDetokenizer(self.tokenizer.decode) if stop.stop_sequences else None
         checker = StopChecker(
             max_new_tokens=stop.max_new_tokens,
@@ -198,7 +222,12 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
 
 async def setup(server: MeshServer) -> None:
     settings = llm_settings(server.settings)
-    worker = DecodeWorker(server, settings)
+    options = DecodeOptions.model_validate(server.options)
+    prefill = discover()["prefill"]
+    sources = PrefillSources(
+        options.prefill or [server.settings.target_of("prefill", prefill.default_port)]
+    )
+    worker = DecodeWorker(server, settings, sources)
     server.add_service(decode_pb2_grpc.add_DecodeServiceServicer_to_server, worker, DECODE)
 
     def load() -> DecodeEngine:
@@ -214,7 +243,7 @@ async def setup(server: MeshServer) -> None:
     async def warm_up() -> None:
         engine = await asyncio.to_thread(load)
         await asyncio.get_running_loop().run_in_executor(engine.model_thread, engine.warm_up)
-        engine.start()
+        server.watch(engine.start(), on_death=engine.fail_all)
         worker.engine = engine
 
     async def shut_down() -> None:

@@ -24,6 +24,7 @@ import numpy as np
 from prometheus_client import Histogram
 
 from mesh import deadline
+from mesh.failures import NotReady
 from services.embedder.encoder import Encoder, normalized
 
 log = logging.getLogger(__name__)
@@ -64,10 +65,23 @@ class EmbedEngine:
         self._waiting: asyncio.Queue[_Request] = asyncio.Queue()
         self._loop_task: asyncio.Task[None] | None = None
 
+    def start(self) -> asyncio.Task[None]:
+        """Starts the batching loop; the caller watches the task, since requests wait on
+        it and a loop that died would leave each of them hanging until its deadline."""
+        self._loop_task = asyncio.create_task(self._batching_loop(), name="embedder-batches")
+        return self._loop_task
+
+    def fail_waiting(self, error: BaseException) -> None:
+        """Ends every request still queued with `error` (the batching loop is gone)."""
+        while not self._waiting.empty():
+            request = self._waiting.get_nowait()
+            if not request.answer.done():
+                request.answer.set_exception(error)
+
     async def embed(self, rows: Sequence[Sequence[int]], normalize: bool) -> Embedded:
         """Vectors of tokenized rows (ids within the model's maximum), in their order."""
-        if self._loop_task is None:
-            self._loop_task = asyncio.create_task(self._batching_loop(), name="embedder-batches")
+        if self._loop_task is None or self._loop_task.done():
+            raise NotReady("the embedder's batching loop is not running")
         left = deadline.remaining()
         request = _Request(
             rows, time.perf_counter(), None if left is None else time.monotonic() + left

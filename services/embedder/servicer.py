@@ -151,6 +151,7 @@ async def setup(server: MeshServer) -> None:
             await encoder.backend.model.wait_until_ready()
             server.add_readiness_probe(encoder.backend.model.ready)
         engine = EmbedEngine(encoder, settings.max_batch_texts, settings.max_wait_ms / 1000)
+        server.watch(engine.start(), on_death=engine.fail_waiting)
         (warmup,) = encoder.tokenizer.tokenize([WARMUP_TEXT], "right")
         await engine.embed([warmup.ids], normalize=True)
         servicer.engine = engine

@@ -8,7 +8,6 @@ decode took it over (decode releases it once pulled); the lease covers a router 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from mesh.client import ChannelPool
 from mesh.validation import Violations
 from services.generation.text import TokenizerClient
 from services.generation.workers import DecodePicker, PrefillPicker
-from services.llm.kv_transfer import KvReleaser
+from services.llm.kv_transfer import KvReleaser, new_handle_id
 
 PREFILL = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"]
 DECODE = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"]
@@ -87,7 +86,7 @@ class Pipeline:
         prefill_target = self.prefill.pick()
         # Chosen here so the KV can be released even if this call is cancelled while
         # prefill's answer is on its way (prefill drops a KV released before it exists).
-        handle_id = os.urandom(16).hex()
+        handle_id = new_handle_id()
         try:
             prefill = await prefill_pb2_grpc.PrefillServiceStub(
                 self.channels.get(prefill_target, PREFILL)

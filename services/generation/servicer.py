@@ -280,7 +280,7 @@ async def setup(server: MeshServer) -> None:
             server.channels, tokenizer, PrefillPicker(prefill, server.channels), decode_picker
         )
         server.add_warmup(
-            lambda: _wait_for_workers(tokenizer_target, prefill, decode_picker, options)
+            lambda: _wait_for_workers(server, tokenizer_target, prefill, decode_picker, options)
         )
         server.add_shutdown(decode_picker.stop)
     server.add_service(
@@ -291,7 +291,11 @@ async def setup(server: MeshServer) -> None:
 
 
 async def _wait_for_workers(
-    tokenizer: str, prefill: list[str], decode_picker: DecodePicker, options: RouterOptions
+    server: MeshServer,
+    tokenizer: str,
+    prefill: list[str],
+    decode_picker: DecodePicker,
+    options: RouterOptions,
 ) -> None:
     """Ready once the pipeline can run: the tokenizer, a prefill and a decode worker
     answer. Only at start; later outages show as errors, not as an unready router."""
@@ -303,7 +307,7 @@ async def _wait_for_workers(
     ):
         await asyncio.sleep(options.poll_interval_s)
         await decode_picker.poll()
-    decode_picker.start()
+    server.watch(decode_picker.start())
 
 
 async def _wait_for_triton(tokenizer: str, model: TritonModel, options: RouterOptions) -> None:

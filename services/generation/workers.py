@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 from dataclasses import dataclass
 
 import grpc
@@ -21,6 +22,8 @@ from aimesh.llm.v1 import decode_pb2, decode_pb2_grpc
 from mesh.breaker import State
 from mesh.client import ChannelPool
 from mesh.failures import NotReady
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,8 +65,11 @@ class DecodePicker:
         self._probes = {target: grpc.aio.insecure_channel(target) for target in targets}
         self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
+    def start(self) -> asyncio.Task[None]:
+        """Starts the load poll; the caller watches it (picks on loads that stopped
+        changing would pile every request onto one worker)."""
         self._task = asyncio.create_task(self._poll_forever(), name="decode-load-poll")
+        return self._task
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -99,6 +105,10 @@ class DecodePicker:
             try:
                 load = await stub.GetLoad(decode_pb2.GetLoadRequest(), timeout=0.5)
             except grpc.aio.AioRpcError:
+                worker.healthy = False
+                return
+            except Exception:  # a bad answer from one worker must not stop polling the rest
+                log.exception("decode load poll failed", extra={"target": worker.target})
                 worker.healthy = False
                 return
             worker.healthy = True

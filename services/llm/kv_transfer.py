@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import re
 
 import grpc
 
@@ -15,6 +17,17 @@ from services.llm import kv_codec
 from services.llm.llama import LayerKV
 
 KV_CACHE = kv_cache_pb2.DESCRIPTOR.services_by_name["KvCacheService"]
+# A KV handle id is a bearer capability (whoever holds it may pull or release the KV), so
+# it is 128 random bits, written as prefill writes them; a caller that picks its own (to
+# release a KV whose Prefill answer it never got) must pick it the same way.
+HANDLE_ID = re.compile(r"[0-9a-f]{32}")
+HANDLE_ID_RULE = "must be 32 lowercase hex digits (128 random bits), as new_handle_id() makes"
+
+
+def new_handle_id() -> str:
+    return os.urandom(16).hex()
+
+
 PULL_CHUNK_BYTES = kv_codec.MAX_CHUNK_BYTES
 RELEASE_TIMEOUT_S = 5.0
 

@@ -8,13 +8,14 @@ RESOURCE_EXHAUSTED rather than letting memory grow without bound.
 
 from __future__ import annotations
 
-import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mesh.failures import FieldViolation, InvalidInput, NotFound, Overloaded
 from services.llm import metrics
+from services.llm.kv_transfer import new_handle_id
 from services.llm.llama import LayerKV, Llama
 from services.llm.sampling import SamplingParams, sample
 
@@ -32,8 +33,10 @@ class Lease:
 
 # How long a Release for a handle that does not exist yet is remembered: longer than any
 # prefill can take, so a KV made after its caller already gave up is dropped at once.
+# Bounded in number too (ids are 32 characters, so 10,000 take about 1.5 MB); past the
+# bound the oldest is forgotten, and that KV, if it ever comes, lives out its lease.
 TOMBSTONE_S = 300.0
-MAX_TOMBSTONES = 100_000
+MAX_TOMBSTONES = 10_000
 
 
 @dataclass
@@ -41,7 +44,8 @@ class KvStore:
     capacity_bytes: int
     clock: Callable[[], float] = time.monotonic
     _leases: dict[str, Lease] = field(default_factory=dict)
-    _tombstones: dict[str, float] = field(default_factory=dict)
+    # Handle id -> when it is forgotten; insertion order is expiry order (one TTL).
+    _tombstones: OrderedDict[str, float] = field(default_factory=OrderedDict)
     used_bytes: int = 0
 
     def __len__(self) -> int:
@@ -65,7 +69,7 @@ class KvStore:
                 reason="KV_STORE_FULL",
             )
         lease = Lease(
-            handle_id=handle_id or os.urandom(16).hex(),
+            handle_id=handle_id or new_handle_id(),
             kv=kv,
             num_tokens=kv[0][0].shape[1],
             nbytes=nbytes,
@@ -95,8 +99,10 @@ class KvStore:
     def release(self, handle_id: str) -> bool:
         lease = self._leases.pop(handle_id, None)
         if lease is None:
-            if len(self._tombstones) < MAX_TOMBSTONES:
-                self._tombstones[handle_id] = self.clock() + TOMBSTONE_S
+            self._tombstones[handle_id] = self.clock() + TOMBSTONE_S
+            self._tombstones.move_to_end(handle_id)
+            while len(self._tombstones) > MAX_TOMBSTONES:
+                self._tombstones.popitem(last=False)
             return False
         self.used_bytes -= lease.nbytes
         metrics.PREFILL_KV_LEASED_BYTES.set(self.used_bytes)
@@ -104,8 +110,8 @@ class KvStore:
 
     def expire(self) -> int:
         now = self.clock()
-        for handle_id in [h for h, until in self._tombstones.items() if until <= now]:
-            del self._tombstones[handle_id]
+        while self._tombstones and next(iter(self._tombstones.values())) <= now:
+            self._tombstones.popitem(last=False)
         expired = [h for h, lease in self._leases.items() if lease.expires_at <= now]
         for handle_id in expired:
             self.release(handle_id)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,18 +21,24 @@ from mesh.timing import stage
 from mesh.validation import Violations
 from services.llm import kv_codec
 from services.llm.artifacts import resolve_model
+from services.llm.kv_transfer import HANDLE_ID, HANDLE_ID_RULE
 from services.llm.llama import Llama, resolve_device, resolve_dtype
 from services.llm.requests import check_prompt, end_token, sampling_params
 from services.llm.settings import LlmSettings, llm_settings
 from services.prefill.engine import KvStore, PrefillEngine
 
-HANDLE_ID = re.compile(r"[0-9a-zA-Z_-]{16,64}")
 DEFAULT_LEASE_S = 30.0
 MAX_LEASE_S = 300.0
 REAP_INTERVAL_S = 1.0
 
 PREFILL = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"]
 KV_CACHE = kv_cache_pb2.DESCRIPTOR.services_by_name["KvCacheService"]
+
+
+def check_handle_id(handle_id: str, violations: Violations) -> None:
+    """Pull and Release take only ids this service could have issued: a made-up id of a
+    megabyte would otherwise be remembered (as a tombstone) at that size."""
+    violations.check(HANDLE_ID.fullmatch(handle_id) is not None, "handle_id", HANDLE_ID_RULE)
 
 
 class PrefillWorker(
@@ -74,7 +79,7 @@ class PrefillWorker(
         violations.check(
             not request.handle_id or HANDLE_ID.fullmatch(request.handle_id) is not None,
             "handle_id",
-            "must be 16 to 64 characters of [0-9a-zA-Z_-]",
+            HANDLE_ID_RULE,
         )
         violations.raise_if_any()
         ttl_s = min(request.lease_ttl_ms / 1000 or DEFAULT_LEASE_S, MAX_LEASE_S)
@@ -118,7 +123,7 @@ class PrefillWorker(
     ) -> AsyncIterator[kv_cache_pb2.PullResponse]:
         started = time.perf_counter()
         violations = Violations()
-        violations.check(bool(request.handle_id), "handle_id", "must not be empty")
+        check_handle_id(request.handle_id, violations)
         violations.check(request.max_chunk_bytes >= 0, "max_chunk_bytes", "must not be negative")
         violations.raise_if_any()
         lease = self.store.get(request.handle_id)
@@ -145,7 +150,7 @@ class PrefillWorker(
         self, request: kv_cache_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> kv_cache_pb2.ReleaseResponse:
         violations = Violations()
-        violations.check(bool(request.handle_id), "handle_id", "must not be empty")
+        check_handle_id(request.handle_id, violations)
         violations.raise_if_any()
         return kv_cache_pb2.ReleaseResponse(released=self.store.release(request.handle_id))
 
@@ -172,7 +177,8 @@ async def setup(server: MeshServer) -> None:
 
     async def warm_up() -> None:
         worker.engine = await asyncio.get_running_loop().run_in_executor(worker.model_thread, load)
-        reaper.append(asyncio.create_task(worker.reap_expired_leases()))
+        reaper.append(asyncio.create_task(worker.reap_expired_leases(), name="kv-lease-reaper"))
+        server.watch(reaper[-1])
 
     async def shut_down() -> None:
         for task in reaper:

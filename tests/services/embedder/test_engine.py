@@ -51,6 +51,7 @@ async def make_engine(onnx_encoder: Encoder) -> AsyncIterator[EngineFactory]:
         budget = EmbedderSettings().max_batch_tokens  # 256: 28 of SENTENCES (9 tokens) per pass
         encoder = Encoder(onnx_encoder.model, onnx_encoder.tokenizer, observed, budget)
         engines.append(EmbedEngine(encoder, max_batch_texts, max_wait_s))
+        engines[-1].start()
         return engines[-1], observed
 
     yield make

@@ -124,9 +124,10 @@ class LlmMesh:
 
 
 @contextmanager
-def running_llm_mesh(root: Path, llm_engine: str = "") -> Iterator[LlmMesh]:
-    """Five processes, as `aimesh up` runs them; `llm_engine` adds lines to the shared
-    `[engines.llm]` section (the dtype, say)."""
+def running_llm_mesh(root: Path, dtype: str = "float32") -> Iterator[LlmMesh]:
+    """Five processes, as `aimesh up` runs them, serving in `dtype`. Pinned, not "auto":
+    auto is bfloat16 on a CPU with AVX-512 BF16, and the float32 tests compare batched
+    output with single streams and transformers float32 bit for bit."""
     ports = {name: free_port() for name in ("tokenizer", "prefill", "generation")}
     ports["prefill_metrics"] = free_port()
     ports["generation_metrics"] = free_port()
@@ -135,7 +136,7 @@ def running_llm_mesh(root: Path, llm_engine: str = "") -> Iterator[LlmMesh]:
     config = root / "aimesh.toml"
     config.write_text(
         f"[engines.llm]\nmax_seq_len = {MAX_SEQ_LEN}\nmax_batch_size = {MAX_BATCH}\n"
-        f"{llm_engine}"
+        f'dtype = "{dtype}"\n'
         f"[services.tokenizer]\nport = {ports['tokenizer']}\nmetrics_port = 0\n"
         f"[services.prefill]\nport = {ports['prefill']}\n"
         f"metrics_port = {ports['prefill_metrics']}\n"
@@ -170,7 +171,7 @@ def running_llm_mesh(root: Path, llm_engine: str = "") -> Iterator[LlmMesh]:
 
 @pytest.fixture(scope="module")
 def llm_mesh(tmp_path_factory, model_dir) -> Iterator[LlmMesh]:
-    """The LLM mesh in its default dtype (float32), started once per test module."""
+    """The LLM mesh in float32, started once per test module."""
     with running_llm_mesh(tmp_path_factory.mktemp("llm-mesh")) as mesh:
         yield mesh
 

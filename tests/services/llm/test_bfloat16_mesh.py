@@ -25,7 +25,7 @@ from tests.services.llm.conftest import (
 
 @pytest.fixture(scope="module")
 def bfloat16_mesh(tmp_path_factory, model_dir) -> Iterator[LlmMesh]:
-    with running_llm_mesh(tmp_path_factory.mktemp("bf16-mesh"), 'dtype = "bfloat16"\n') as mesh:
+    with running_llm_mesh(tmp_path_factory.mktemp("bf16-mesh"), "bfloat16") as mesh:
         yield mesh
 
 

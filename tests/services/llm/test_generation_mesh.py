@@ -19,12 +19,14 @@ from aimesh.llm.v1 import (
     decode_pb2_grpc,
     generation_pb2,
     kv_cache_pb2,
+    kv_cache_pb2_grpc,
     prefill_pb2,
     sampling_pb2,
 )
 from mesh.client import create_channel
 from mesh.config import MeshSettings
 from mesh.errors import field_violations
+from services.llm.kv_transfer import new_handle_id
 from tests.conftest import VENV_BIN
 from tests.services.llm.conftest import (
     MAX_SEQ_LEN,
@@ -243,7 +245,7 @@ async def test_unknown_and_expired_kv_handles_are_not_found(llm_mesh, reference)
         await asyncio.sleep(0.05)  # the 1 ms lease is over
         unknown = kv_cache_pb2.KvHandle()
         unknown.CopyFrom(leased.kv_handle)
-        unknown.id = "no-such-handle"
+        unknown.id = new_handle_id()  # well formed, never leased
         for handle in (unknown, leased.kv_handle):
             call = decode.Decode(
                 decode_pb2.DecodeRequest(
@@ -258,6 +260,35 @@ async def test_unknown_and_expired_kv_handles_are_not_found(llm_mesh, reference)
                 async for _ in call:
                     pass
             assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        # Decode pulls only from prefill workers it is configured with, and prefill
+        # takes only ids it could have issued: each refusal names the field.
+        elsewhere = kv_cache_pb2.KvHandle()
+        elsewhere.CopyFrom(leased.kv_handle)
+        elsewhere.address = "127.0.0.1:1"
+        made_up = kv_cache_pb2.KvHandle()
+        made_up.CopyFrom(leased.kv_handle)
+        made_up.id = "a" * 16
+        for handle, field in ((elsewhere, "kv_handle.address"), (made_up, "kv_handle.id")):
+            call = decode.Decode(
+                decode_pb2.DecodeRequest(
+                    kv_handle=handle,
+                    prompt_token_ids=prompt_ids,
+                    first_token_id=leased.first_token_id,
+                    stopping=stopping(8),
+                ),
+                timeout=30,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in call:
+                    pass
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert [v.field for v in field_violations(caught.value)] == [field]
+    async with create_channel(llm_mesh.target("prefill"), MeshSettings()) as channel:
+        kv_cache = kv_cache_pb2_grpc.KvCacheServiceStub(channel)
+        for made_up in ("x" * 1024 * 1024, "é" * 32, "a" * 16):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await kv_cache.Release(kv_cache_pb2.ReleaseRequest(handle_id=made_up), timeout=30)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def test_cancelling_a_stream_frees_its_decode_slot_within_a_step(llm_mesh):

@@ -1,0 +1,61 @@
+"""Watched background tasks: a process whose scheduler died says so and exits."""
+
+from __future__ import annotations
+
+import asyncio
+
+from mesh.config import MeshSettings
+from mesh.failures import NotReady
+from mesh.health import probe
+from mesh.server import BROKEN_EXIT_STATUS, MeshServer
+from services.echo.servicer import setup as echo_setup
+from tests.conftest import target
+
+
+async def _dies_when(event: asyncio.Event) -> None:
+    await event.wait()
+    raise RuntimeError("scheduler bug")
+
+
+async def test_a_dead_watched_task_flips_liveness_and_readiness_and_fails_its_waiters(
+    echo_server,
+):
+    server = await echo_server()
+    assert await probe(target(server), "echo") == "SERVING"
+    trigger = asyncio.Event()
+    failed: list[BaseException] = []
+    server.watch(asyncio.create_task(_dies_when(trigger), name="scheduler"), failed.append)
+    trigger.set()
+    await asyncio.wait_for(server.broken.wait(), 10)
+    assert len(failed) == 1 and isinstance(failed[0], NotReady)
+    assert "scheduler" in str(failed[0])
+    assert await probe(target(server), "") == "NOT_SERVING"
+    assert await probe(target(server), "echo") == "NOT_SERVING"
+
+
+async def test_a_task_cancelled_by_drain_is_no_death(echo_server):
+    server = await echo_server()
+    task = asyncio.create_task(asyncio.Event().wait(), name="poller")
+    server.watch(task)
+    await server.drain(0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await asyncio.sleep(0)
+    assert not server.broken.is_set()
+
+
+async def test_serving_ends_with_a_failure_status_after_a_watched_task_died():
+    """`aimesh serve` exits with this status, so `aimesh up` or Kubernetes restarts it."""
+    server = MeshServer("echo", MeshSettings(), port=0)
+    await echo_setup(server)
+    trigger = asyncio.Event()
+
+    async def start_watched() -> None:
+        server.watch(asyncio.create_task(_dies_when(trigger), name="scheduler"))
+
+    server.add_warmup(start_watched)
+    serving = asyncio.create_task(server.serve_until_signal())
+    await asyncio.sleep(0.2)
+    assert not serving.done()
+    trigger.set()
+    assert await asyncio.wait_for(serving, 30) == BROKEN_EXIT_STATUS
