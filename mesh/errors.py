@@ -58,6 +58,23 @@ PASS_THROUGH_CODES = frozenset(
 )
 
 
+# A status travels in trailing metadata, which grpc caps (16 KiB by default): a refusal
+# that quoted a huge input back would itself fail (RESOURCE_EXHAUSTED, not the answer).
+# Limits in UTF-8 bytes; the message travels twice (grpc-message and inside the details).
+MAX_MESSAGE_BYTES = 1024
+MAX_VIOLATIONS = 10
+MAX_FIELD_BYTES = 128
+MAX_DESCRIPTION_BYTES = 256
+
+
+def clipped(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` UTF-8 bytes, on a character boundary, marked with …"""
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    return data[: limit - 3].decode(errors="ignore") + "…"
+
+
 def status(
     code: grpc.StatusCode,
     message: str,
@@ -78,12 +95,14 @@ def status(
             error_details_pb2.BadRequest(
                 field_violations=[
                     error_details_pb2.BadRequest.FieldViolation(
-                        field=v.field, description=v.description
+                        field=clipped(v.field, MAX_FIELD_BYTES),
+                        description=clipped(v.description, MAX_DESCRIPTION_BYTES),
                     )
-                    for v in bad
+                    for v in bad[:MAX_VIOLATIONS]
                 ]
             )
         )
+    message = clipped(message, MAX_MESSAGE_BYTES)
     if retry_after_s is not None:
         delay = duration_pb2.Duration()
         delay.FromNanoseconds(int(max(retry_after_s, 0.0) * 1e9))

@@ -25,15 +25,26 @@ from mesh.admission import Admission
 from mesh.breaker import CircuitBreaker
 from mesh.deadline import DeadlinePolicy
 from mesh.errors import fail, local_error
+from mesh.failures import InvalidInput
 from mesh.metrics import MethodMetrics
 from mesh.rpc import (
     ClientInterceptor,
     StreamBehavior,
     UnaryBehavior,
+    checked_stream,
     is_infrastructure,
     method_name,
     wrap_handler,
 )
+
+
+def checked(request: Any) -> Any:
+    """The request, once it parsed: an unparsable one raises its InvalidInput here."""
+    if isinstance(request, InvalidInput):
+        raise request
+    if hasattr(request, "__aiter__"):
+        return checked_stream(request)
+    return request
 
 
 class MeshServerInterceptor(grpc.aio.ServerInterceptor):
@@ -83,6 +94,7 @@ class MeshServerInterceptor(grpc.aio.ServerInterceptor):
             try:
                 admitted_at = None
                 try:
+                    request = checked(request)
                     if admit:
                         await admission.enter(method, streaming=False)
                         admitted_at = time.monotonic()
@@ -116,6 +128,7 @@ class MeshServerInterceptor(grpc.aio.ServerInterceptor):
             try:
                 admitted_at = None
                 try:
+                    request = checked(request)
                     if admit:
                         await admission.enter(method, streaming=True)
                         admitted_at = time.monotonic()

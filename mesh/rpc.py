@@ -11,6 +11,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf import empty_pb2
+from google.protobuf.descriptor import Descriptor
+from google.protobuf.message import DecodeError, Message
+from google.protobuf.message_factory import GetMessageClass
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from mesh.failures import FieldViolation, InvalidInput
 
 # Infrastructure services are never queued, counted as traffic or traced: a readiness
 # probe must answer even when every compute slot is busy.
@@ -36,6 +43,55 @@ def is_infrastructure(full_method: str) -> bool:
     return split_method(full_method)[0] in INFRASTRUCTURE_SERVICES
 
 
+def unparsable_field(descriptor: Descriptor, data: bytes) -> str:
+    """Which top-level field of a message protobuf refused to parse: a string that is not
+    UTF-8, or a Struct nested past the parser's recursion limit ("request" when the bytes
+    are not protobuf at all)."""
+    try:
+        fields = UnknownFieldSet(empty_pb2.Empty.FromString(data))
+    except DecodeError:
+        return "request"
+    for field in fields:
+        known = descriptor.fields_by_number.get(field.field_number)
+        if known is None or not isinstance(field.data, bytes):
+            continue
+        try:
+            if known.message_type is None:
+                field.data.decode()
+            else:
+                GetMessageClass(known.message_type).FromString(field.data)
+        except (UnicodeDecodeError, DecodeError):
+            return known.name
+    return "request"
+
+
+def lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """A request parser that returns an InvalidInput (for the handler wrapper to raise)
+    instead of failing: grpc answers bytes its parser refuses with an error that blames
+    the server (UNKNOWN / INTERNAL), when the caller sent them."""
+    message = getattr(deserializer, "__self__", None)
+    if deserializer is None or not isinstance(message, type) or not issubclass(message, Message):
+        return deserializer
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError:
+            field = unparsable_field(message.DESCRIPTOR, data)
+            why = "could not be parsed: text that is not UTF-8, or nested too deeply"
+            return InvalidInput([FieldViolation(field, why)])
+
+    return parse
+
+
+async def checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """A client stream whose unparsable message raises its InvalidInput where it comes."""
+    async for request in requests:
+        if isinstance(request, InvalidInput):
+            raise request
+        yield request
+
+
 def wrap_handler(
     handler: grpc.RpcMethodHandler,
     wrap_unary: Callable[[UnaryBehavior], UnaryBehavior],
@@ -46,10 +102,11 @@ def wrap_handler(
 
     Handlers must be written in async-generator style, not `context.write`: that is also
     what the OpenTelemetry aio server interceptor requires (opentelemetry-python-contrib
-    #3066).
+    #3066). Requests are parsed leniently: the wrappers raise the InvalidInput of one that
+    did not parse (`checked_stream` for client streams).
     """
     codecs = {
-        "request_deserializer": handler.request_deserializer,
+        "request_deserializer": lenient(handler.request_deserializer),
         "response_serializer": handler.response_serializer,
     }
     if handler.unary_unary:

@@ -118,3 +118,33 @@ def test_unexpected_exceptions_become_internal_without_leaking_details():
     error = _as_error(errors.internal_status(KeyError("secret-path/token")))
     assert error.code() == grpc.StatusCode.INTERNAL
     assert "secret" not in error.details()
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        (b"\x2a\x02\xff\xfe", "echo_metadata_keys"),  # field 5, two bytes that are not UTF-8
+        (b"\x22\x03\x12\x01\xff", "response_status"),  # a nested message's bad string
+        (b"\xff\xff\xff", "request"),  # not protobuf at all
+    ],
+)
+async def test_bytes_that_do_not_parse_are_the_callers_invalid_argument(echo_server, data, field):
+    """grpc answers a request its parser refuses as the server's failure; the mesh names
+    the field that did not parse instead, for every service."""
+    server = await echo_server()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        echo = channel.unary_unary("/aimesh.echo.v1.EchoService/Echo")
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await echo(data, timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [v.field for v in errors.field_violations(caught.value)] == [field]
+
+
+def test_a_refusal_quoting_huge_input_still_fits_in_trailing_metadata():
+    """grpc caps trailing metadata at 16 KiB: a status over it never reaches the caller."""
+    huge = "é" * 300_000
+    failure = InvalidInput([FieldViolation(huge, huge)] * 1000, message=huge)
+    result = errors.status_for_failure(failure)
+    size = sum(len(k) + len(v) for k, v in result.trailing_metadata) + len(result.details.encode())
+    assert size < 8 * 1024
+    assert result.code == grpc.StatusCode.INVALID_ARGUMENT
