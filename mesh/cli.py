@@ -108,7 +108,9 @@ def up(
                 if proxy is None:
                     return 1
             console.print("[green]mesh is up[/green]; Ctrl-C drains and stops it")
-            await supervisor.until_signal_or_exit(children, *([proxy] if proxy else []))
+            await supervisor.until_signal_or_exit(
+                children, *([proxy] if proxy else []), on_restart=_say_restart
+            )
             return 0
         finally:
             # The edge goes first so that no new request arrives while services drain.
@@ -118,6 +120,13 @@ def up(
             await supervisor.stop(children, grace)
 
     raise typer.Exit(asyncio.run(run()))
+
+
+def _say_restart(child: supervisor.Child, exit_code: int, delay_s: float) -> None:
+    console.print(
+        f"[yellow]{child.spec.name} exited with status {exit_code}; restarting it in "
+        f"{delay_s:g} s (restart {child.restarts + 1})[/yellow]"
+    )
 
 
 def _edge_config(specs: list[ServiceSpec], settings: MeshSettings) -> dict[str, Any]:

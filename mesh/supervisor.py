@@ -1,8 +1,9 @@
 """`aimesh up`: every service in its own process, on its own port, over real loopback gRPC.
 
 The supervisor starts `aimesh serve NAME` per service, waits until each answers readiness,
-and on Ctrl-C or SIGTERM passes SIGTERM on so every service drains its in-flight calls,
-killing only what outlives its grace period.
+restarts a service whose process exits (a crash, or a service that found itself broken
+and exited 1) after a backoff, and on Ctrl-C or SIGTERM passes SIGTERM on so every
+service drains its in-flight calls, killing only what outlives its grace period.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,24 +21,59 @@ from mesh.config import MeshSettings
 from mesh.health import wait_until_serving
 from mesh.registry import ServiceSpec
 
+# Restart backoff: doubles from the first delay to the cap, and starts over once a
+# process has stayed up for STABLE_S (a crash loop waits longer each time; a rare crash
+# is restarted at once).
+FIRST_RESTART_DELAY_S = 1.0
+MAX_RESTART_DELAY_S = 30.0
+STABLE_S = 60.0
+
 
 @dataclass
 class Child:
     spec: ServiceSpec
     target: str
     process: asyncio.subprocess.Process
+    log_file: Path | None = None
+    restarts: int = 0
 
 
-async def start(spec: ServiceSpec, settings: MeshSettings, log_file: Path | None) -> Child:
+OnRestart = Callable[[Child, int, float], None]
+
+
+async def _spawn(spec: ServiceSpec, log_file: Path | None) -> asyncio.subprocess.Process:
     # One process per service, so one trace resource name per service.
     env = {**os.environ, "OTEL_SERVICE_NAME": f"aimesh-{spec.name}"}
     stderr = None if log_file is None else log_file.open("ab")
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "mesh.cli", "serve", spec.name, env=env, stderr=stderr
-    )
-    if stderr is not None:
-        stderr.close()
-    return Child(spec, settings.target_of(spec.name, spec.default_port), process)
+    try:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "mesh.cli", "serve", spec.name, env=env, stderr=stderr
+        )
+    finally:
+        if stderr is not None:
+            stderr.close()
+
+
+async def start(spec: ServiceSpec, settings: MeshSettings, log_file: Path | None) -> Child:
+    process = await _spawn(spec, log_file)
+    return Child(spec, settings.target_of(spec.name, spec.default_port), process, log_file)
+
+
+async def keep_running(child: Child, on_restart: OnRestart) -> None:
+    """Restarts `child` whenever its process exits, with a growing delay between tries;
+    `on_restart(child, exit_code, delay_s)` is told before each wait."""
+    delay = FIRST_RESTART_DELAY_S
+    loop = asyncio.get_running_loop()
+    while True:
+        started = loop.time()
+        code = await child.process.wait()
+        if loop.time() - started >= STABLE_S:
+            delay = FIRST_RESTART_DELAY_S
+        on_restart(child, code, delay)
+        await asyncio.sleep(delay)
+        child.process = await _spawn(child.spec, child.log_file)
+        child.restarts += 1
+        delay = min(delay * 2, MAX_RESTART_DELAY_S)
 
 
 async def wait_ready(children: list[Child], timeout_s: float) -> list[str]:
@@ -71,15 +108,21 @@ async def stop(children: list[Child], grace_s: float) -> None:
         await asyncio.wait(pending)
 
 
-async def until_signal_or_exit(children: list[Child], *others: asyncio.subprocess.Process) -> None:
-    """Returns on SIGINT/SIGTERM, or as soon as any child (or other process) exits."""
+async def until_signal_or_exit(
+    children: list[Child], *others: asyncio.subprocess.Process, on_restart: OnRestart
+) -> None:
+    """Runs until SIGINT/SIGTERM, restarting any child that exits meanwhile; returns at
+    once if one of `others` (the edge proxy, which has no supervisor here) exits."""
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
-    processes = [child.process for child in children] + list(others)
-    watchers = {asyncio.create_task(process.wait()) for process in processes}
+    keepers = [asyncio.create_task(keep_running(child, on_restart)) for child in children]
+    watchers = {asyncio.create_task(process.wait()) for process in others}
     watchers.add(asyncio.create_task(stop_requested.wait()))
-    _, pending = await asyncio.wait(watchers, return_when=asyncio.FIRST_COMPLETED)
-    for task in pending:
-        task.cancel()
+    try:
+        await asyncio.wait(watchers, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in [*keepers, *watchers]:
+            task.cancel()
+        await asyncio.gather(*keepers, *watchers, return_exceptions=True)

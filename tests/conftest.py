@@ -9,12 +9,14 @@ import signal
 import socket
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 # grpc core logs every GOAWAY of a server stopping at teardown; keep test output readable.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
+import psutil
 import pytest
 import rotel
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -32,6 +34,45 @@ from services.echo.servicer import setup as echo_setup
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
+
+# Every process a test starts inherits this mark, so the session can find any that
+# outlived its test (a mesh left on the default ports breaks the next run).
+TEST_RUN_MARK = "AIMESH_TEST_RUN"
+os.environ[TEST_RUN_MARK] = uuid.uuid4().hex
+
+
+def _survivors() -> list[psutil.Process]:
+    mark = os.environ[TEST_RUN_MARK]
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if (
+                process.pid != os.getpid()
+                and process.status() != psutil.STATUS_ZOMBIE
+                and process.environ().get(TEST_RUN_MARK) == mark
+            ):
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fails the run if any process a test started is still alive, and kills it."""
+    survivors = _survivors()
+    _, alive = psutil.wait_procs(survivors, timeout=10)
+    if not alive:
+        return
+    names = []
+    for process in alive:
+        try:
+            names.append(f"{process.pid} {' '.join(process.cmdline())[:200]}")
+            process.kill()
+        except psutil.Error:
+            continue
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    sys.stderr.write("\nprocesses left running by tests (killed now):\n" + "\n".join(names) + "\n")
+
 
 # Instrumentation is ON in every test: the aio bugs it has must not break cancellation.
 SPANS = InMemorySpanExporter()

@@ -7,9 +7,11 @@ import signal
 import urllib.request
 
 import grpc
+import psutil
 
 from aimesh.echo.v1 import echo_pb2, echo_pb2_grpc
-from tests.conftest import VENV_BIN, free_port, subprocess_env
+from mesh.health import wait_until_serving
+from tests.conftest import VENV_BIN, free_port, stop_mesh, subprocess_env
 
 
 def _get(url: str) -> str:
@@ -40,18 +42,30 @@ async def test_up_health_metrics_and_drain_on_sigterm(tmp_path):
     code, output = await run("health", "--only", "echo", env=env)
     assert code == 1 and "UNREACHABLE" in output
 
+    # Only what this test checks: the supervisor, health, metrics and drain are the same
+    # for one service as for eleven, and eleven take a minute or more to start.
     up = await asyncio.create_subprocess_exec(
         str(VENV_BIN / "aimesh"),
         "up",
+        "--only",
+        "echo",
         "--log-dir",
         str(tmp_path),
         env=env,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
     )
+    try:
+        await _check_then_drain(up, port, metrics_port, env, tmp_path)
+    finally:
+        await stop_mesh(up)
+
+
+async def _check_then_drain(up, port: int, metrics_port: int, env, tmp_path) -> None:
     banner = b""
     while b"mesh is up" not in banner:
-        line = await asyncio.wait_for(up.stdout.readline(), timeout=60)
+        line = await asyncio.wait_for(up.stdout.readline(), timeout=120)
         assert line, f"aimesh up exited early: {banner.decode()}"
         banner += line
     assert f"127.0.0.1:{port}".encode() in banner
@@ -67,6 +81,19 @@ async def test_up_health_metrics_and_drain_on_sigterm(tmp_path):
         'aimesh_rpc_server_handled_total{grpc_code="OK",grpc_method="Echo",'
         'grpc_service="aimesh.echo.v1.EchoService"} 1.0'
     ) in exposition
+
+    # A service that dies (kill -9 here; a broken one exits 1 by itself) is restarted.
+    (child,) = psutil.Process(up.pid).children()
+    child.kill()
+    said = b""
+    while b"restarting" not in said:
+        line = await asyncio.wait_for(up.stdout.readline(), timeout=60)
+        assert line, f"aimesh up exited: {said.decode()}"
+        said += line
+    assert b"echo exited with status -9" in said
+    assert await wait_until_serving(f"127.0.0.1:{port}", "echo", timeout_s=120)
+    (restarted,) = psutil.Process(up.pid).children()
+    assert restarted.pid != child.pid
 
     up.send_signal(signal.SIGTERM)
     assert await asyncio.wait_for(up.wait(), timeout=30) == 0
