@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,6 +26,15 @@ PASSAGE_CHARS = 700  # of each passage's text shown to the model
 RETRIEVAL = retrieval_pb2.DESCRIPTOR.services_by_name["RetrievalService"]
 RERANK = rerank_pb2.DESCRIPTOR.services_by_name["RerankService"]
 DIFFUSION = diffusion_pb2.DESCRIPTOR.services_by_name["DiffusionService"]
+# Rerank failures that mean "not now" rather than "wrong request": knowledge_search then
+# answers in retrieval order instead of failing.
+RERANK_DOWN = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
 
 
 def unavailable(what: str, error: grpc.aio.AioRpcError) -> ToolError:
@@ -64,15 +74,25 @@ async def knowledge_search(
     hits = [{"id": h.id, "text": h.text, "score": h.score} for h in found.hits]
     if not hits:
         raise ToolError(f"no passage in the knowledge base matches {query!r}")
+    note = None
     if rerank:
         yield progress(1, 2, f"reranking {len(hits)} passages")
         stub = rerank_pb2_grpc.RerankServiceStub(context.channel("rerank", RERANK))
         try:
             hits, _ = await rerank_hits(stub, query, hits, top_k)
         except grpc.aio.AioRpcError as error:
-            raise unavailable("rerank", error) from None
+            if error.code() not in RERANK_DOWN:
+                raise unavailable("rerank", error) from None
+            note = (
+                f"reranking unavailable ({error.code().name}): passages are in retrieval "
+                "order, best first by hybrid search"
+            )
     passages = hits[:top_k]
-    yield ToolOutput(passages_text(passages), {"passages": passages})
+    if note is None:
+        yield ToolOutput(passages_text(passages), {"passages": passages})
+    else:
+        text = f"{note}\n\n{passages_text(passages)}"
+        yield ToolOutput(text, {"passages": passages, "note": note})
 
 
 async def python_doc(arguments: dict[str, Any], context: ToolContext) -> AsyncIterator[ToolEvent]:
@@ -158,8 +178,9 @@ async def generate_image(
     )
 
 
-async def calculator(arguments: dict[str, Any], context: ToolContext) -> AsyncIterator[ToolEvent]:
-    expression = arguments["expression"]
+def evaluate(expression: str) -> ToolOutput:
+    """The calculator's result. Evaluating and writing out an exact value of thousands of
+    digits are CPU work, so it runs in a thread, never on the event loop."""
     try:
         value = calculate(expression)
         as_float = float(value)
@@ -167,10 +188,14 @@ async def calculator(arguments: dict[str, Any], context: ToolContext) -> AsyncIt
         raise ToolError(str(error)) from None
     except OverflowError:
         raise ToolError(f"{expression!r} is too large to report") from None
-    yield ToolOutput(
-        f"{expression} = {value}",
-        {"expression": expression, "value": as_float, "exact": str(value)},
+    exact = str(value)
+    return ToolOutput(
+        f"{expression} = {exact}", {"expression": expression, "value": as_float, "exact": exact}
     )
+
+
+async def calculator(arguments: dict[str, Any], context: ToolContext) -> AsyncIterator[ToolEvent]:
+    yield await asyncio.to_thread(evaluate, arguments["expression"])
 
 
 def _object(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
@@ -205,7 +230,10 @@ BUILTIN = (
             },
             ["query"],
         ),
-        output_schema=_object({"passages": {"type": "array", "items": PASSAGE}}, ["passages"]),
+        output_schema=_object(
+            {"passages": {"type": "array", "items": PASSAGE}, "note": {"type": "string"}},
+            ["passages"],
+        ),
         annotations=READ_ONLY,
         body=knowledge_search,
         timeout_s=20,

@@ -2,25 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
+import re
 from collections.abc import AsyncIterator
 
 import grpc
-from google.protobuf import json_format
 
 from aimesh.tools.v1 import tools_pb2, tools_pb2_grpc
+from mesh import request_id
 from mesh.failures import NotFound
 from mesh.server import MeshServer
 from mesh.validation import Violations
 from services.tools.builtin import BUILTIN
-from services.tools.idempotency import MAX_KEY_BYTES, IdempotencyKeys
+from services.tools.idempotency import MAX_KEY_BYTES, IdempotencyKeys, client_of
 from services.tools.runner import run_tool
-from services.tools.schema import check_arguments
+from services.tools.schema import arguments_of, check_arguments
 from services.tools.settings import ToolsSettings, tools_settings, wrapped_targets
 from services.tools.tool import ToolContext, ToolDefinition
 
 SERVICE = tools_pb2.DESCRIPTOR.services_by_name["ToolsService"]
 PAGE_SIZE = 50
+MAX_NAME = 64
+# ASCII only (\w and str.isdigit() accept "é" and "²"; these ranges do not), and bounded,
+# so matching a huge string stops after a few characters.
+TOOL_NAME = re.compile(rf"[A-Za-z0-9_.\-]{{1,{MAX_NAME}}}")
+CURSOR = re.compile(r"[0-9]{1,9}")
 
 
 def describe(tool: ToolDefinition, settings: ToolsSettings) -> tools_pb2.Tool:
@@ -39,15 +47,17 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
     def __init__(self, context: ToolContext, tools: tuple[ToolDefinition, ...]) -> None:
         self.context = context
         self.tools = {tool.name: tool for tool in tools}
-        self.keys = IdempotencyKeys(context.settings.idempotency_window_s)
+        settings = context.settings
+        self.keys = IdempotencyKeys(settings.idempotency_window_s, settings.idempotency_max_keys)
 
     async def ListTools(
         self, request: tools_pb2.ListToolsRequest, context: grpc.aio.ServicerContext
     ) -> tools_pb2.ListToolsResponse:
         violations = Violations()
-        start = int(request.cursor) if request.cursor.isdigit() else -1
+        cursor = request.cursor
+        start = int(cursor) if CURSOR.fullmatch(cursor) else -1
         violations.check(
-            request.cursor == "" or 0 <= start <= len(self.tools),
+            cursor == "" or 0 <= start <= len(self.tools),
             "cursor",
             "must be a next_cursor this service returned",
         )
@@ -63,26 +73,23 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
     async def CallTool(
         self, request: tools_pb2.CallToolRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[tools_pb2.CallToolResponse]:
-        violations = Violations()
-        violations.check(bool(request.name), "name", "must name a tool from ListTools")
-        violations.max_length(request.idempotency_key.encode(), "idempotency_key", MAX_KEY_BYTES)
-        violations.raise_if_any()
-        tool = self.tools.get(request.name)
-        if tool is None:
-            raise NotFound(
-                f"no tool {request.name!r}; known: {', '.join(sorted(self.tools))}",
-                resource_type="tool",
-                resource_name=request.name,
-            )
-        arguments = json_format.MessageToDict(request.arguments)
+        request_id.ensure(request.request_id)
+        tool = self._tool(request)
+        arguments = arguments_of(request.arguments)
         check_arguments(tool.input_schema, arguments).raise_if_any()
-        if not request.idempotency_key:
+        key = request.idempotency_key
+        if not key:
             async for message in self._run(tool, arguments):
                 yield message
             return
-        call = json.dumps([tool.name, arguments], sort_keys=True)
-        while (earlier := self.keys.claim(request.idempotency_key, call)) is not None:
-            result = await earlier.result
+        canonical = json.dumps([tool.name, arguments], sort_keys=True)
+        call = hashlib.sha256(canonical.encode()).hexdigest()
+        client = client_of(context)
+        while True:
+            entry, runs_here = self.keys.claim(client, key, call)
+            if runs_here:
+                break
+            result = await asyncio.shield(entry.result)
             if result is not None:
                 yield tools_pb2.CallToolResponse(result=result)
                 return
@@ -93,7 +100,31 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
                     result = message.result
                 yield message
         finally:
-            self.keys.settle(request.idempotency_key, result)
+            self.keys.settle(entry, result)
+
+    def _tool(self, request: tools_pb2.CallToolRequest) -> ToolDefinition:
+        """The named tool, after the name and key are checked cheaply: either may be
+        hundreds of kilobytes, and the name is quoted back in a NOT_FOUND."""
+        violations = Violations()
+        name, key = request.name, request.idempotency_key
+        if not name:
+            violations.add("name", "must name a tool from ListTools")
+        elif not TOOL_NAME.fullmatch(name):
+            violations.add("name", f"must be 1-{MAX_NAME} ASCII letters, digits, '_', '.' or '-'")
+        violations.check(
+            len(key) <= MAX_KEY_BYTES and len(key.encode()) <= MAX_KEY_BYTES,
+            "idempotency_key",
+            f"must be at most {MAX_KEY_BYTES} bytes (UTF-8)",
+        )
+        violations.raise_if_any()
+        tool = self.tools.get(name)
+        if tool is None:
+            raise NotFound(
+                f"no tool {name!r}; known: {', '.join(sorted(self.tools))}",
+                resource_type="tool",
+                resource_name=name,
+            )
+        return tool
 
     def _run(self, tool: ToolDefinition, arguments: dict) -> AsyncIterator:
         limit, idle = self.context.settings.limits(tool.name, tool.timeout_s, tool.idle_timeout_s)

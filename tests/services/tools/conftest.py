@@ -1,11 +1,14 @@
 """A tools server wired to real retrieval (a small knowledge collection), rerank and
-diffusion servers, all on 127.0.0.1."""
+diffusion servers, all on 127.0.0.1; and a bare one, whose backends are closed ports or
+small fakes, for tests that need no model."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
+import grpc
 import pytest_asyncio
 from google.protobuf import struct_pb2
 
@@ -20,6 +23,7 @@ from services.rerank.servicer import setup as rerank_setup
 from services.tools import SPEC as TOOLS
 from services.tools.servicer import SERVICE
 from services.tools.servicer import setup as tools_setup
+from tests.conftest import free_port
 from tests.services.retrieval.conftest import start_retrieval
 
 PASSAGES = [
@@ -105,4 +109,57 @@ async def start_tools(tmp_path_factory) -> AsyncIterator[StartTools]:
     for channel in channels:
         await channel.close()
     for server in reversed(servers):
+        await server.drain(0)
+
+
+StartFake = Callable[[Callable[[Any, grpc.aio.Server], None], Any], Awaitable[str]]
+
+
+@pytest_asyncio.fixture
+async def start_fake() -> AsyncIterator[StartFake]:
+    """Starts a plain grpc server for a fake servicer, e.g. start_fake(add_..._to_server,
+    FakeRetrieval()); returns its target."""
+    servers: list[grpc.aio.Server] = []
+
+    async def start(register: Callable[[Any, grpc.aio.Server], None], servicer: Any) -> str:
+        server = grpc.aio.server()
+        register(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        await server.stop(0)
+
+
+@pytest_asyncio.fixture
+async def bare_tools() -> AsyncIterator[StartTools]:
+    """Starts tools servers whose wrapped services are closed ports unless given."""
+    servers: list[MeshServer] = []
+    channels = []
+
+    async def start(**tools_settings: object) -> ToolsMesh:
+        dead = f"127.0.0.1:{free_port()}"
+        targets = {"retrieval": dead, "rerank": dead, "diffusion": dead}
+        settings = MeshSettings(engines={"tools": {**targets, **tools_settings}})
+        tools = MeshServer(
+            "tools",
+            settings,
+            port=0,
+            exempt_methods=TOOLS.exempt_methods,
+            default_max_concurrency=TOOLS.max_concurrency,
+        )
+        await tools_setup(tools)
+        await tools.start()
+        servers.append(tools)
+        channel = create_channel(f"127.0.0.1:{tools.port}", settings, services=[SERVICE])
+        channels.append(channel)
+        return ToolsMesh(tools_pb2_grpc.ToolsServiceStub(channel), tools, dead)
+
+    yield start
+    for channel in channels:
+        await channel.close()
+    for server in servers:
         await server.drain(0)
