@@ -28,17 +28,19 @@ def current() -> str:
     return _request_id.get()
 
 
+RULE = f"must be at most {_MAX_LENGTH} printable ASCII characters (0x21-0x7e)"
+
+
+def is_valid(request_id: str) -> bool:
+    """Whether a body's request id can travel on: ids go out in gRPC metadata, whose
+    values are printable ASCII, and into every log line, so they stay short."""
+    return len(request_id) <= _MAX_LENGTH and _PRINTABLE.fullmatch(request_id) is not None
+
+
 def check(request_id: str, field: str = "request_id") -> None:
-    """Refuses a body's request id that cannot travel on: ids go out in gRPC metadata,
-    whose values are printable ASCII, and into every log line, so they stay short."""
-    if len(request_id) > _MAX_LENGTH or not _PRINTABLE.fullmatch(request_id):
-        raise InvalidInput(
-            [
-                FieldViolation(
-                    field, f"must be at most {_MAX_LENGTH} printable ASCII characters (0x21-0x7e)"
-                )
-            ]
-        )
+    """InvalidInput naming `field` unless `is_valid(request_id)`."""
+    if not is_valid(request_id):
+        raise InvalidInput([FieldViolation(field, RULE)])
 
 
 def ensure(request_id: str = "") -> str:

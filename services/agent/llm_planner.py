@@ -6,7 +6,7 @@ pick has no arguments in the question, the plan is unusable and the rules act in
 from __future__ import annotations
 
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
-from services.agent.planner import DOTTED_NAME, ToolStep, arithmetic_in, digit_in
+from services.agent.planner import MAX_QUERY, ToolStep, arithmetic_in, digit_in, dotted_name_in
 
 ANSWER = "answer"
 SYSTEM = (
@@ -34,13 +34,13 @@ def arguments_for(tool: str, question: str) -> dict | None:
         expression = arithmetic_in(question)
         return {"expression": expression} if expression else None
     if tool == "python_doc":
-        name = next(iter(DOTTED_NAME.findall(question)), None)
+        name = dotted_name_in(question)
         return {"name": name} if name else None
     if tool == "generate_image":
         digit = digit_in(question)
         return {"prompt": digit} if digit is not None else None
     if tool == "knowledge_search":
-        return {"query": question[:1000]}
+        return {"query": question[:MAX_QUERY]} if question.strip() else None
     return None
 
 

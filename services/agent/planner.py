@@ -2,24 +2,44 @@
 
 This is the deterministic planner: it always produces calls that validate against the
 tools' schemas, so it is what acts whenever a model's plan is missing or unusable.
+
+Every extractor is linear in the question's length (no pattern here can backtrack over
+what it already matched), and the calculator, which prices each operation before it runs,
+only sees a few short candidates, so no question can hold a worker for long.
 """
 
 from __future__ import annotations
 
+import heapq
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.tools.calculator import CalculationError, calculate
 
-# Numbers joined by operators (at least one), calls of the calculator's functions
-# included: "(17*23)+4", "2^10", "sqrt(144) + 3".
-_OPERAND = r"(?:[a-z]{2,5}\(\s*)*[-+(\s]*\d[\d.\s)]*"
-ARITHMETIC = re.compile(rf"{_OPERAND}(?:[-+*/^%]+{_OPERAND})+")
+# The tools' input limits (their JSON Schemas): a longer argument would be refused there.
+MAX_EXPRESSION = 256
+MAX_NAME = 200
+MAX_QUERY = 1000
+# Arithmetic candidates the calculator tries, longest first; each is priced by the
+# calculator before it is evaluated (`3999999^3999999` is refused, not computed).
+MAX_CANDIDATES = 8
+
+# A stretch of the characters arithmetic is written in: ASCII digits, operators,
+# parentheses, points and spaces, and the calculator's function names before "(". Each
+# alternative matches one character or a short name, so a scan never backtracks.
+ARITHMETIC_RUN = re.compile(r"(?:\b[a-z]{2,5}\(|[\d+\-*/^%().\s])+", re.ASCII)
+# A number followed by an operator: what makes a stretch a calculation, not a version.
+OPERATION = re.compile(r"\d[\s.)]*[-+*/^%]", re.ASCII)
+# Characters an expression cannot start or end with, trimmed off a stretch's edges.
+LEADING_JUNK = ")*/^%. \t\n\r\f\v"
+TRAILING_JUNK = "+-*/^%(. \t\n\r\f\v"
 # A dotted stdlib-style name, e.g. json.loads or collections.OrderedDict.move_to_end.
-DOTTED_NAME = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+\b")
+DOTTED_NAME = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+\b", re.ASCII)
 DIGIT_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
-IMAGE_WORDS = re.compile(r"\b(draw|image|picture|sketch|generate)\b", re.IGNORECASE)
+# Only ASCII digits: int("²") fails, and the image tool takes "0" to "9".
+DIGIT_OR_WORD = re.compile(r"[a-z]+|\d", re.ASCII)
+IMAGE_WORDS = re.compile(r"\b(draw|image|picture|sketch|generate)\b", re.IGNORECASE | re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -39,12 +59,19 @@ class Observation:
     structured: dict[str, Any] = field(default_factory=dict)
 
 
+def _candidates(question: str) -> list[str]:
+    """The longest few stretches that look like a calculation, edges trimmed."""
+    found = []
+    for run in ARITHMETIC_RUN.finditer(question):
+        text = run.group().lstrip(LEADING_JUNK).rstrip(TRAILING_JUNK)
+        if len(text) <= MAX_EXPRESSION and OPERATION.search(text):
+            found.append(text)
+    return heapq.nlargest(MAX_CANDIDATES, found, key=len)
+
+
 def arithmetic_in(question: str) -> str | None:
     """The longest arithmetic expression in the question that actually calculates."""
-    candidates = sorted(
-        (m.group().strip() for m in ARITHMETIC.finditer(question)), key=len, reverse=True
-    )
-    for candidate in candidates:
+    for candidate in _candidates(question):
         try:
             calculate(candidate)
         except CalculationError:
@@ -53,9 +80,16 @@ def arithmetic_in(question: str) -> str | None:
     return None
 
 
+def dotted_name_in(question: str) -> str | None:
+    """The first dotted name short enough for python_doc."""
+    names = (m.group() for m in DOTTED_NAME.finditer(question))
+    return next((name for name in names if len(name) <= MAX_NAME), None)
+
+
 def digit_in(question: str) -> str | None:
-    words = re.findall(r"[a-z]+|\d", question.lower())
-    for word in words:
+    """The first ASCII digit or digit word ("seven") in the question."""
+    for match in DIGIT_OR_WORD.finditer(question.lower()):
+        word = match.group()
         if word.isdigit():
             return word
         if word in DIGIT_WORDS:
@@ -66,22 +100,22 @@ def digit_in(question: str) -> str | None:
 def first_plan(question: str, allowed: set[str]) -> list[ToolStep]:
     """Independent calls for the first iteration; the loop runs them in parallel."""
     steps = []
-    expression = arithmetic_in(question)
-    if expression and "calculator" in allowed:
+    expression = arithmetic_in(question) if "calculator" in allowed else None
+    if expression:
         steps.append(ToolStep("calculator", {"expression": expression}, f"calculate {expression}"))
     image_digit = digit_in(question) if IMAGE_WORDS.search(question) else None
     if image_digit is not None and "generate_image" in allowed:
         steps.append(
             ToolStep("generate_image", {"prompt": image_digit}, f"draw the digit {image_digit}")
         )
-    name = next(iter(DOTTED_NAME.findall(question)), None)
+    name = dotted_name_in(question)
     if name and "python_doc" in allowed:
         steps.append(ToolStep("python_doc", {"name": name}, f"read the documentation of {name}"))
-    if not steps and "knowledge_search" in allowed:
+    if not steps and question.strip() and "knowledge_search" in allowed:
         steps.append(
             ToolStep(
                 "knowledge_search",
-                {"query": question[:1000]},
+                {"query": question[:MAX_QUERY]},
                 "search the knowledge base for the question",
             )
         )
@@ -92,8 +126,8 @@ def next_plan(question: str, allowed: set[str], seen: list[Observation]) -> list
     """Follow-up calls: a failed exact lookup becomes a search; otherwise none (answer)."""
     searched = any(o.step.name == "knowledge_search" for o in seen)
     failed_lookup = any(o.step.name == "python_doc" and o.is_error for o in seen)
-    if failed_lookup and not searched and "knowledge_search" in allowed:
-        return [ToolStep("knowledge_search", {"query": question[:1000]}, "search instead")]
+    if failed_lookup and not searched and question.strip() and "knowledge_search" in allowed:
+        return [ToolStep("knowledge_search", {"query": question[:MAX_QUERY]}, "search instead")]
     return []
 
 

@@ -16,17 +16,31 @@ CITATION = re.compile(r"\[([^\[\]\s]{1,200})\]")
 
 
 def passages(observations: list[Observation]) -> list[dict]:
-    """Every passage the tools returned, best first, each id once."""
+    """Every passage the tools returned, best first, each id once. Structured content is
+    another service's output, checked by nobody on the way: what is not a passage (a string
+    id and text) is skipped, so a malformed result costs evidence, not the answer."""
     found: dict[str, dict] = {}
     for observation in observations:
         if observation.is_error:
             continue
-        for passage in observation.structured.get("passages", []):
-            found.setdefault(passage["id"], passage)
-        if "passage_ids" in observation.structured:
-            ids = observation.structured["passage_ids"]
-            found.setdefault(ids[0], {"id": ids[0], "text": observation.structured["text"]})
+        structured = observation.structured
+        listed = structured.get("passages")
+        ids = structured.get("passage_ids")
+        candidates = listed if isinstance(listed, list) else []
+        if isinstance(ids, list) and ids:
+            candidates = [*candidates, {"id": ids[0], "text": structured.get("text")}]
+        for passage in candidates:
+            if is_passage(passage):
+                found.setdefault(passage["id"], passage)
     return list(found.values())
+
+
+def is_passage(value: object) -> bool:
+    return (
+        isinstance(value, dict)
+        and isinstance(value.get("id"), str)
+        and isinstance(value.get("text"), str)
+    )
 
 
 def evidence(observations: list[Observation], limit: int, chars: int = 600) -> str:
@@ -81,6 +95,6 @@ def fallback_answer(observations: list[Observation]) -> str:
     if found:
         parts.append(
             "The most relevant documentation: "
-            + "; ".join(f"[{p['id']}] {p['text'].splitlines()[0]}" for p in found[:3])
+            + "; ".join(f"[{p['id']}] {(p['text'].splitlines() or [''])[0]}" for p in found[:3])
         )
     return " ".join(parts) or "The tools returned nothing I can answer from."

@@ -9,9 +9,12 @@ generation itself fails, the agent answers from the evidence directly.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from contextlib import aclosing
 from dataclasses import dataclass, field
+from itertools import islice
 
 import grpc
 from google.protobuf import json_format
@@ -20,7 +23,7 @@ from aimesh.agent.v1 import agent_pb2, agent_pb2_grpc
 from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 from aimesh.tools.v1 import tools_pb2, tools_pb2_grpc
-from mesh import deadline, tracing
+from mesh import deadline, request_id, tracing
 from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
@@ -30,7 +33,15 @@ from services.agent.settings import AgentSettings, agent_settings, dependency_ta
 SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
 TOOLS = tools_pb2.DESCRIPTOR.services_by_name["ToolsService"]
 GENERATION = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
+# As agent.proto says; a question too long for the model's context still gets an answer
+# from the evidence (generation refuses the prompt and Final.notes says so).
 MAX_QUESTION_BYTES = 8 * 1024
+# Tool.name's rule (tools.proto).
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# ListTools serves far fewer tools than this.
+MAX_ALLOWED_TOOLS = 64
+# BadRequest travels in trailing metadata (8 KiB by default): report the first few.
+MAX_ELEMENT_VIOLATIONS = 8
 MAX_ITERATIONS = 25
 DEFAULT_ITERATIONS = 4
 MAX_ANSWER_TOKENS = 2048
@@ -40,6 +51,46 @@ MIN_PLAN_S = 0.5
 
 def event(**kind: object) -> agent_pb2.RunResponse:
     return agent_pb2.RunResponse(**kind)
+
+
+def check_request(request: agent_pb2.RunRequest) -> None:
+    """Refuses (InvalidInput, naming each bad field) what no run could serve, before any
+    work: every limit here bounds what a caller can make the agent and the model do."""
+    options, question = request.options, request.question
+    violations = Violations()
+    violations.check(bool(question.strip()), "question", "must not be empty")
+    violations.max_length(question.encode(), "question", MAX_QUESTION_BYTES)
+    violations.check(request_id.is_valid(request.request_id), "request_id", request_id.RULE)
+    if options.HasField("max_iterations"):
+        violations.in_range(options.max_iterations, "options.max_iterations", 1, MAX_ITERATIONS)
+    violations.in_range(options.max_new_tokens, "options.max_new_tokens", 0, MAX_ANSWER_TOKENS)
+    violations.in_range(options.temperature, "options.temperature", 0, 2)
+    names = options.allowed_tools
+    violations.check(
+        len(names) <= MAX_ALLOWED_TOOLS,
+        "options.allowed_tools",
+        f"must name at most {MAX_ALLOWED_TOOLS} tools, got {len(names)}",
+    )
+    examined = islice(names, MAX_ALLOWED_TOOLS)
+    bad = (i for i, name in enumerate(examined) if not TOOL_NAME.fullmatch(name))
+    for i in islice(bad, MAX_ELEMENT_VIOLATIONS):
+        violations.add(f"options.allowed_tools[{i}]", "must be 1 to 64 of [A-Za-z0-9_.-]")
+    violations.raise_if_any()
+
+
+def allowed_tools(options: agent_pb2.RunOptions, available: Mapping[str, str]) -> dict[str, str]:
+    """The tools a run may call (name -> description): those it names, all when it names
+    none. Naming a tool ListTools does not know is InvalidInput on options.allowed_tools."""
+    unknown = list(dict.fromkeys(n for n in options.allowed_tools if n not in available))
+    if unknown:
+        shown = ", ".join(unknown[:MAX_ELEMENT_VIOLATIONS])
+        violations = Violations()
+        violations.add(
+            "options.allowed_tools", f"unknown tools {shown}; known: {', '.join(sorted(available))}"
+        )
+        violations.raise_if_any()
+    chosen = set(options.allowed_tools)
+    return {name: text for name, text in available.items() if not chosen or name in chosen}
 
 
 @dataclass
@@ -105,9 +156,10 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         """The model picks the first tool; follow-ups, and any plan the model cannot make
         usable, are the rules'. The model may use half of what is left for tools (at most
         plan_timeout_s); with too little for that, the rules plan at once. Returns the
-        steps and which planner made them."""
+        steps and which planner made them. Planning runs in a worker thread: it is cheap
+        but not free (a few calculator checks), and the event loop serves every caller."""
         question = request.question
-        rules = planner.plan(question, set(allowed), observations)
+        rules = await asyncio.to_thread(planner.plan, question, set(allowed), observations)
         if observations or not allowed:
             return rules, agent_pb2.PLANNER_FALLBACK
         plan_s = min(self.settings.plan_timeout_s, window_s / 2)
@@ -124,7 +176,10 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             return rules, agent_pb2.PLANNER_FALLBACK
         if choice == llm_planner.ANSWER:
             return [], agent_pb2.PLANNER_LLM
-        step = llm_planner.step_for(choice, question)
+        if choice not in allowed:
+            notes.append(f"the model chose {choice[:64]!r}, not a tool of this run")
+            return rules, agent_pb2.PLANNER_FALLBACK
+        step = await asyncio.to_thread(llm_planner.step_for, choice, question)
         if step is None:
             notes.append(f"the model chose {choice}, but the question gives it no arguments")
             return rules, agent_pb2.PLANNER_FALLBACK
@@ -133,48 +188,33 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
 
     async def _allowed_tools(self, request: agent_pb2.RunRequest, run: RunState) -> dict[str, str]:
         """Validates the request; the tools this run may call, name -> description."""
-        options = request.options
-        violations = Violations()
-        violations.check(bool(request.question.strip()), "question", "must not be empty")
-        violations.max_length(request.question.encode(), "question", MAX_QUESTION_BYTES)
-        violations.max_length(request.request_id.encode(), "request_id", 128)
-        if options.HasField("max_iterations"):
-            violations.in_range(options.max_iterations, "options.max_iterations", 1, MAX_ITERATIONS)
-        violations.in_range(options.max_new_tokens, "options.max_new_tokens", 0, MAX_ANSWER_TOKENS)
-        violations.in_range(options.temperature, "options.temperature", 0, 2)
-        violations.raise_if_any()
+        check_request(request)
         available = await self._tool_descriptions()
         if available is None:
             run.notes.append("the tools service was unavailable; answered without tools")
             return {}
-        unknown = [name for name in options.allowed_tools if name not in available]
-        violations.check(
-            not unknown,
-            "options.allowed_tools",
-            f"unknown tools {unknown}; known: {sorted(available)}",
-        )
-        violations.raise_if_any()
-        return {
-            name: description
-            for name, description in available.items()
-            if not options.allowed_tools or name in options.allowed_tools
-        }
+        return allowed_tools(request.options, available)
 
     async def Run(
         self, request: agent_pb2.RunRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[agent_pb2.RunResponse]:
         run = RunState(received=time.monotonic())
         allowed = await self._allowed_tools(request, run)
+        left_s = deadline.remaining()
         budget_s = (
-            deadline.remaining() or self.settings.default_budget_s
+            self.settings.default_budget_s if left_s is None else left_s
         ) - self.settings.wrap_up_s
         reserve_s = max(budget_s * self.settings.answer_share, self.settings.answer_min_s)
         tools_until = run.received + budget_s - reserve_s
+        # aclosing: however this run ends (client cancel, deadline, error), each stage is
+        # closed here and now, and with it the calls it has in flight.
         with deadline.budget(budget_s):
-            async for message in self._act(request, allowed, run, tools_until):
-                yield message
-            async for message in self._respond(request, run):
-                yield message
+            async with aclosing(self._act(request, allowed, run, tools_until)) as acting:
+                async for message in acting:
+                    yield message
+            async with aclosing(self._respond(request, run)) as responding:
+                async for message in responding:
+                    yield message
         citations = prompts.cited(run.answer, run.observations, self.settings.passages_in_prompt)
         if citations:
             yield event(citations=agent_pb2.Citations(passage_ids=citations))
@@ -219,10 +259,10 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 return
             run.iterations += 1
             yield event(plan=agent_pb2.Plan(planner=made_by, steps=[s.why for s in steps]))
-            async for message in self._call_all(
-                steps, run.iterations, left, run.observations, run.stages, run.notes
-            ):
-                yield message
+            calls = self._call_all(steps, run.iterations, left, run)
+            async with aclosing(calls) as calling:
+                async for message in calling:
+                    yield message
 
     async def _respond(
         self, request: agent_pb2.RunRequest, run: RunState
@@ -230,12 +270,13 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         """Streams the model's answer; if the model fails, the evidence itself."""
         answered = time.monotonic()
         try:
-            async for chunk, complete in self._answer(request, run.observations):
-                if chunk:
-                    run.answer += chunk
-                    yield event(answer_delta=agent_pb2.AnswerDelta(text=chunk))
-                if complete is not None:
-                    run.usage = complete.usage
+            async with aclosing(self._answer(request, run.observations)) as answer:
+                async for chunk, complete in answer:
+                    if chunk:
+                        run.answer += chunk
+                        yield event(answer_delta=agent_pb2.AnswerDelta(text=chunk))
+                    if complete is not None:
+                        run.usage = complete.usage
         except grpc.aio.AioRpcError as error:
             run.notes.append(
                 f"the language model failed ({error.code().name}); answered from the evidence"
@@ -248,9 +289,11 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         )
 
     async def _call_all(
-        self, steps, iteration, left_s, observations, stages, notes
+        self, steps: list[planner.ToolStep], iteration: int, left_s: float, run: RunState
     ) -> AsyncIterator[agent_pb2.RunResponse]:
-        """Announces every call, runs them at once within `left_s`, reports each as it ends."""
+        """Announces every call, runs them at once within `left_s`, reports each as it ends.
+        Calls still running when this ends early are cancelled and awaited, so none
+        outlives the run."""
         calls = {f"{iteration}.{k}": step for k, step in enumerate(steps, start=1)}
         for call_id, step in calls.items():
             yield event(
@@ -265,12 +308,12 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         try:
             for finished in asyncio.as_completed(tasks):
                 call_id, observation, seconds = await finished
-                observations.append(observation)
-                stages.append(
+                run.observations.append(observation)
+                run.stages.append(
                     stage(observation.step.name, seconds, common_pb2.STAGE_KIND_CALL, "tools")
                 )
                 if observation.is_error:
-                    notes.append(f"{observation.step.name}: {observation.text}")
+                    run.notes.append(f"{observation.step.name}: {observation.text}")
                 yield event(
                     tool_result=agent_pb2.ToolResult(
                         call_id=call_id,
@@ -284,12 +327,14 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         finally:
             for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _call(
         self, call_id: str, step: planner.ToolStep
     ) -> tuple[str, planner.Observation, float]:
         started = time.monotonic()
         request = tools_pb2.CallToolRequest(name=step.name, arguments=step.arguments)
+        observation = planner.Observation(step, True, "the tool ended without a result")
         try:
             async for message in self._tools().CallTool(request):
                 if message.HasField("result"):
@@ -303,7 +348,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             )
         return call_id, observation, time.monotonic() - started
 
-    async def _answer(self, request: agent_pb2.RunRequest, observations: list[planner.Observation]):
+    async def _answer(
+        self, request: agent_pb2.RunRequest, observations: list[planner.Observation]
+    ) -> AsyncIterator[tuple[str, generation_pb2.GenerationComplete | None]]:
         options = request.options
         sampling = sampling_pb2.SamplingParameters(
             temperature=options.temperature,

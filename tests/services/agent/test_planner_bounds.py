@@ -1,0 +1,430 @@
+"""The agent's bounds, in process and without the mesh: the rule planner is linear and
+never raises, every Run field is validated, and a run degrades (never raises, never
+leaks a tool call) when tools or generation misbehave. Tools and generation are fakes on
+loopback gRPC, reached through the mesh's own channels."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from types import SimpleNamespace
+
+import grpc
+import pytest
+import pytest_asyncio
+from google.protobuf import json_format, struct_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jsonschema import Draft202012Validator
+
+from aimesh.agent.v1 import agent_pb2
+from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc
+from aimesh.tools.v1 import tools_pb2, tools_pb2_grpc
+from mesh.client import ChannelPool
+from mesh.config import MeshSettings
+from mesh.failures import InvalidInput
+from services.agent import llm_planner, planner, servicer
+from services.agent.servicer import AgentServicer, allowed_tools, check_request
+from services.agent.settings import AgentSettings
+from services.tools.builtin import BUILTIN
+
+SCHEMAS = {tool.name: Draft202012Validator(tool.input_schema) for tool in BUILTIN}
+ALL = set(SCHEMAS)
+KB = 100 * 1024
+
+
+def assert_valid(steps: list[planner.ToolStep]) -> None:
+    for step in steps:
+        assert step.name in ALL
+        errors = [e.message for e in SCHEMAS[step.name].iter_errors(step.arguments)]
+        assert not errors, (step, errors)
+
+
+# -- the planner: linear, bounded, never raises ----------------------------------------
+
+ADVERSARIAL = {
+    "plus signs": "+" * KB,
+    "open parens": "(" * KB,
+    "nested parens": "(" * (KB // 2) + "1" + ")" * (KB // 2),
+    "one point": "1." * (KB // 2),
+    "dotted letters": "a." * (KB // 2),
+    "dotted letters, accent last": "a." * (KB // 2) + "é",
+    "spaces": "What is " + " " * KB + "1+",
+    "spaced digits": "1 " * (KB // 2),
+    "a number then operators": "1" + "+" * KB,
+    "function names": "sqrt(" * (KB // 5),
+    "superscripts": "draw ² " * (KB // 7),
+    "arabic-indic digits": "draw ٣+٤ " * (KB // 9),
+    "many small sums": "1+) " * (KB // 4),
+}
+
+
+@pytest.mark.parametrize("question", ADVERSARIAL.values(), ids=ADVERSARIAL.keys())
+def test_adversarial_questions_plan_fast(question):
+    started = time.monotonic()
+    for name in ALL:
+        llm_planner.step_for(name, question)
+    steps = planner.plan(question, ALL, [])
+    assert time.monotonic() - started < 1.0
+    assert_valid(steps)
+
+
+@pytest.mark.parametrize(
+    "question", ["What is 3999999^3999999?", "9^3999999 // 7^1999999", "(3999999^3999999)^2"]
+)
+def test_costly_arithmetic_is_refused_not_computed(question):
+    started = time.monotonic()
+    assert planner.arithmetic_in(question) is None
+    assert time.monotonic() - started < 1.0  # computing it would take tens of seconds
+
+
+def test_the_calculator_tries_a_few_candidates_only(monkeypatch):
+    evaluated = []
+
+    def refuse(expression: str) -> None:
+        evaluated.append(expression)
+        raise planner.CalculationError("no")
+
+    monkeypatch.setattr(planner, "calculate", refuse)
+    assert planner.arithmetic_in("2+2 is not 5+1, " * 1000) is None
+    assert 0 < len(evaluated) <= planner.MAX_CANDIDATES
+
+
+@pytest.mark.parametrize(
+    ("question", "expression"),
+    [("What is 2^0.5?", "2^0.5"), ("(7/3)^20 please", "(7/3)^20"), ("2^1000", "2^1000")],
+)
+def test_cheap_arithmetic_still_calculates(question, expression):
+    assert planner.arithmetic_in(question) == expression
+
+
+@pytest.mark.parametrize("question", ["Draw the digit ٣", "draw ²", "sketch a ₇"])
+def test_only_ascii_digits_are_drawn(question):
+    assert planner.digit_in(question) is None
+    assert all(s.name != "generate_image" for s in planner.plan(question, ALL, []))
+
+
+def test_a_dotted_name_too_long_for_python_doc_is_not_looked_up():
+    question = f"What is {'a.' * 150}b? And os.path.join?"
+    assert planner.dotted_name_in(question) == "os.path.join"
+
+
+ARITHMETIC_TEXT = st.text(alphabet=st.sampled_from(list("0123456789+-*/^%(). sqrtlogé²٣\n")))
+
+
+@settings(max_examples=200, deadline=None)
+@given(question=st.one_of(st.text(), ARITHMETIC_TEXT), seen_lookup_failed=st.booleans())
+def test_any_text_plans_valid_calls(question, seen_lookup_failed):
+    lookup = planner.ToolStep("python_doc", {"name": "json.dumps"}, "")
+    seen = [planner.Observation(lookup, True, "no such name")] if seen_lookup_failed else []
+    assert_valid(planner.plan(question, ALL, seen))
+    for name in ALL:
+        step = llm_planner.step_for(name, question)
+        assert_valid([step] if step else [])
+
+
+# -- validation: INVALID_ARGUMENT naming the field -------------------------------------
+
+
+def options(**fields: object) -> agent_pb2.RunOptions:
+    return agent_pb2.RunOptions(**fields)
+
+
+BAD_REQUESTS = {
+    "empty question": (agent_pb2.RunRequest(question=""), "question"),
+    "blank question": (agent_pb2.RunRequest(question=" \n\t"), "question"),
+    "question past 8 KiB": (
+        agent_pb2.RunRequest(question="é" * 4097),
+        "question",
+    ),
+    "question of 100 kB": (agent_pb2.RunRequest(question="+" * KB), "question"),
+    "request id with a space": (agent_pb2.RunRequest(question="q", request_id="a b"), "request_id"),
+    "request id not ASCII": (agent_pb2.RunRequest(question="q", request_id="ü"), "request_id"),
+    "request id too long": (agent_pb2.RunRequest(question="q", request_id="x" * 129), "request_id"),
+    "zero iterations": (
+        agent_pb2.RunRequest(question="q", options=options(max_iterations=0)),
+        "options.max_iterations",
+    ),
+    "negative iterations": (
+        agent_pb2.RunRequest(question="q", options=options(max_iterations=-1)),
+        "options.max_iterations",
+    ),
+    "too many iterations": (
+        agent_pb2.RunRequest(question="q", options=options(max_iterations=2**31 - 1)),
+        "options.max_iterations",
+    ),
+    "negative max_new_tokens": (
+        agent_pb2.RunRequest(question="q", options=options(max_new_tokens=-1)),
+        "options.max_new_tokens",
+    ),
+    "huge max_new_tokens": (
+        agent_pb2.RunRequest(question="q", options=options(max_new_tokens=2**31 - 1)),
+        "options.max_new_tokens",
+    ),
+    "NaN temperature": (
+        agent_pb2.RunRequest(question="q", options=options(temperature=math.nan)),
+        "options.temperature",
+    ),
+    "infinite temperature": (
+        agent_pb2.RunRequest(question="q", options=options(temperature=math.inf)),
+        "options.temperature",
+    ),
+    "negative temperature": (
+        agent_pb2.RunRequest(question="q", options=options(temperature=-0.5)),
+        "options.temperature",
+    ),
+    "too many tools": (
+        agent_pb2.RunRequest(question="q", options=options(allowed_tools=["calculator"] * 65)),
+        "options.allowed_tools",
+    ),
+    "an empty tool name": (
+        agent_pb2.RunRequest(question="q", options=options(allowed_tools=["calculator", ""])),
+        "options.allowed_tools[1]",
+    ),
+    "a tool name no tool can have": (
+        agent_pb2.RunRequest(question="q", options=options(allowed_tools=["web search"])),
+        "options.allowed_tools[0]",
+    ),
+}
+
+
+@pytest.mark.parametrize(("request_", "field"), BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+def test_bad_requests_name_the_field(request_, field):
+    with pytest.raises(InvalidInput) as refused:
+        check_request(request_)
+    assert field in [v.field for v in refused.value.violations]
+
+
+def test_a_long_non_ascii_question_within_the_limit_is_accepted():
+    check_request(agent_pb2.RunRequest(question="¿Qué es 2+2? " + "日本語" * 300))
+
+
+def test_thousands_of_bad_tool_names_are_reported_briefly():
+    request = agent_pb2.RunRequest(question="q", options=options(allowed_tools=["?" * 100] * 5000))
+    with pytest.raises(InvalidInput) as refused:
+        check_request(request)
+    assert len(refused.value.violations) <= 10
+    assert len(str(refused.value)) < 2000
+
+
+def test_a_huge_tool_list_is_refused_without_reading_it(monkeypatch):
+    read = []
+    rule = SimpleNamespace(fullmatch=lambda name: read.append(name) or True)
+    monkeypatch.setattr(servicer, "TOOL_NAME", rule)
+    request = agent_pb2.RunRequest(question="q", options=options(allowed_tools=["a"] * 100_000))
+    with pytest.raises(InvalidInput):
+        check_request(request)
+    assert len(read) <= servicer.MAX_ALLOWED_TOOLS
+
+
+def test_unknown_tools_are_named_briefly():
+    available = {"calculator": "adds", "knowledge_search": "finds"}
+    names = [f"tool{i}" for i in range(64)]
+    with pytest.raises(InvalidInput) as refused:
+        allowed_tools(options(allowed_tools=["calculator", *names]), available)
+    (violation,) = refused.value.violations
+    assert violation.field == "options.allowed_tools"
+    assert "tool0" in violation.description and len(violation.description) < 500
+    assert allowed_tools(options(allowed_tools=["calculator"]), available) == {"calculator": "adds"}
+    assert allowed_tools(options(), available) == available
+
+
+# -- degradation: a run answers whatever its tools and model do -------------------------
+
+Outcome = Callable[[grpc.aio.ServicerContext], AsyncIterator[tools_pb2.CallToolResponse]]
+
+
+def result(text: str, structured: dict | None = None) -> Outcome:
+    async def outcome(context):
+        content = struct_pb2.Struct()
+        json_format.ParseDict(structured or {}, content)
+        yield tools_pb2.CallToolResponse(
+            result=tools_pb2.CallToolResult(
+                content=[tools_pb2.Content(text=text)], structured_content=content
+            )
+        )
+
+    return outcome
+
+
+async def no_result(context):
+    yield tools_pb2.CallToolResponse(progress=tools_pb2.Progress(progress=0.5))
+
+
+async def failure(context):
+    await context.abort(grpc.StatusCode.INTERNAL, "the tool broke")
+    yield  # pragma: no cover
+
+
+class FakeTools(tools_pb2_grpc.ToolsServiceServicer):
+    """Each tool does what its outcome says; "hang" runs until cancelled."""
+
+    def __init__(self, outcomes: dict[str, Outcome | str]) -> None:
+        self.outcomes = outcomes
+        self.calls: list[str] = []
+        self.started = asyncio.Event()
+        self.cancelled = asyncio.Event()
+
+    async def ListTools(self, request, context):
+        return tools_pb2.ListToolsResponse(
+            tools=[tools_pb2.Tool(name=name, description=name) for name in sorted(self.outcomes)]
+        )
+
+    async def CallTool(self, request, context):
+        self.calls.append(request.name)
+        outcome = self.outcomes[request.name]
+        if outcome == "hang":
+            self.started.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+        async for message in outcome(context):
+            yield message
+
+
+class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
+    """Picks `choice` for a plan (or fails, when None); answers `answer` (or fails)."""
+
+    def __init__(self, choice: str | None = None, answer: str | None = "An answer.") -> None:
+        self.choice = choice
+        self.answer = answer
+
+    async def Chat(self, request, context):
+        text = self.choice if request.sampling.choices else self.answer
+        if text is None:
+            await context.abort(grpc.StatusCode.INTERNAL, "the model broke")
+        yield generation_pb2.ChatResponse(chunk=generation_pb2.GenerationChunk(text=text))
+        yield generation_pb2.ChatResponse(complete=generation_pb2.GenerationComplete())
+
+
+StartAgent = Callable[[FakeTools, FakeGeneration], Awaitable[AgentServicer]]
+
+
+@pytest_asyncio.fixture
+async def start_agent() -> AsyncIterator[StartAgent]:
+    """An AgentServicer whose tools and generation are the given fakes on loopback."""
+    servers: list[grpc.aio.Server] = []
+    pools: list[ChannelPool] = []
+
+    async def serve(register: Callable, servicer: object) -> str:
+        server = grpc.aio.server()
+        register(servicer, server)
+        target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        servers.append(server)
+        return target
+
+    async def start(tools: FakeTools, generation: FakeGeneration) -> AgentServicer:
+        targets = AgentSettings(
+            tools=await serve(tools_pb2_grpc.add_ToolsServiceServicer_to_server, tools),
+            generation=await serve(
+                generation_pb2_grpc.add_GenerationServiceServicer_to_server, generation
+            ),
+        )
+        mesh_settings = MeshSettings()
+        pools.append(ChannelPool(mesh_settings))
+        return AgentServicer(SimpleNamespace(settings=mesh_settings, channels=pools[-1]), targets)
+
+    yield start
+    for pool in pools:
+        await pool.close()
+    for server in servers:
+        await server.stop(0)
+
+
+async def run_all(agent: AgentServicer, question: str, **fields: object) -> list:
+    request = agent_pb2.RunRequest(question=question, options=options(**fields))
+    return [event async for event in agent.Run(request, None)]
+
+
+def final(events: list) -> agent_pb2.Final:
+    assert events[-1].HasField("final")
+    return events[-1].final
+
+
+def pending_tool_calls() -> list[asyncio.Task]:
+    return [
+        task
+        for task in asyncio.all_tasks()
+        if not task.done() and task.get_coro().__qualname__ == "AgentServicer._call"
+    ]
+
+
+async def test_failed_and_resultless_tool_calls_become_notes(start_agent):
+    tools = FakeTools(
+        {"calculator": no_result, "python_doc": failure, "knowledge_search": result("found")}
+    )
+    agent = await start_agent(tools, FakeGeneration())
+    events = await run_all(agent, "What is 6*7, and what does json.loads do?")
+    notes = "\n".join(final(events).notes)
+    assert "calculator: the tool ended without a result" in notes
+    assert "python_doc: the call failed (INTERNAL)" in notes
+    assert "".join(e.answer_delta.text for e in events) == "An answer."
+
+
+async def test_malformed_passages_cost_evidence_not_the_answer(start_agent):
+    passages = [{"id": "ok", "text": ""}, {"text": "no id"}, "junk", {"id": 3, "text": "x"}]
+    tools = FakeTools(
+        {
+            "knowledge_search": result("3 passages", {"passages": passages}),
+            "python_doc": result("doc", {"name": "x.y", "passage_ids": [], "text": "doc"}),
+        }
+    )
+    agent = await start_agent(tools, FakeGeneration(choice="knowledge_search", answer=None))
+    events = await run_all(agent, "How do I copy a list? See x.y")
+    answer = "".join(e.answer_delta.text for e in events)
+    assert "[ok]" in answer
+    assert any("the language model failed" in note for note in final(events).notes)
+
+
+async def test_unreachable_tools_still_get_an_answer(start_agent, unused_tcp_port):
+    agent = await start_agent(FakeTools({}), FakeGeneration())
+    agent.tools_target = f"127.0.0.1:{unused_tcp_port}"
+    events = await run_all(agent, "What is 2+2?")
+    assert "".join(e.answer_delta.text for e in events) == "An answer."
+    assert "answered without tools" in "\n".join(final(events).notes)
+
+
+async def test_the_models_pick_outside_the_allowed_tools_is_not_called(start_agent):
+    tools = FakeTools({"calculator": result("4"), "knowledge_search": result("found")})
+    agent = await start_agent(tools, FakeGeneration(choice="calculator"))
+    events = await run_all(agent, "What is 2+2?", allowed_tools=["knowledge_search"])
+    assert tools.calls == ["knowledge_search"]
+    assert final(events).planner == agent_pb2.PLANNER_FALLBACK
+
+
+async def test_a_cancelled_run_cancels_and_awaits_its_tool_calls(start_agent):
+    tools = FakeTools({"knowledge_search": "hang"})
+    agent = await start_agent(tools, FakeGeneration())
+    run = agent.Run(agent_pb2.RunRequest(question="How do I copy a list?"), None)
+    consumer = asyncio.create_task(anext_until_stuck(run))
+    await asyncio.wait_for(tools.started.wait(), 10)
+    consumer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await consumer
+    assert pending_tool_calls() == []
+    await asyncio.wait_for(tools.cancelled.wait(), 10)
+    await run.aclose()
+
+
+async def test_a_closed_run_cancels_and_awaits_its_tool_calls(start_agent):
+    tools = FakeTools({"calculator": result("4"), "knowledge_search": "hang"})
+    agent = await start_agent(tools, FakeGeneration(choice="knowledge_search"))
+    run = agent.Run(agent_pb2.RunRequest(question="What is 2+2?"), None)
+    async for message in run:
+        if message.HasField("tool_result"):
+            break
+    assert pending_tool_calls()
+    await run.aclose()
+    assert pending_tool_calls() == []
+    await asyncio.wait_for(tools.cancelled.wait(), 10)
+
+
+async def anext_until_stuck(run: AsyncIterator) -> None:
+    """Consumes events until the run waits on something that never comes."""
+    async for _ in run:
+        pass
