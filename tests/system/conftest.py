@@ -1,5 +1,5 @@
-"""The whole mesh as separate processes (`aimesh up`) on free ports, with a small
-knowledge collection in a store of the test's own."""
+"""System tests: the whole mesh as separate processes (`aimesh up`) on free ports, with a
+small knowledge collection in a store of its own, started once for the package."""
 
 from __future__ import annotations
 
