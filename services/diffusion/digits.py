@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import string
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -49,7 +50,8 @@ def parse_digit(prompt: str) -> int | None:
     text = prompt.strip().lower()
     if not text:
         return NULL_CLASS
-    if text.isdigit() and len(text) == 1:
+    # ASCII only: str.isdigit() also holds for "²", which int() refuses.
+    if len(text) == 1 and text in string.digits:
         return int(text)
     return WORDS.index(text) if text in WORDS else None
 

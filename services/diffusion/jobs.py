@@ -28,10 +28,27 @@ class Job:
     estimated_bytes: int
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Set by the worker once every unit is done: a cancel after that stops nothing, so
+    # it must not say it did. The lock orders the two between the worker and the loop.
+    _completed: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def check_cancelled(self) -> None:
         if self.cancelled.is_set():
             raise Cancelled(f"job {self.id} was cancelled")
+
+    def cancel(self) -> bool:
+        """Asks the job to stop; True only if this call stopped work still to be done."""
+        with self._lock:
+            stops = not (self.cancelled.is_set() or self._completed)
+            self.cancelled.set()
+        return stops
+
+    def complete(self) -> None:
+        """The worker's last word: the job completed, unless a cancel got in first."""
+        with self._lock:
+            self.check_cancelled()
+            self._completed = True
 
 
 class JobQueue:
@@ -53,6 +70,10 @@ class JobQueue:
     @property
     def waiting(self) -> int:
         return len(self._waiting)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._reserved
 
     def _notify(self) -> None:
         """Wakes every waiter to look again; each waits on the Event current when it looked."""
@@ -98,7 +119,7 @@ class JobQueue:
         while True:
             changed = self._changed
             if job.cancelled.is_set():
-                self.withdraw(job)
+                self.release(job)
                 job.check_cancelled()
             if self._try_start(job):
                 return 0
@@ -107,28 +128,31 @@ class JobQueue:
                 return position
             await changed.wait()
 
-    def withdraw(self, job: Job) -> None:
-        """Takes a job that never started out of the line (its caller went away)."""
+    def release(self, job: Job) -> None:
+        """Takes `job` out of the line, or frees the slot and memory it was admitted to.
+
+        The owner calls it exactly when nothing runs for the job any more: when its worker
+        has returned, or when the job ends before a worker was ever started for it (its
+        caller left while waiting, or right as it was admitted). Idempotent.
+        """
         if job in self._waiting:
             self._waiting.remove(job)
-            self._notify()
-
-    def finish(self, job: Job) -> None:
-        """Frees a started job's slot and memory; called when its worker has returned."""
-        if job in self._running:
+        elif job in self._running:
             self._running.remove(job)
             self._reserved -= job.estimated_bytes
-            self._notify()
+        else:
+            return
+        self._notify()
 
     def job_ids(self) -> list[str]:
         return [job.id for job in (*self._waiting, *self._running)]
 
     def cancel(self, job_id: str) -> bool:
-        """Stops the waiting or running job `job_id`; False if there is none or it was
-        cancelled already. The running one stops at its next unit of work."""
+        """Stops the waiting or running job `job_id`; False if there is none, it was
+        cancelled already or its work is all done. The running one stops at its next unit."""
         for job in (*self._waiting, *self._running):
-            if job.id == job_id and not job.cancelled.is_set():
-                job.cancelled.set()
+            if job.id == job_id:
+                stopped = job.cancel()
                 self._notify()
-                return True
+                return stopped
         return False

@@ -6,11 +6,39 @@ import secrets
 from collections.abc import Mapping
 
 from aimesh.diffusion.v1 import diffusion_pb2
+from mesh import request_id
 from mesh.validation import Violations
 from services.diffusion.engine import DiffusionModel, Plan
 
 MAX_PROMPT_BYTES = 1024
+# No model has more than a few conditioning keys; these bound what a refusal echoes.
+MAX_CONDITIONING_KEYS = 8
+MAX_CONDITIONING_KEY_BYTES = 64
 SEED_LIMIT = 2**64
+
+
+def clipped(text: str, limit: int = 64) -> str:
+    """`text` quoted for an error message, cut short: a refusal travels in the trailing
+    metadata, which clients cap at a few KiB, so echoing a 300 KB name would turn the
+    refusal into the client's RESOURCE_EXHAUSTED."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def check_conditioning(
+    conditioning: Mapping[str, float], violations: Violations
+) -> Mapping[str, float]:
+    """The map if its size and keys are sane enough to hand to a model, else empty (and a
+    violation): each unknown key becomes a violation naming it."""
+    fits = violations.check(
+        len(conditioning) <= MAX_CONDITIONING_KEYS,
+        "conditioning",
+        f"at most {MAX_CONDITIONING_KEYS} keys, got {len(conditioning)}",
+    ) and violations.check(
+        all(len(key.encode()) <= MAX_CONDITIONING_KEY_BYTES for key in conditioning),
+        "conditioning",
+        f"keys must be at most {MAX_CONDITIONING_KEY_BYTES} bytes long",
+    )
+    return conditioning if fits else {}
 
 
 def plan_job(
@@ -21,8 +49,9 @@ def plan_job(
     violations.check(
         model is not None,
         "model",
-        f"unknown model {request.model!r}; known: {', '.join(sorted(models))}",
+        f"unknown model {clipped(request.model)}; known: {', '.join(sorted(models))}",
     )
+    violations.check(request_id.is_valid(request.request_id), "request_id", request_id.RULE)
     prompt_fits = violations.max_length(request.prompt.encode(), "prompt", MAX_PROMPT_BYTES)
     violations.check(request.preview_every_steps >= 0, "preview_every_steps", "must be >= 0")
     if model is None:
@@ -70,7 +99,8 @@ def plan_job(
         f"seed + num_images must stay below 2^64 (image k uses seed + k), got {seed}",
     )
     prompt = request.prompt if prompt_fits else ""  # one violation per field is enough
-    condition = model.parse_condition(prompt, dict(request.conditioning), violations)
+    conditioning = check_conditioning(dict(request.conditioning), violations)
+    condition = model.parse_condition(prompt, conditioning, violations)
     violations.raise_if_any()
     return model, Plan(
         condition=condition,

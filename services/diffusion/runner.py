@@ -103,4 +103,5 @@ def _run(job: Job, emit: Emit, preview_every: int, throttle: Throttle) -> RunTim
         )
         emit(diffusion_pb2.GenerateResponse(image=image))
         IMAGES.labels(job.model.card.name).inc()
+    job.complete()
     return RunTimes(denoise_s=denoised - started, encode_s=time.perf_counter() - denoised)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,6 +23,7 @@ from mesh.timing import stage
 from mesh.validation import Violations
 from services.diffusion.denoisers import Denoiser, TritonDenoiser, connect_triton
 from services.diffusion.engine import DiffusionModel, ModelCard, Plan
+from services.diffusion.events import JobEvents
 from services.diffusion.jobs import Job, JobQueue
 from services.diffusion.metrics import JOBS
 from services.diffusion.requests import plan_job
@@ -106,6 +108,9 @@ class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
         span.set_attribute("gen_ai.request.model", model.card.name)
         span.set_attribute("aimesh.diffusion.job_id", job.id)
         self.queue.submit(job)
+        # Set once a worker owns the job: from then on only the worker's return frees its
+        # slot; until then, leaving this handler by any path must free it.
+        running: asyncio.Future[RunTimes] | None = None
         outcome = "cancelled"  # unless it ends otherwise; a caller that left raises no error
         try:
             position = await self.queue.next_position(job, None)
@@ -114,30 +119,21 @@ class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
                 position = await self.queue.next_position(job, position)
                 yield queued(job, position)
             started = time.perf_counter()
-            events: asyncio.Queue[diffusion_pb2.GenerateResponse | None] = asyncio.Queue()
             loop = asyncio.get_running_loop()
-
-            def emit(event: diffusion_pb2.GenerateResponse | None) -> None:
-                loop.call_soon_threadsafe(events.put_nowait, event)
-
-            def work() -> RunTimes:
-                try:
-                    return run_job(
-                        job,
-                        emit,
-                        preview_every=request.preview_every_steps,
-                        throttle=self.throttle,
-                    )
-                finally:
-                    emit(None)
-
+            events = JobEvents(loop, len(plan.seeds))
+            work = functools.partial(
+                run_job,
+                job,
+                events.push,
+                preview_every=request.preview_every_steps,
+                throttle=self.throttle,
+            )
             # In this call's context: the job's passes see its deadline (and trace).
             running = loop.run_in_executor(self.workers, contextvars.copy_context().run, work)
-            # The slot is freed when the worker thread has really returned, never before.
-            running.add_done_callback(lambda _: self.queue.finish(job))
-            async for event in newest_progress(events):
+            running.add_done_callback(functools.partial(self._worker_returned, job, events))
+            async for event in events.drain():
                 yield event
-            times = await asyncio.shield(running)
+            times = running.result()  # drained: closed once the worker had returned
             outcome = "completed"
             yield summary(job, queue_s=started - received, times=times, received=received)
         except Cancelled:  # by Cancel: the outcome it already says, not "failed"
@@ -149,15 +145,17 @@ class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
             outcome = "failed"
             raise
         finally:
-            # The caller left (cancel, deadline, disconnect) or the job ended: a waiting job
-            # leaves the line; a running one stops at its next unit and frees its slot then.
-            job.cancelled.set()
-            self.queue.withdraw(job)
+            # The caller left (cancel, deadline, disconnect) or the job ended: a running
+            # job stops at its next unit and its worker frees the slot then.
+            job.cancel()
+            if running is None:
+                self.queue.release(job)
             JOBS.labels(model.card.name, outcome).inc()
             log.info(
                 "diffusion job ended",
                 extra={
                     "job_id": job.id,
+                    "request_id": request.request_id,
                     "model": model.card.name,
                     "images": len(plan.seeds),
                     "steps": plan.steps,
@@ -166,6 +164,16 @@ class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
                     "seconds": round(time.perf_counter() - received, 3),
                 },
             )
+
+    def _worker_returned(
+        self, job: Job, events: JobEvents, running: asyncio.Future[RunTimes]
+    ) -> None:
+        """The slot is freed when the worker thread has really returned, never before, and
+        whether or not its caller is still there to read the outcome."""
+        self.queue.release(job)
+        events.close()
+        if not running.cancelled():
+            running.exception()  # read: a caller that left leaves no "never retrieved" error
 
     async def Cancel(
         self, request: diffusion_pb2.CancelRequest, context: grpc.aio.ServicerContext
@@ -184,31 +192,6 @@ class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
         return diffusion_pb2.ListModelsResponse(
             models=[model_info(model.card) for model in self.models.values()]
         )
-
-
-async def newest_progress(
-    events: asyncio.Queue[diffusion_pb2.GenerateResponse | None],
-) -> AsyncIterator[diffusion_pb2.GenerateResponse]:
-    """The worker's events in order until its None, except that of Progress messages waiting
-    back to back only the newest is sent: a job that steps faster than its stream is read
-    (an 8x8 digit steps in a fraction of a millisecond) would otherwise spend the GIL it
-    computes with on messages nobody needs, and a slow reader would get a backlog."""
-    while True:
-        event = await events.get()
-        while is_progress(event) and not events.empty():
-            following = events.get_nowait()
-            if not is_progress(following):
-                yield event
-                event = following
-                break
-            event = following
-        if event is None:
-            return
-        yield event
-
-
-def is_progress(event: diffusion_pb2.GenerateResponse | None) -> bool:
-    return event is not None and event.WhichOneof("event") == "progress"
 
 
 def summary(

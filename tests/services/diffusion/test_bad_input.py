@@ -62,6 +62,38 @@ CASES = {
         ["conditioning[difficulty]"],
     ),
     "a seed past 2^64": (Request(model="digits", seed=2**64 - 1, num_images=2), ["seed"]),
+    # Refusals travel in trailing metadata, which clients cap at 16 KiB: none may echo these.
+    "a 300 KB model name": (Request(model="x" * 300_000), ["model"]),
+    "a 300 KB prompt": (Request(model="digits", prompt="7" * 300_000), ["prompt"]),
+    "a 300 KB request id": (
+        Request(model="digits", prompt="1", request_id="r" * 300_000),
+        ["request_id"],
+    ),
+    "a 300 KB conditioning key": (
+        Request(model="terrain", conditioning={"k" * 300_000: 1}),
+        ["conditioning"],
+    ),
+    "10^4 conditioning keys": (
+        Request(model="terrain", conditioning={f"k{i}": 1 for i in range(10_000)}),
+        ["conditioning"],
+    ),
+    "a non-ASCII conditioning key": (
+        Request(model="terrain", conditioning={"сложность": 5}),
+        ["conditioning[сложность]"],
+    ),
+    # str.isdigit() holds for these; int() refuses "²".
+    "a superscript digit": (Request(model="digits", prompt="²"), ["prompt"]),
+    "an Arabic-Indic digit": (Request(model="digits", prompt="٣"), ["prompt"]),
+    "int32 max steps": (Request(model="digits", prompt="1", steps=2**31 - 1), ["steps"]),
+    "int32 min images": (Request(model="digits", prompt="1", num_images=-(2**31)), ["num_images"]),
+    "int32 max size": (Request(model="terrain", width=2**31 - 1, height=2**31 - 1), ["width"]),
+    "difficulty 1e308": (Request(model="terrain", conditioning={"difficulty": 1e308}), None),
+    "a subnormal difficulty": (Request(model="terrain", conditioning={"difficulty": 5e-324}), None),
+    "difficulty -inf": (Request(model="terrain", conditioning={"difficulty": -math.inf}), None),
+    "a subnormal guidance": (
+        Request(model="digits", guidance_scale=-1e-45),
+        ["guidance_scale"],
+    ),
     "negative previews": (Request(model="digits", preview_every_steps=-1), ["preview_every_steps"]),
     "everything at once": (
         Request(model="digits", prompt="cat", steps=0, num_images=0, guidance_scale=math.nan),
@@ -91,7 +123,9 @@ async def test_edge_values_that_are_valid_are_accepted(diffusion):
 
 
 @pytest.mark.parametrize(
-    ("job_id", "field"), [("", "job_id"), ("x" * 65, "job_id")], ids=["empty", "too long"]
+    ("job_id", "field"),
+    [("", "job_id"), ("x" * 65, "job_id"), ("x" * 300_000, "job_id")],
+    ids=["empty", "too long", "300 KB"],
 )
 async def test_bad_cancel_requests(diffusion, job_id, field):
     with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -100,6 +134,7 @@ async def test_bad_cancel_requests(diffusion, job_id, field):
     assert [v.field for v in field_violations(caught.value)] == [field]
 
 
-async def test_cancelling_an_unknown_job_says_so(diffusion):
-    response = await diffusion.stub.Cancel(diffusion_pb2.CancelRequest(job_id="f" * 32))
+@pytest.mark.parametrize("job_id", ["f" * 32, "задание", "\x00"], ids=["hex", "Cyrillic", "NUL"])
+async def test_cancelling_an_unknown_job_says_so(diffusion, job_id):
+    response = await diffusion.stub.Cancel(diffusion_pb2.CancelRequest(job_id=job_id))
     assert response.cancelled is False
