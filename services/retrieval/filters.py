@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 from qdrant_client import models
 
@@ -11,17 +12,39 @@ from mesh.validation import Violations
 from services.retrieval.store import RESERVED_PREFIX
 
 MAX_CONDITIONS = 64
+MAX_KEY_BYTES = 256
+MAX_KEYWORD_BYTES = 64 * 1024
+# Qdrant's payload key path, as both its server and its embedded mode parse it: names of
+# letters, digits, "_" and "-" (or any text in double quotes) joined by dots, each with
+# optional [] or [index]. Anything else made the embedded store raise ValueError (INTERNAL).
+_SEGMENT = r'(?:[\w-]+|"[^"]*")(?:\[[0-9]{0,19}\])*'
+_KEY = re.compile(rf"{_SEGMENT}(?:\.{_SEGMENT})*")
+
+
+def _check_key(key: str, field: str, violations: Violations) -> bool:
+    if not violations.check(bool(key), field, "must not be empty"):
+        return False
+    if not violations.max_length(key.encode(), field, MAX_KEY_BYTES):
+        return False
+    if not violations.check(
+        _KEY.fullmatch(key) is not None,
+        field,
+        'must be a payload path: names of letters, digits, "_" or "-" (or "quoted") joined '
+        "by dots, each optionally followed by [] or [index]",
+    ):
+        return False
+    first = key[1 : key.index('"', 1)] if key.startswith('"') else key
+    return violations.check(
+        not first.startswith(RESERVED_PREFIX),
+        field,
+        f"keys starting with {RESERVED_PREFIX!r} are reserved",
+    )
 
 
 def _condition(
     condition: retrieval_pb2.Condition, field: str, violations: Violations
 ) -> models.FieldCondition | None:
-    ok = violations.check(bool(condition.key), f"{field}.key", "must not be empty")
-    ok &= violations.check(
-        not condition.key.startswith(RESERVED_PREFIX),
-        f"{field}.key",
-        f"keys starting with {RESERVED_PREFIX!r} are reserved",
-    )
+    ok = _check_key(condition.key, f"{field}.key", violations)
     kind = condition.WhichOneof("match")
     if kind is None:
         violations.add(field, "needs one of keyword, integer, boolean or range")
@@ -43,6 +66,8 @@ def _condition(
             models.FieldCondition(key=condition.key, range=models.Range(**bounds)) if ok else None
         )
     value = getattr(condition, kind)
+    if kind == "keyword":
+        ok &= violations.max_length(value.encode(), f"{field}.keyword", MAX_KEYWORD_BYTES)
     return (
         models.FieldCondition(key=condition.key, match=models.MatchValue(value=value))
         if ok
@@ -58,9 +83,10 @@ def to_qdrant(
     total = sum(len(group) for group in groups.values())
     if total == 0:
         return None
-    violations.check(
+    if not violations.check(
         total <= MAX_CONDITIONS, field, f"at most {MAX_CONDITIONS} conditions, got {total}"
-    )
+    ):
+        return None
     converted = {
         name: [_condition(c, f"{field}.{name}[{i}]", violations) for i, c in enumerate(group)]
         for name, group in groups.items()

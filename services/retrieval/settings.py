@@ -16,6 +16,11 @@ class RetrievalSettings(BaseModel, extra="forbid"):
     )
     api_key: str | None = Field(default=None, description="Qdrant API key, sent over TLS only")
     path: Path | None = Field(default=None, description="embedded store; None: <cache_dir>/qdrant")
+    timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="per Qdrant call when the caller brings no deadline, and its cap",
+    )
     embedder: str | None = Field(default=None, description="None: the embedder's configured target")
     rrf_k: int = Field(default=60, ge=1, description="reciprocal rank fusion constant")
     # Each retriever of a hybrid search looks this many times deeper than top_k, so fusion

@@ -1,10 +1,17 @@
-"""Retrieval fixtures' shared part: an embedder and a retrieval server on 127.0.0.1, the
-store in a folder of the test's."""
+"""Retrieval fixtures' shared part: an embedder (the real one, or a fake at its gRPC
+boundary) and a retrieval server on 127.0.0.1, the store in a folder of the test's."""
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
+import grpc
+import pytest_asyncio
+
+from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
 from mesh.config import MeshSettings, ServiceSettings
 from mesh.server import MeshServer
 from services.embedder.servicer import setup as embedder_setup
@@ -29,3 +36,59 @@ async def start_retrieval(store: Path) -> tuple[MeshServer, MeshServer]:
     await retrieval_setup(retrieval)
     await retrieval.start()
     return embedder, retrieval
+
+
+FAKE_DIMENSIONS = 8
+
+
+class FakeEmbedder(embedder_pb2_grpc.EmbedderServiceServicer):
+    """Stands in for the embedder at its gRPC boundary where a test is about retrieval
+    itself: a vector from a hash of each input, at no model's cost (and no meaning)."""
+
+    async def Embed(
+        self, request: embedder_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> embedder_pb2.EmbedResponse:
+        vectors = []
+        for text in request.inputs:
+            digest = hashlib.sha256(text.encode()).digest()
+            vectors.append(
+                embedder_pb2.Embedding(values=[1 + b / 255 for b in digest[:FAKE_DIMENSIONS]])
+            )
+        return embedder_pb2.EmbedResponse(embeddings=vectors, dimensions=FAKE_DIMENSIONS)
+
+
+async def start_fake_embedder() -> MeshServer:
+    server = MeshServer("embedder", MeshSettings(), port=0)
+    server.add_service(
+        embedder_pb2_grpc.add_EmbedderServiceServicer_to_server,
+        FakeEmbedder(),
+        embedder_pb2.DESCRIPTOR.services_by_name["EmbedderService"],
+    )
+    await server.start()
+    return server
+
+
+def retrieval_server(embedder: MeshServer, **engine: Any) -> MeshServer:
+    """A retrieval server (not started) whose embedder is `embedder`, with [engines.retrieval]
+    `engine` (a path or a url); its setup still has to run."""
+    settings = MeshSettings(
+        engines={"retrieval": {"embedder": f"127.0.0.1:{embedder.port}", **engine}}
+    )
+    return MeshServer("retrieval", settings, port=0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fake_embedder() -> AsyncIterator[MeshServer]:
+    server = await start_fake_embedder()
+    yield server
+    await server.drain(0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fake_retrieval(fake_embedder, tmp_path_factory) -> AsyncIterator[MeshServer]:
+    """Retrieval on embedded Qdrant in a folder of the module's, embedding with the fake."""
+    server = retrieval_server(fake_embedder, path=str(tmp_path_factory.mktemp("qdrant")))
+    await retrieval_setup(server)
+    await server.start()
+    yield server
+    await server.drain(0)
