@@ -98,8 +98,9 @@ def up(
         ]
         proxy = None
         try:
-            not_ready = await supervisor.wait_ready(children, ready_timeout)
-            _print_endpoints(children, settings, not_ready)
+            cold_starts = await supervisor.wait_ready(children, ready_timeout)
+            _print_endpoints(children, settings, cold_starts)
+            not_ready = [name for name, took in cold_starts.items() if took is None]
             if not_ready:
                 console.print(f"[red]not ready: {', '.join(not_ready)}[/red]")
                 return 1
@@ -163,10 +164,12 @@ async def _start_edge(
 
 
 def _print_endpoints(
-    children: list[supervisor.Child], settings: MeshSettings, not_ready: list[str]
+    children: list[supervisor.Child],
+    settings: MeshSettings,
+    cold_starts: dict[str, float | None],
 ) -> None:
     table = Table(title="aimesh services")
-    for column in ("service", "address", "metrics", "pid", "state"):
+    for column in ("service", "address", "metrics", "pid", "state", "cold start"):
         table.add_column(column)
     for child in children:
         name = child.spec.name
@@ -177,7 +180,8 @@ def _print_endpoints(
             child.target,
             f"http://{settings.service(name).host}:{metrics_port}/metrics" if metrics_port else "-",
             str(child.process.pid),
-            "[red]not ready[/red]" if name in not_ready else "[green]ready[/green]",
+            "[red]not ready[/red]" if cold_starts[name] is None else "[green]ready[/green]",
+            "-" if cold_starts[name] is None else f"{cold_starts[name]:.1f} s",
         )
     console.print(table)
 

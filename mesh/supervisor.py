@@ -76,21 +76,26 @@ async def keep_running(child: Child, on_restart: OnRestart) -> None:
         delay = min(delay * 2, MAX_RESTART_DELAY_S)
 
 
-async def wait_ready(children: list[Child], timeout_s: float) -> list[str]:
-    """Names of the services that did not become ready (or died) within the timeout."""
+async def wait_ready(children: list[Child], timeout_s: float) -> dict[str, float | None]:
+    """Each service's cold start: seconds from its start to readiness (the seed's
+    cold_start_time), or None for one that did not become ready (or died) in time."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
 
-    async def one(child: Child) -> bool:
-        ready = asyncio.create_task(wait_until_serving(child.target, child.spec.name, timeout_s))
+    async def one(child: Child) -> float | None:
+        ready = asyncio.create_task(
+            wait_until_serving(child.target, child.spec.name, timeout_s, interval_s=0.1)
+        )
         died = asyncio.create_task(child.process.wait())
         await asyncio.wait({ready, died}, return_when=asyncio.FIRST_COMPLETED)
         died.cancel()
         if not ready.done():
             ready.cancel()
-            return False
-        return ready.result()
+            return None
+        return loop.time() - began if ready.result() else None
 
     results = await asyncio.gather(*(one(child) for child in children))
-    return [child.spec.name for child, ok in zip(children, results, strict=True) if not ok]
+    return {child.spec.name: took for child, took in zip(children, results, strict=True)}
 
 
 async def stop(children: list[Child], grace_s: float) -> None:

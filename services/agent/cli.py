@@ -17,7 +17,9 @@ from mesh.commands import run_command
 from mesh.config import MeshSettings
 from mesh.timing import timing_ms
 from services.agent import SPEC
-from services.agent.servicer import SERVICE
+
+# From the generated code, not the servicer: a command must not import the engine.
+SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
 
 
 async def _ask(request: agent_pb2.RunRequest, stream: bool) -> dict:

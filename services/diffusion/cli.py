@@ -17,7 +17,9 @@ from mesh.commands import run_command
 from mesh.config import MeshSettings
 from mesh.timing import timing_ms
 from services.diffusion import SPEC
-from services.diffusion.servicer import SERVICE
+
+# From the generated code, not the servicer: a command must not import the engine.
+SERVICE = diffusion_pb2.DESCRIPTOR.services_by_name["DiffusionService"]
 
 SAMPLERS = {
     "ddpm": diffusion_pb2.SAMPLER_DDPM,

@@ -15,7 +15,9 @@ from mesh.commands import run_command
 from mesh.config import MeshSettings
 from mesh.timing import timing_ms
 from services.generation import SPEC
-from services.generation.servicer import GENERATION
+
+# From the generated code, not the servicer: a command must not import the engine.
+GENERATION = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
 
 
 async def _generate(request, chat: bool, as_json: bool) -> dict:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
+import subprocess
+import sys
 import urllib.request
 
 import grpc
@@ -69,6 +72,7 @@ async def _check_then_drain(up, port: int, metrics_port: int, env, tmp_path) -> 
         assert line, f"aimesh up exited early: {banner.decode()}"
         banner += line
     assert f"127.0.0.1:{port}".encode() in banner
+    assert "cold start" in banner.decode() and re.search(r"ready\s*│\s*[\d.]+ s", banner.decode())
 
     code, output = await run("health", "--only", "echo", env=env)
     assert code == 0, output
@@ -101,3 +105,15 @@ async def _check_then_drain(up, port: int, metrics_port: int, env, tmp_path) -> 
     assert code == 1  # every child drained and exited
     log = (tmp_path / "echo.log").read_text()
     assert '"message": "draining"' in log and '"message": "stopped"' in log
+
+
+def test_the_cli_imports_no_engine():
+    """Every aimesh command (and every service process) starts with `import mesh.cli`:
+    torch and transformers there cost seconds before the first byte of any command."""
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, mesh.cli; print(' '.join(sorted(sys.modules)))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert not {"torch", "transformers", "onnxruntime", "qdrant_client"} & set(loaded)
