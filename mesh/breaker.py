@@ -60,12 +60,21 @@ REJECTED = Counter(
 )
 
 
-def classify(code: grpc.StatusCode, timeout_s: float | None, settings: BreakerSettings) -> Outcome:
+def classify(
+    code: grpc.StatusCode,
+    timeout_s: float | None,
+    settings: BreakerSettings,
+    *,
+    streaming: bool = False,
+) -> Outcome:
+    """A missed deadline counts for a unary call with a sane budget (the target was slow);
+    never for a stream, whose length is the caller's to choose: a generation asked for
+    more tokens than its budget allows is that caller's, not decode's, failure."""
     if code == grpc.StatusCode.OK:
         return Outcome.SUCCESS
     if code in FAILURE_CODES:
         return Outcome.FAILURE
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and not streaming:
         sane = timeout_s is None or timeout_s >= settings.sane_deadline_s
         return Outcome.FAILURE if sane else Outcome.IGNORED
     return Outcome.IGNORED
@@ -163,7 +172,8 @@ class CircuitBreaker:
         streaming: bool,
     ) -> None:
         """Feeds a finished call by its status; RESOURCE_EXHAUSTED + RetryInfo holds calls."""
-        self.record(classify(code, timeout_s, self.settings), duration_s, streaming=streaming)
+        outcome = classify(code, timeout_s, self.settings, streaming=streaming)
+        self.record(outcome, duration_s, streaming=streaming)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and error is not None:
             info = error_info(error)
             delay = retry_delay_s(error)

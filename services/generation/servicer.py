@@ -199,13 +199,17 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
             "messages",
             f"must hold 1 to {MAX_MESSAGES} messages, got {len(request.messages)}",
         )
-        for i, message in enumerate(request.messages):
+        for i, message in enumerate(request.messages[:MAX_MESSAGES]):
             violations.check(
                 message.role in ROLES, f"messages[{i}].role", f"must be one of {sorted(ROLES)}"
             )
-            violations.max_length(
-                message.content.encode(), f"messages[{i}].content", MAX_PROMPT_BYTES
-            )
+        # The tokenizer renders at most this much content per conversation, in all.
+        total = sum(len(m.content.encode()) for m in request.messages[:MAX_MESSAGES])
+        violations.check(
+            total <= MAX_PROMPT_BYTES,
+            "messages",
+            f"contents must be at most {MAX_PROMPT_BYTES} bytes in all, got {total}",
+        )
         self._check_common(request, violations)
         stopping(request.stopping, 0, self.settings, violations)
         violations.raise_if_any()

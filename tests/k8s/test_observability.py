@@ -85,12 +85,15 @@ def test_every_metric_in_rules_and_dashboard_is_exported():
             assert exported[name] in ("counter", "histogram"), expr
 
 
-def test_error_ratio_counts_the_codes_the_breakers_count():
-    """A server-side failure for the SLO is what trips a caller's breaker, plus deadlines."""
+def test_error_ratio_counts_what_breakers_count_and_every_server_bug():
+    """A server-side failure for the SLO: what trips a caller's breaker, deadlines, and
+    INTERNAL/UNKNOWN, which breakers leave alone (one request's bug is not the target's
+    health) but which are failures of the service all the same."""
+    bugs = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
     for rule in rules():
         for codes in re.findall(r'grpc_code=~"([^"]+)"', rule["expr"]):
             named = {grpc.StatusCode[code] for code in codes.split("|")}
-            assert named == {*FAILURE_CODES, grpc.StatusCode.DEADLINE_EXCEEDED}
+            assert named == {*FAILURE_CODES, grpc.StatusCode.DEADLINE_EXCEEDED, *bugs}
 
 
 def test_dashboard_shows_what_the_issue_asks_for():

@@ -59,6 +59,14 @@ def test_classification(code, timeout, expected):
     assert classify(code, timeout, SETTINGS) is expected
 
 
+def test_a_stream_out_of_time_is_its_callers_failure_not_the_targets():
+    """A generation longer than its caller's budget ends in DEADLINE_EXCEEDED: counted, a
+    few of them opened the router's decode breaker for every other caller."""
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    assert classify(code, 5.0, SETTINGS, streaming=True) is Outcome.IGNORED
+    assert classify(grpc.StatusCode.UNAVAILABLE, 5.0, SETTINGS, streaming=True) is Outcome.FAILURE
+
+
 def test_trips_on_failure_rate_and_fails_fast_while_open():
     b, _ = breaker()
     for outcome in (Outcome.SUCCESS, Outcome.FAILURE, Outcome.SUCCESS):

@@ -196,6 +196,11 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(top_k=-1)}, "sampling.top_k"),
     ({"prompt": "hi", "model": "gpt-17"}, "model"),
     (
+        {"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(repetition_penalty=1e-30)},
+        "sampling.repetition_penalty",
+    ),
+    ({"prompt": "hi", "request_id": "é"}, "request_id"),
+    (
         {"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(choices=["a", "a"])},
         "sampling.choices",
     ),
@@ -407,3 +412,32 @@ async def test_killing_a_decode_replica_fails_its_stream_and_the_other_keeps_ser
         for _ in range(4):
             ids, _, complete = await generate(stub, prompt="Hello", stopping=stopping(4))
             assert ids and complete.decode_worker == survivor
+
+
+async def test_a_conversation_over_the_tokenizers_bound_is_the_callers_error(llm_mesh):
+    """Each message under 1 MiB, both together over: the tokenizer refuses the pair, so the
+    router must say so first, not pass the tokenizer's refusal on as INTERNAL."""
+    stub, channel = llm_mesh.stub()
+    half = "x " * 300_000
+    request = generation_pb2.ChatRequest(
+        messages=[{"role": "user", "content": half}, {"role": "user", "content": half}]
+    )
+    async with channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in stub.Chat(request, timeout=60):
+                pass
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "messages" in {v.field for v in field_violations(caught.value)}
+
+
+async def test_a_subnormal_temperature_generates_the_greedy_tokens(llm_mesh):
+    stub, channel = llm_mesh.stub()
+    async with channel:
+        greedy, _, _ = await generate(stub, prompt="The capital of France is", stopping=stopping(8))
+        tiny, _, _ = await generate(
+            stub,
+            prompt="The capital of France is",
+            sampling=sampling_pb2.SamplingParameters(temperature=1e-40, seed=3),
+            stopping=stopping(8),
+        )
+    assert tiny == greedy
