@@ -5,7 +5,9 @@ the model is part of validating it: with truncate unset, an input over the model
 tokens is INVALID_ARGUMENT naming `inputs[i]`, as TEI answers. Inputs are capped at
 64 KiB of UTF-8 each: with truncate set a client may send a whole document and have its
 first (or last) 256 tokens embedded, and 64 KiB bounds what tokenizing one costs (~25 ms
-here) far above any text that fits the model uncut (~1-2 KB of English).
+here) far above any text that fits the model uncut (~1-2 KB of English). A request's
+inputs, 2 MiB at most, tokenize in a worker thread once they are more than THREAD_MIN_BYTES
+of UTF-8 (bytes, not characters: 8,000 emoji are 32 KB).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import grpc
 
 from aimesh.common.v1 import common_pb2
 from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
+from mesh import request_id
 from mesh.failures import NotReady
 from mesh.server import MeshServer
 from mesh.timing import stage
@@ -36,8 +39,8 @@ MAX_INPUTS = 32  # the proto's limit (TEI's default max client batch size)
 MAX_INPUT_BYTES = 64 * 1024
 # BadRequest travels in trailing metadata (8 KiB by default): report the first few.
 MAX_ELEMENT_VIOLATIONS = 16
-# Below this many characters in all, tokenizing inline costs less than a thread hop.
-THREAD_MIN_CHARS = 8 * 1024
+# Below this many bytes in all, tokenizing inline costs less than a thread hop.
+THREAD_MIN_BYTES = 8 * 1024
 WARMUP_TEXT = "Embedded once before readiness, so the first caller does not pay for it."
 
 _SIDES: dict[int, Side] = {
@@ -48,13 +51,14 @@ _SIDES: dict[int, Side] = {
 
 
 def _check_request(violations: Violations, request: embedder_pb2.EmbedRequest) -> None:
+    violations.check(request_id.is_valid(request.request_id), "request_id", request_id.RULE)
     count = len(request.inputs)
     violations.check(count > 0, "inputs", "must hold at least one text")
-    violations.check(
+    if violations.check(
         count <= MAX_INPUTS, "inputs", f"must hold at most {MAX_INPUTS} texts, got {count}"
-    )
-    for field, problem in islice(_input_problems(request.inputs), MAX_ELEMENT_VIOLATIONS):
-        violations.add(field, problem)
+    ):  # else not worth scanning (100k inputs): the request fails anyway
+        for field, problem in islice(_input_problems(request.inputs), MAX_ELEMENT_VIOLATIONS):
+            violations.add(field, problem)
     direction = request.truncation_direction
     violations.check(
         direction in _SIDES,
@@ -105,7 +109,7 @@ class EmbedderServicer(embedder_pb2_grpc.EmbedderServiceServicer):
         encoder = engine.encoder
         cut = _SIDES[request.truncation_direction] if request.truncate else None
         texts = list(request.inputs)
-        if sum(map(len, texts)) > THREAD_MIN_CHARS:
+        if sum(len(text.encode()) for text in texts) > THREAD_MIN_BYTES:
             tokenized = await asyncio.to_thread(encoder.tokenizer.tokenize, texts, cut)
         else:
             tokenized = encoder.tokenizer.tokenize(texts, cut)

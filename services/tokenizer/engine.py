@@ -29,7 +29,6 @@ DEFAULT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 _PROBE_ROLE = "aimesh-probe-role"
 # `message['role'] == 'user'`, `message.role != "system"` and the like in template source.
 _ROLE_LITERAL = re.compile(r"""role['"]?\]?\s*[!=]=\s*['"]([^'"]+)['"]""")
-# What a lossy UTF-8 decode puts where a character's bytes are incomplete.
 
 
 @dataclass(frozen=True)

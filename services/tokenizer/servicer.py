@@ -2,9 +2,14 @@
 
 Tokenizing is CPU work. Measured on 2 cores: 1 KB of text encodes in ~0.2 ms, 1 MiB in
 ~0.45 s, and its details (token strings and offsets as 260k protobuf messages) take ~0.8 s
-more. Texts longer than THREAD_MIN_CHARS therefore run in a worker thread, so the event
-loop keeps answering other calls meanwhile (the Rust encoder releases the GIL); shorter
-ones run inline, where a thread hop (~70 µs) would cost about as much as the work.
+more. Work on more than THREAD_MIN_BYTES of UTF-8 therefore runs in a worker thread, so the
+event loop keeps answering other calls meanwhile (the Rust encoder releases the GIL);
+smaller work runs inline, where a thread hop (~70 µs) would cost about as much. Bytes, not
+characters, measure it: 8,000 emoji are 32 KB and ~24k tokens.
+
+Every limit is one the engine serves within: a text, or a conversation's contents in all,
+of at most 1 MiB; ids, and a conversation's turns, at most the model's context, which is
+also all that one DetokenizeStream may carry (it detokenizes one generation).
 """
 
 from __future__ import annotations
@@ -19,17 +24,20 @@ import grpc
 
 from aimesh.common.v1 import common_pb2
 from aimesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from mesh import request_id
 from mesh.failures import NotReady
 from mesh.server import MeshServer
 from mesh.validation import Violations
 from services.llm.artifacts import resolve_model
 from services.llm.settings import llm_settings
-from services.tokenizer.engine import IncrementalDetokenizer, TokenizerEngine
+from services.tokenizer.engine import IncrementalDetokenizer, Tokenized, TokenizerEngine
 
 SERVICE = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"]
 
 MAX_TEXT_BYTES = 1024 * 1024
-THREAD_MIN_CHARS = 8 * 1024  # ~1.5 ms of tokenizing
+THREAD_MIN_BYTES = 8 * 1024  # ~1.5 ms of tokenizing
+# Rendering one turn of the chat template costs about as much as tokenizing this much text.
+TURN_BYTES = 64
 # BadRequest travels in trailing metadata, which gRPC caps at 8 KiB by default: a repeated
 # field reports its first bad elements, not thousands.
 MAX_ELEMENT_VIOLATIONS = 16
@@ -38,33 +46,23 @@ WARMUP_TEXT = "Hello, world! Tokenized once before readiness: naïve café 日�
 T = TypeVar("T")
 
 
-async def _run(work: Callable[[], T], chars: int) -> T:
-    """Runs `work` in a worker thread when its input is long enough to stall the loop."""
-    if chars > THREAD_MIN_CHARS:
+async def _run(work: Callable[[], T], size: int) -> T:
+    """Runs `work` in a worker thread when its input (`size`, in bytes) is large enough
+    to stall the loop."""
+    if size > THREAD_MIN_BYTES:
         return await asyncio.to_thread(work)
     return work()
 
 
-def _size_problem(text: str) -> str | None:
-    size = len(text.encode())
-    if size <= MAX_TEXT_BYTES:
-        return None
+def _size_problem(size: int) -> str:
     return f"must be at most {MAX_TEXT_BYTES} bytes of UTF-8, got {size}"
 
 
-def _check_text(violations: Violations, text: str) -> None:
-    problem = _size_problem(text)
-    if problem is not None:
-        violations.add("text", problem)
+def _check_request_id(violations: Violations, value: str) -> None:
+    violations.check(request_id.is_valid(value), "request_id", request_id.RULE)
 
 
-def _check_token_ids(
-    violations: Violations, ids: Sequence[int], vocab_size: int, max_ids: int
-) -> None:
-    if not violations.check(
-        len(ids) <= max_ids, "token_ids", f"must hold at most {max_ids} ids, got {len(ids)}"
-    ):
-        return  # not worth scanning: the request fails anyway
+def _check_vocabulary(violations: Violations, ids: Sequence[int], vocab_size: int) -> None:
     out_of_vocab = ((index, id_) for index, id_ in enumerate(ids) if id_ >= vocab_size)
     for index, id_ in islice(out_of_vocab, MAX_ELEMENT_VIOLATIONS):
         violations.add(
@@ -76,38 +74,53 @@ def _check_messages(
     violations: Violations,
     messages: Sequence[common_pb2.ChatMessage],
     roles: frozenset[str],
+    max_turns: int,
 ) -> None:
-    if not violations.check(bool(messages), "messages", "must hold at least one message"):
+    """Turns are bounded by the context, since each one renders to tokens of its own, and
+    contents by what one Tokenize may bring, since the rendered prompt is tokenized."""
+    count = len(messages)
+    if not violations.check(count > 0, "messages", "must hold at least one message"):
         return
-    for field, problem in islice(_message_problems(messages, roles), MAX_ELEMENT_VIOLATIONS):
+    if not violations.check(
+        count <= max_turns,
+        "messages",
+        f"must hold at most {max_turns} messages (every turn takes tokens of the "
+        f"{max_turns}-token context), got {count}",
+    ):
+        return  # not worth scanning: the request fails anyway
+    sizes = [len(message.content.encode()) for message in messages]
+    problems = _message_problems(messages, sizes, roles)
+    for field, problem in islice(problems, MAX_ELEMENT_VIOLATIONS):
         violations.add(field, problem)
+    if max(sizes) <= MAX_TEXT_BYTES:
+        violations.check(
+            sum(sizes) <= MAX_TEXT_BYTES,
+            "messages",
+            f"contents must be at most {MAX_TEXT_BYTES} bytes of UTF-8 in all, got {sum(sizes)}",
+        )
 
 
 def _message_problems(
-    messages: Sequence[common_pb2.ChatMessage], roles: frozenset[str]
+    messages: Sequence[common_pb2.ChatMessage], sizes: Sequence[int], roles: frozenset[str]
 ) -> Iterator[tuple[str, str]]:
     known = ", ".join(sorted(roles))
-    for index, message in enumerate(messages):
+    for index, (message, size) in enumerate(zip(messages, sizes, strict=True)):
         if message.role not in roles:
             # Quoted only in part: a role of a megabyte must not become the status.
             got = repr(message.role[:40])
             yield f"messages[{index}].role", f"must be one of {known}, got {got}"
-        problem = _size_problem(message.content)
-        if problem is not None:
-            yield f"messages[{index}].content", problem
+        if size > MAX_TEXT_BYTES:
+            yield f"messages[{index}].content", _size_problem(size)
 
 
-def _tokenize(
-    engine: TokenizerEngine, request: tokenizer_pb2.TokenizeRequest
-) -> tokenizer_pb2.TokenizeResponse:
-    """Tokenizes and builds the response together, so that both run in the worker thread
-    for a long text: its offsets messages take longer to build than the tokens."""
-    tokenized = engine.tokenize(request.text, request.add_special_tokens, request.return_details)
-    return tokenizer_pb2.TokenizeResponse(
-        token_ids=tokenized.ids,
-        tokens=tokenized.tokens,
-        offsets=[tokenizer_pb2.TokenOffset(start=s, end=e) for s, e in tokenized.offsets],
-    )
+def tokenize_response(tokenized: Tokenized) -> tokenizer_pb2.TokenizeResponse:
+    """The response, its offsets added in place: a list of TokenOffset messages first would
+    hold ~420 bytes a token at once (~330 MB for a 1 MiB text of emoji)."""
+    response = tokenizer_pb2.TokenizeResponse(token_ids=tokenized.ids, tokens=tokenized.tokens)
+    add = response.offsets.add
+    for start, end in tokenized.offsets:
+        add(start=start, end=end)
+    return response
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
@@ -122,26 +135,39 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             raise NotReady("the tokenizer is still loading")
         return self.engine
 
-    def _check_ids(self, engine: TokenizerEngine, ids: Sequence[int]) -> None:
-        violations = Violations()
-        _check_token_ids(violations, ids, engine.vocab_size, self.max_seq_len)
-        violations.raise_if_any()
-
     async def Tokenize(
         self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.TokenizeResponse:
         engine = self._loaded()
         violations = Violations()
-        _check_text(violations, request.text)
+        _check_request_id(violations, request.request_id)
+        size = len(request.text.encode())
+        violations.check(size <= MAX_TEXT_BYTES, "text", _size_problem(size))
         violations.raise_if_any()
-        return await _run(lambda: _tokenize(engine, request), len(request.text))
+        # Tokenized and answered in one go, so that both run in the worker thread for a
+        # long text: its offsets take longer to build than the tokens.
+        return await _run(
+            lambda: tokenize_response(
+                engine.tokenize(request.text, request.add_special_tokens, request.return_details)
+            ),
+            size,
+        )
 
     async def Detokenize(
         self, request: tokenizer_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.DetokenizeResponse:
         engine = self._loaded()
-        self._check_ids(engine, request.token_ids)
-        text = engine.detokenize(request.token_ids, request.skip_special_tokens)
+        ids = request.token_ids
+        violations = Violations()
+        _check_request_id(violations, request.request_id)
+        if violations.check(
+            len(ids) <= self.max_seq_len,
+            "token_ids",
+            f"must hold at most {self.max_seq_len} ids, got {len(ids)}",
+        ):
+            _check_vocabulary(violations, ids, engine.vocab_size)
+        violations.raise_if_any()
+        text = engine.detokenize(ids, request.skip_special_tokens)
         return tokenizer_pb2.DetokenizeResponse(text=text)
 
     async def DetokenizeStream(
@@ -149,10 +175,24 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         request_iterator: AsyncIterator[tokenizer_pb2.DetokenizeStreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[tokenizer_pb2.DetokenizeStreamResponse]:
+        """Inline: the ids held back are at most the context, so a message costs at most
+        two decodes of that many ids (~3 ms)."""
         engine = self._loaded()
         detokenizer: IncrementalDetokenizer | None = None
+        received = 0
         async for request in request_iterator:
-            self._check_ids(engine, request.token_ids)
+            violations = Violations()
+            if detokenizer is None:  # request_id counts in the first message only
+                _check_request_id(violations, request.request_id)
+            received += len(request.token_ids)
+            if violations.check(
+                received <= self.max_seq_len,
+                "token_ids",
+                f"the stream must carry at most {self.max_seq_len} ids in all (the model's "
+                f"context), got {received}",
+            ):
+                _check_vocabulary(violations, request.token_ids, engine.vocab_size)
+            violations.raise_if_any()
             if detokenizer is None:  # skip_special_tokens counts in the first message only
                 detokenizer = engine.incremental_detokenizer(request.skip_special_tokens)
             yield tokenizer_pb2.DetokenizeStreamResponse(text=detokenizer.push(request.token_ids))
@@ -165,14 +205,15 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     ) -> tokenizer_pb2.ApplyChatTemplateResponse:
         engine = self._loaded()
         violations = Violations()
-        _check_messages(violations, request.messages, engine.roles)
+        _check_request_id(violations, request.request_id)
+        _check_messages(violations, request.messages, engine.roles, self.max_seq_len)
         violations.raise_if_any()
         messages = [(message.role, message.content) for message in request.messages]
         prompt = await _run(
             lambda: engine.apply_chat_template(
                 messages, request.add_generation_prompt, request.return_token_ids
             ),
-            sum(len(content) for _, content in messages),
+            sum(len(content.encode()) + TURN_BYTES for _, content in messages),
         )
         return tokenizer_pb2.ApplyChatTemplateResponse(text=prompt.text, token_ids=prompt.ids)
 

