@@ -41,6 +41,35 @@ TEST_RUN_MARK = "AIMESH_TEST_RUN"
 os.environ[TEST_RUN_MARK] = uuid.uuid4().hex
 
 
+# The tests that bring up several processes or a real server of another project, or
+# rebuild a model artifact from scratch: the `system` tier, left out by `make test-fast`
+# (unit and service tests, under 3 minutes). Keys are node id prefixes.
+SYSTEM_TESTS = {
+    "tests/system/": "the whole mesh under aimesh up",
+    "tests/triton/": "a real tritonserver",
+    "tests/edge/test_edge.py": "Envoy in front of the services",
+    "tests/edge/test_replicas.py": "Envoy in front of replicas it ejects",
+    "tests/services/llm/test_generation_mesh.py": "the LLM mesh, five processes",
+    "tests/services/llm/test_bfloat16_mesh.py": "the LLM mesh in bfloat16",
+    "tests/services/llm/test_router_on_triton.py": "the router on a real tritonserver",
+    "tests/services/retrieval/test_knowledge_base.py": "the stdlib ingested end to end",
+    "tests/k8s/": "every overlay rendered by kustomize",
+    "tests/services/llm/test_parts.py::test_corrupt_model_cache": "the GGUF converted again",
+    "tests/services/llm/test_engine.py::test_bfloat16_greedy": "two bfloat16 models, 45 steps",
+    "tests/services/embedder/test_artifact.py::test_a_corrupt_graph": "the ONNX export again",
+    "tests/services/diffusion/test_model_files.py::test_training": "the digits DDPM trained",
+    "tests/services/diffusion/test_jobs.py::test_a_job_waits_for_memory": "512 px terrain jobs",
+    "tests/services/diffusion/test_generate.py::test_quality_gate": "100 digits classified",
+    "tests/services/diffusion/test_cli.py": "aimesh imagine against a served model",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(tuple(SYSTEM_TESTS)):
+            item.add_marker(pytest.mark.system)
+
+
 def _survivors() -> list[psutil.Process]:
     mark = os.environ[TEST_RUN_MARK]
     found = []

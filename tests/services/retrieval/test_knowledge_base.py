@@ -22,7 +22,9 @@ from services.rerank.servicer import setup as rerank_setup
 from tests.conftest import VENV_BIN, subprocess_env
 from tests.services.retrieval.conftest import start_retrieval
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+# The module's setup ingests ~4,000 stdlib passages: 115 s on a quiet 2-core machine,
+# past 300 s with the cores contended; its bound is that measure with a generous factor.
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)]
 
 
 @dataclass
