@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test lint protos demo bench bench-llm bench-retrieval bench-diffusion bench-agent bench-edge bench-triton bench-llm-peers llama-server clean
+.PHONY: install test test-fast lint protos demo bench bench-llm bench-retrieval bench-diffusion bench-agent bench-edge bench-triton bench-llm-peers llama-server fuzz chaos clean
 
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ lint: install
 
 test: lint
 	$(PY) -m pytest
+
+# Unit and service tests (no whole mesh, Envoy, Triton or kustomize): under 3 minutes.
+test-fast: install
+	$(PY) -m pytest -m "not slow and not system"
 
 protos: install
 	$(PY) protos/generate.py
@@ -85,6 +89,16 @@ bench-edge: install
 
 bench-triton: install
 	$(PY) -m loadtest.triton --seconds 4 --rounds 2 --out docs/benchmarks.md
+
+# Generated and garbage requests on every RPC of a whole `aimesh up`; fails on any
+# INTERNAL/UNKNOWN, crash or failed health check (findings in var/fuzz/<time>/).
+fuzz: install
+	$(PY) -m loadtest.fuzz --calls 3000 --seconds 600 --out docs/benchmarks.md
+
+# The fault suite: kill -9, SIGSTOP, partitions, a lost decode replica, a slow reader and
+# acknowledged writes against a whole mesh (~10 min); fails on a hang or a lost write.
+chaos: install
+	$(PY) -m loadtest.chaos --out docs/reliability.md
 
 clean:
 	rm -rf $(VENV) var

@@ -1,0 +1,219 @@
+"""The mesh the chaos suite breaks: every service under a supervisor of its own, two
+decode replicas, and fault proxies on the edges the scenarios cut.
+
+One `aimesh up --only NAME` per service (rather than one `aimesh up` for all) lets the
+suite kill -9 or SIGSTOP one service's process and have the real supervisor restart it,
+so recovery is measured through the same code path production uses. Every supervisor
+leads a session of its own, so teardown can kill its whole process group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from loadtest.faults import FaultProxy
+from mesh.health import probe
+
+SERVICES = (
+    "agent", "tools", "generation", "tokenizer", "prefill", "decode",
+    "embedder", "retrieval", "rerank", "diffusion",
+)  # fmt: skip
+SECOND_DECODE = "decode-b"
+# The edges a scenario can cut, as (caller, callee): the caller dials the proxy.
+EDGES = (("agent", "tools"), ("tools", "retrieval"))
+# How the callers learn the proxy's address (services/agent/settings.py, tools/settings.py).
+EDGE_SETTING = {
+    ("agent", "tools"): "AIMESH_ENGINES__AGENT__TOOLS",
+    ("tools", "retrieval"): "AIMESH_ENGINES__TOOLS__RETRIEVAL",
+}
+GRACE_S = 3  # each service's SIGTERM drain; keeps teardown short
+STOP_WAIT_S = 20
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Supervised:
+    """One `aimesh up --only SERVICE`, which runs (and restarts) one service process."""
+
+    name: str  # the service's name, or decode-b for the second decode replica
+    service: str
+    port: int
+    up: subprocess.Popen[bytes]
+    log_dir: Path
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def service_pid(self) -> int | None:
+        """The running service process (the supervisor's one live child), if any."""
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(self.up.pid).children():
+                if child.status() != psutil.STATUS_ZOMBIE:
+                    return child.pid
+        return None
+
+    def restarts(self) -> list[str]:
+        """The supervisor's "... exited with status N; restarting it in X s" lines."""
+        text = (self.log_dir / "up.log").read_text(errors="replace")
+        return [line.strip() for line in text.splitlines() if "restarting it in" in line]
+
+
+@dataclass
+class Mesh:
+    processes: dict[str, Supervised]
+    proxies: dict[tuple[str, str], FaultProxy]
+    log_dir: Path
+    paused: set[int] = field(default_factory=set)
+
+    def __getitem__(self, name: str) -> Supervised:
+        return self.processes[name]
+
+    def kill(self, name: str) -> int:
+        """kill -9 of the service process (not its supervisor); returns the dead pid."""
+        pid = self._pid(name)
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def pause(self, name: str) -> int:
+        """SIGSTOP: the process keeps its sockets open and answers nothing, a hang."""
+        pid = self._pid(name)
+        self.paused.add(pid)
+        os.kill(pid, signal.SIGSTOP)
+        return pid
+
+    def resume(self, pid: int) -> None:
+        self.paused.discard(pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+    def _pid(self, name: str) -> int:
+        pid = self.processes[name].service_pid()
+        if pid is None:
+            raise RuntimeError(f"{name} has no running process")
+        return pid
+
+    async def ready_again(self, name: str, old_pid: int, timeout_s: float) -> float | None:
+        """Seconds until a new process of `name` (not `old_pid`) answers readiness."""
+        process = self.processes[name]
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        while loop.time() - started < timeout_s:
+            pid = process.service_pid()
+            if pid not in (None, old_pid) and (
+                await probe(process.target, process.service, 0.5) == "SERVING"
+            ):
+                return loop.time() - started
+            await asyncio.sleep(0.2)
+        return None
+
+    def stop(self) -> None:
+        """SIGCONT what is paused, SIGTERM every supervisor (its services drain), then
+        SIGKILL every process group whatever is left: nothing outlives the run."""
+        for pid in list(self.paused):
+            self.resume(pid)
+        for process in self.processes.values():
+            if process.up.poll() is None:
+                process.up.send_signal(signal.SIGTERM)
+        give_up = time.monotonic() + STOP_WAIT_S
+        for process in self.processes.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.up.wait(timeout=max(0.0, give_up - time.monotonic()))
+        for process in self.processes.values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.up.pid, signal.SIGKILL)
+            process.up.wait()
+
+    async def close_proxies(self) -> None:
+        for proxy in self.proxies.values():
+            await proxy.close()
+
+
+def _env(
+    ports: dict[str, int], proxies: dict[tuple[str, str], FaultProxy], config: Path
+) -> dict[str, str]:
+    bin_dir = Path(sys.executable).parent
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "GRPC_VERBOSITY": "ERROR",
+        "AIMESH_LOG_LEVEL": "WARNING",
+        "AIMESH_CONFIG": str(config),
+        "AIMESH_ENGINES__RETRIEVAL__PATH": str(config.parent / "qdrant"),
+        "AIMESH_ENGINES__DIFFUSION__MODELS": "digits",
+    }
+    for name in SERVICES:
+        prefix = f"AIMESH_SERVICES__{name.upper()}__"
+        env |= {f"{prefix}PORT": str(ports[name]), f"{prefix}METRICS_PORT": "0"}
+        env[f"{prefix}GRACE_S"] = str(GRACE_S)
+    for edge, proxy in proxies.items():
+        env[EDGE_SETTING[edge]] = proxy.address
+    return env
+
+
+def _supervise(name: str, service: str, port: int, env: dict[str, str], logs: Path) -> Supervised:
+    log_dir = logs / name
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with (log_dir / "up.log").open("wb") as out:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "mesh.cli", "up", "--only", service,
+             "--log-dir", str(log_dir), "--ready-timeout", "600"],
+            env={**env, f"AIMESH_SERVICES__{service.upper()}__PORT": str(port)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    return Supervised(name, service, port, up, log_dir)
+
+
+async def _until_ready(process: Supervised, timeout_s: float) -> None:
+    """Until the service answers readiness; fails at once if its supervisor gave up."""
+    give_up = time.monotonic() + timeout_s
+    while time.monotonic() < give_up and process.up.poll() is None:
+        if await probe(process.target, process.service, 1.0) == "SERVING":
+            return
+        await asyncio.sleep(0.5)
+    raise RuntimeError(f"{process.name} did not become ready; see {process.log_dir}")
+
+
+async def start(work_dir: Path, timeout_s: float = 600) -> Mesh:
+    """Every service plus a second decode replica, each under its own supervisor, ready.
+    On failure everything started is stopped again before the error propagates."""
+    ports = {name: free_port() for name in SERVICES}
+    second_decode = free_port()
+    proxies = {edge: await FaultProxy(ports[edge[1]]).start() for edge in EDGES}
+    # A list in the router's options only parses from TOML (env values stay strings there).
+    config = work_dir / "aimesh.toml"
+    config.write_text(
+        "[services.generation.options]\n"
+        f'decode = ["127.0.0.1:{ports["decode"]}", "127.0.0.1:{second_decode}"]\n'
+    )
+    env = _env(ports, proxies, config)
+    logs = work_dir / "logs"
+    processes = {name: _supervise(name, name, ports[name], env, logs) for name in SERVICES}
+    processes[SECOND_DECODE] = _supervise(SECOND_DECODE, "decode", second_decode, env, logs)
+    mesh = Mesh(processes, proxies, logs)
+    try:
+        for process in processes.values():
+            await _until_ready(process, timeout_s)
+    except BaseException:
+        mesh.stop()
+        await mesh.close_proxies()
+        raise
+    return mesh
