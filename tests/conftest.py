@@ -8,6 +8,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -16,9 +17,11 @@ from pathlib import Path
 # grpc core logs every GOAWAY of a server stopping at teardown; keep test output readable.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
+import grpc
 import psutil
 import pytest
 import rotel
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
@@ -161,6 +164,20 @@ async def eventually(
             raise AssertionError(f"condition not met within {timeout_s} s")
         await asyncio.sleep(interval_s)
     return time.monotonic() - started
+
+
+def health_delays(port: int, done: threading.Event, service: str = "") -> list[float]:
+    """Seconds each health check of `service` took, asked from this (worker) thread until
+    `done`: what a caller waits while the server works on something else."""
+    delays = []
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while not done.is_set():
+            started = time.monotonic()
+            health.Check(health_pb2.HealthCheckRequest(service=service), timeout=30)
+            delays.append(time.monotonic() - started)
+            time.sleep(0.05)
+    return delays
 
 
 def metric(name: str, **labels: str) -> float:

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 import pytest_asyncio
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
 from mesh import request_id
@@ -29,7 +27,7 @@ from services.embedder.servicer import (
     EmbedderServicer,
     setup,
 )
-from tests.conftest import target
+from tests.conftest import health_delays, target
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -97,19 +95,6 @@ async def test_tokenizing_many_bytes_never_runs_on_the_event_loop(
     assert threads and threading.get_ident() not in threads
 
 
-def _health_delays(port: int, done: threading.Event) -> list[float]:
-    """Seconds each readiness check took, asked from this thread until `done`."""
-    delays = []
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while not done.is_set():
-            started = time.monotonic()
-            health.Check(health_pb2.HealthCheckRequest(service="embedder"), timeout=30)
-            delays.append(time.monotonic() - started)
-            time.sleep(0.05)
-    return delays
-
-
 async def test_health_answers_while_the_largest_request_runs(stub, server):
     """32 inputs of 64 KiB, cut to 256 tokens: 2 MiB to tokenize, 32 full passes."""
     unit = "naïve café 日本語 🙂 "
@@ -119,7 +104,7 @@ async def test_health_answers_while_the_largest_request_runs(stub, server):
     embedding = asyncio.ensure_future(stub.Embed(request, timeout=120))
     done = threading.Event()
     embedding.add_done_callback(lambda _: done.set())
-    delays = await asyncio.to_thread(_health_delays, server.port, done)
+    delays = await asyncio.to_thread(health_delays, server.port, done, "embedder")
     response = await embedding
     assert len(response.embeddings) == MAX_INPUTS
     assert response.usage.prompt_tokens == 256 * MAX_INPUTS

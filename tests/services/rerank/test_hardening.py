@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 import pytest_asyncio
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 from mesh import request_id
@@ -30,6 +28,7 @@ from services.rerank.servicer import (
     load_scorer,
 )
 from services.rerank.settings import RerankSettings
+from tests.conftest import health_delays
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -176,19 +175,6 @@ async def test_groups_score_as_one_request_would(servicer: RerankServicer):
         assert result.score == pytest.approx(alone[result.index], abs=1e-5)
 
 
-def _health_delays(port: int, done: threading.Event) -> list[float]:
-    """Seconds each liveness check took, asked from this thread until `done`."""
-    delays = []
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while not done.is_set():
-            started = time.monotonic()
-            health.Check(health_pb2.HealthCheckRequest(service=""), timeout=30)
-            delays.append(time.monotonic() - started)
-            time.sleep(0.05)
-    return delays
-
-
 async def test_health_answers_while_the_largest_request_runs(stub, server):
     """1000 documents of ~16 KB (16 MB; twice that is the transport's limit) and the
     longest query: minutes of scoring, watched for a few seconds, then cancelled."""
@@ -198,7 +184,7 @@ async def test_health_answers_while_the_largest_request_runs(stub, server):
     done = threading.Event()
     watching = asyncio.get_running_loop().call_later(4, done.set)
     try:
-        delays = await asyncio.to_thread(_health_delays, server.port, done)
+        delays = await asyncio.to_thread(health_delays, server.port, done, "")
     finally:
         watching.cancel()
         call.cancel()

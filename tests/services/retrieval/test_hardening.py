@@ -34,6 +34,7 @@ from services.retrieval.calls import StoreCalls
 from services.retrieval.servicer import SERVICE, RetrievalServicer
 from services.retrieval.servicer import setup as retrieval_setup
 from services.retrieval.settings import RetrievalSettings
+from tests.conftest import health_delays
 from tests.services.retrieval.conftest import retrieval_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -119,19 +120,6 @@ def _nested(depth: int) -> struct_pb2.Struct:
 # ---- CPU work stays off the event loop ----
 
 
-def _health_delays(port: int, done: threading.Event) -> list[float]:
-    """Seconds each readiness check took, asked from this thread until `done`."""
-    delays = []
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while not done.is_set():
-            started = time.monotonic()
-            health.Check(health_pb2.HealthCheckRequest(service="retrieval"), timeout=30)
-            delays.append(time.monotonic() - started)
-            time.sleep(0.05)
-    return delays
-
-
 async def test_health_answers_while_a_large_upsert_is_processed(stub, fake_retrieval):
     await stub.CreateCollection(
         retrieval_pb2.CreateCollectionRequest(collection="big", sparse_enabled=True)
@@ -147,7 +135,7 @@ async def test_health_answers_while_a_large_upsert_is_processed(stub, fake_retri
     done = threading.Event()
     upsert = asyncio.ensure_future(stub.Upsert(_stream(documents, "big"), timeout=300))
     upsert.add_done_callback(lambda _: done.set())
-    delays = await asyncio.to_thread(_health_delays, fake_retrieval.port, done)
+    delays = await asyncio.to_thread(health_delays, fake_retrieval.port, done, "retrieval")
     assert (await upsert).upserted == 256
     assert len(delays) >= 5  # the checks overlapped the upsert's work
     assert max(delays) < 1.0

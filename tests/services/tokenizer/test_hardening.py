@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import tracemalloc
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
 import pytest_asyncio
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from aimesh.common.v1 import common_pb2
 from aimesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -29,6 +27,7 @@ from services.tokenizer.servicer import (
     setup,
     tokenize_response,
 )
+from tests.conftest import health_delays
 from tests.services.tokenizer.conftest import tokenizer_stub
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -204,19 +203,6 @@ async def test_stream_checks_request_id_on_the_first_message_only(engine: Tokeni
         [r async for r in servicer.DetokenizeStream(bad_first(), None)]
 
 
-def _health_delays(port: int, done: threading.Event) -> list[float]:
-    """Seconds each readiness check took, asked from this thread until `done`."""
-    delays = []
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while not done.is_set():
-            started = time.monotonic()
-            health.Check(health_pb2.HealthCheckRequest(service="tokenizer"), timeout=30)
-            delays.append(time.monotonic() - started)
-            time.sleep(0.05)
-    return delays
-
-
 async def test_health_answers_while_the_largest_requests_run(stub, server):
     """1 MiB of emoji with details (~800k tokens, seconds of work), the largest
     conversation and the longest stream, all at once."""
@@ -230,7 +216,7 @@ async def test_health_answers_while_the_largest_requests_run(stub, server):
     )
     done = threading.Event()
     work.add_done_callback(lambda _: done.set())
-    delays = await asyncio.to_thread(_health_delays, server.port, done)
+    delays = await asyncio.to_thread(health_delays, server.port, done, "tokenizer")
     tokenized, prompt, streamed = await work
     assert len(tokenized.offsets) == len(tokenized.token_ids) == MAX_TEXT_BYTES // 4 * 3
     assert prompt.token_ids
