@@ -23,26 +23,16 @@ from mesh.errors import field_violations
 from mesh.server import MeshServer
 from services.embedder.servicer import SERVICE, setup
 from tests.conftest import target
+from tests.strategies import mostly
+from tests.strategies import wild_strings as wild_strings_of
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 ANSWERS = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}
 
 
-def mostly(usual: st.SearchStrategy, wild: st.SearchStrategy) -> st.SearchStrategy:
-    """`usual` seven times in eight, else `wild`: a wild value mostly meets an otherwise
-    valid request, and so gets past validation into the engine."""
-    return st.integers(0, 7).flatmap(lambda roll: wild if roll == 0 else usual)
-
-
 WORDS = ("", " ", "\x00", "\x1b[31m", "\u200b\u202e", "\ufffd", "[CLS]", "[SEP] [PAD]", "é")
-wild_strings = st.one_of(
-    st.text(max_size=24),
-    st.sampled_from(WORDS),
-    st.tuples(st.characters(codec="utf-8"), st.sampled_from([257, 9000, 70_000, 300_000])).map(
-        lambda pair: pair[0] * pair[1]
-    ),
-)
+wild_strings = wild_strings_of(WORDS, [257, 9000, 70_000, 300_000])
 inputs = mostly(
     st.lists(st.text(min_size=1, max_size=200), min_size=1, max_size=4),
     st.one_of(

@@ -22,6 +22,7 @@ from mesh.client import create_channel
 from mesh.config import MeshSettings
 from mesh.errors import field_violations
 from services.retrieval.servicer import SERVICE
+from tests.strategies import wild_strings as wild_strings_of
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -36,12 +37,10 @@ PROPERTY = settings(
 # something here and runs of one character up to 300 KB; numbers with NaN, infinities and
 # extremes; payloads nested past any limit.
 texts = st.text(max_size=24)
-wild_strings = st.one_of(
-    texts,
-    st.sampled_from(["", " ", "docs", "dense", "nope", "é", "_aimesh_text", "json"]),
-    st.tuples(st.characters(codec="utf-8"), st.sampled_from([65, 257, 9000, 70_000, 300_000])).map(
-        lambda pair: pair[0] * pair[1]
-    ),
+wild_strings = wild_strings_of(
+    ["", " ", "docs", "dense", "nope", "é", "_aimesh_text", "json"],
+    [65, 257, 9000, 70_000, 300_000],
+    short=texts,
 )
 sane_keys = st.sampled_from(["m", "n", "a.b", "a[]", "a[0]", 'x."y z"[3]', "meta.source", "é"])
 wild_keys = st.one_of(

@@ -23,6 +23,8 @@ from mesh.errors import field_violations
 from mesh.server import MeshServer
 from services.tokenizer.servicer import setup
 from tests.services.tokenizer.conftest import tokenizer_stub
+from tests.strategies import mostly
+from tests.strategies import wild_strings as wild_strings_of
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -39,19 +41,7 @@ WORDS = (
     "", " ", "user", "assistant", "{{ 7 * 7 }}", "{% for x in y %}", "{#", "<|im_start|>",
     "<|im_end|>", "\x00", "\x1b[31m", "\ufffd", "é", "\u200b\u202e",
 )  # fmt: skip
-wild_strings = st.one_of(
-    st.text(max_size=24),
-    st.sampled_from(WORDS),
-    st.tuples(st.characters(codec="utf-8"), st.sampled_from([65, 9000, 300_000])).map(
-        lambda pair: pair[0] * pair[1]
-    ),
-)
-
-
-def mostly(usual: st.SearchStrategy, wild: st.SearchStrategy) -> st.SearchStrategy:
-    """`usual` seven times in eight, else `wild`: a wild value mostly meets an otherwise
-    valid request, and so gets past validation into the engine."""
-    return st.integers(0, 7).flatmap(lambda roll: wild if roll == 0 else usual)
+wild_strings = wild_strings_of(WORDS, [65, 9000, 300_000])
 
 
 request_ids = mostly(st.sampled_from(["", "req-1"]), wild_strings)
