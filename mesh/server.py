@@ -80,6 +80,7 @@ class MeshServer:
         self._probes: list[Probe] = []
         self._following: asyncio.Task[None] | None = None
         self._watched: set[asyncio.Task[Any]] = set()
+        self._breaking: asyncio.Task[None] | None = None
         self._draining = False
         self.broken = asyncio.Event()
         self.grpc_server = grpc.aio.server(
@@ -174,7 +175,8 @@ class MeshServer:
             )
             if on_death is not None:
                 on_death(NotReady(f"{self.name}: {done.get_name()} stopped; retry elsewhere"))
-            asyncio.get_running_loop().create_task(self._break())
+            # Kept: the loop holds tasks only weakly, and this one must run to its end.
+            self._breaking = asyncio.get_running_loop().create_task(self._break())
 
         task.add_done_callback(ended)
 
