@@ -11,7 +11,10 @@ window of failure and slow-call rates, CLOSED -> OPEN -> HALF_OPEN -> CLOSED.
 One breaker per target is shared by every caller in the process, so it counts only what
 says the target itself is unwell (unreachable, not ready, too slow). INTERNAL and UNKNOWN
 are a live target's answer to one request (a bug its content set off) and count for no
-one else; nor does a refusal that names the caller's own deadline as the reason.
+one else; nor does a refusal that names the caller's own deadline as the reason, nor a
+failure the target passed up from its own dependency (that hop's breaker holds it back;
+counting it here too would keep this path closed for open_wait_s after the dependency
+recovered).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import grpc
 from prometheus_client import Counter, Gauge
 
 from mesh.config import BreakerSettings
-from mesh.errors import error_info, retry_delay_s, status
+from mesh.errors import error_info, passed_through, retry_delay_s, status
 
 
 class State(enum.IntEnum):
@@ -172,7 +175,10 @@ class CircuitBreaker:
         streaming: bool,
     ) -> None:
         """Feeds a finished call by its status; RESOURCE_EXHAUSTED + RetryInfo holds calls."""
-        outcome = classify(code, timeout_s, self.settings, streaming=streaming)
+        if error is not None and passed_through(error):
+            outcome = Outcome.IGNORED
+        else:
+            outcome = classify(code, timeout_s, self.settings, streaming=streaming)
         self.record(outcome, duration_s, streaming=streaming)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and error is not None:
             info = error_info(error)

@@ -69,6 +69,22 @@ def transport_options(transport: TransportSettings) -> list[tuple[str, Any]]:
     ]
 
 
+def channel_options(
+    settings: MeshSettings, services: Iterable[ServiceDescriptor] = ()
+) -> list[tuple[str, Any]]:
+    """Every option a mesh channel sets, so none is left to grpc's defaults by accident."""
+    client = settings.client
+    return [
+        *transport_options(settings.transport),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.enable_retries", 1),
+        ("grpc.initial_reconnect_backoff_ms", int(client.reconnect_initial_backoff_s * 1000)),
+        ("grpc.max_reconnect_backoff_ms", int(client.reconnect_max_backoff_s * 1000)),
+        ("grpc.service_config", json.dumps(service_config(services, client))),
+    ]
+
+
 def create_channel(
     target: str,
     settings: MeshSettings,
@@ -89,14 +105,9 @@ def create_channel(
         *tracing.client_interceptors(),
         *MeshClientInterceptor(deadlines, breaker).client_interceptors(),
     ]
-    options = [
-        *transport_options(settings.transport),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.enable_retries", 1),
-        ("grpc.service_config", json.dumps(service_config(services, client))),
-    ]
-    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    return grpc.aio.insecure_channel(
+        target, options=channel_options(settings, services), interceptors=interceptors
+    )
 
 
 class ChannelPool:

@@ -74,6 +74,11 @@ class ClientSettings(BaseModel):
     retry_max_attempts: int = Field(default=3, ge=2, le=5)
     retry_initial_backoff_s: float = Field(default=0.1, gt=0)
     retry_max_backoff_s: float = Field(default=2.0, gt=0)
+    # grpc's reconnect backoff grows 1.6x up to 120 s by default: a callee down for T
+    # seconds was retried up to ~0.6 T after it came back. Capped, a restarted service is
+    # found again within a couple of seconds of its readiness (grpc adds 20% jitter).
+    reconnect_initial_backoff_s: float = Field(default=0.5, gt=0)
+    reconnect_max_backoff_s: float = Field(default=2.0, gt=0)
     breaker: BreakerSettings = Field(default_factory=BreakerSettings)
 
 

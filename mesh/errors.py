@@ -7,6 +7,7 @@ INVALID_ARGUMENT, RetryInfo whenever retrying later can help, ResourceInfo for N
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
@@ -31,6 +32,9 @@ from mesh.failures import (
 
 DOMAIN = "aimesh"
 DETAILS_KEY = "grpc-status-details-bin"
+# Trailer on a status a service passes up from a dependency: the service answered, so its
+# callers' breakers must not count the failure against it (see mesh.breaker).
+PASSED_THROUGH_KEY = "aimesh-passed-through"
 
 log = logging.getLogger(__name__)
 
@@ -134,14 +138,28 @@ def status_for_failure(failure: Failure) -> grpc.Status:
     )
 
 
+class _Status(
+    collections.namedtuple("_Status", ("code", "details", "trailing_metadata")), grpc.Status
+):
+    """A grpc.Status with trailers of our choosing (grpcio-status builds only its own)."""
+
+
 def status_for_dependency(error: grpc.aio.AioRpcError) -> grpc.Status:
-    """A downstream call failed and the handler let it escape."""
+    """A downstream call failed and the handler let it escape: a code that means the same
+    one hop up keeps its rich status and is marked as passed through."""
     code = error.code()
     if code in PASS_THROUGH_CODES:
         proto = rich_status(error)
-        if proto is not None:
-            return rpc_status.to_status(proto)
-        return status(code, error.details() or code.name, reason=f"DEPENDENCY_{code.name}")
+        result = (
+            rpc_status.to_status(proto)
+            if proto is not None
+            else status(code, error.details() or code.name, reason=f"DEPENDENCY_{code.name}")
+        )
+        return _Status(
+            result.code,
+            result.details,
+            (*result.trailing_metadata, (PASSED_THROUGH_KEY, "1")),
+        )
     return status(
         grpc.StatusCode.INTERNAL,
         f"a dependency failed with {code.name}: {error.details()}",
@@ -194,6 +212,11 @@ def _unpack(error: grpc.aio.AioRpcError, message_type: type) -> Any | None:
             detail.Unpack(message)
             return message
     return None
+
+
+def passed_through(error: grpc.aio.AioRpcError) -> bool:
+    """Whether the target answered with a failure it passed up from its own dependency."""
+    return any(key == PASSED_THROUGH_KEY for key, _ in error.trailing_metadata() or ())
 
 
 def error_info(error: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo | None:

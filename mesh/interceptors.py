@@ -211,7 +211,7 @@ class MeshClientInterceptor(ClientInterceptor):
     async def _observe(self, call: Any, started: float, timeout_s: float) -> None:
         code = await call.code()
         error = None
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        if code != grpc.StatusCode.OK:
             error = grpc.aio.AioRpcError(
                 code, grpc.aio.Metadata(), await call.trailing_metadata(), await call.details()
             )

@@ -44,7 +44,7 @@ def _check_hops(violations: Violations, hops: list[str]) -> None:
     for i, hop in enumerate(hops):
         host, _, port = hop.rpartition(":")
         violations.check(
-            host in RELAY_HOSTS and port.isdigit(),
+            host in RELAY_HOSTS and port.isdigit() and 0 < int(port) < 65536,
             f"hops[{i}]",
             f"must be a loopback host:port ({', '.join(RELAY_HOSTS)}), got {hop!r}",
         )

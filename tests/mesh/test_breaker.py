@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from aimesh.echo.v1 import echo_pb2
 from mesh.breaker import CircuitBreaker, Outcome, State, classify
 from mesh.config import BreakerSettings, ClientSettings, MeshSettings
-from mesh.errors import error_info, local_error, retry_delay_s, status
+from mesh.errors import error_info, local_error, passed_through, retry_delay_s, status
 from tests.conftest import echo_stub, metric, target
 
 SETTINGS = BreakerSettings(
@@ -200,6 +201,33 @@ async def test_real_server_trips_fails_fast_half_opens_and_closes(echo_server):
         assert _state(server) == State.CLOSED
         for _ in range(5):
             await stub.Echo(echo_pb2.EchoRequest(), timeout=5)
+
+
+def _unused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_a_failure_passed_up_from_further_down_does_not_trip_the_callers_breaker(
+    echo_server,
+):
+    """A relays to a hop that is down: A's own breaker for that hop opens, but A answered
+    every call, so its callers keep calling A (the chaos suite saw such breakers hold a
+    healthy path shut for seconds after the dependency was back)."""
+    server = await echo_server()
+    dead = f"127.0.0.1:{_unused_port()}"
+    stub, channel = echo_stub(server, _client_settings())
+    async with channel:
+        for _ in range(3 * SETTINGS.window_size):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.RelayUnary(echo_pb2.RelayUnaryRequest(hops=[dead]), timeout=5)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert passed_through(caught.value)
+        assert _state(server) == State.CLOSED
+        assert server.channels.breakers[dead].state is not State.CLOSED
+        reply = await stub.RelayUnary(echo_pb2.RelayUnaryRequest(), timeout=5)
+        assert len(reply.hops) == 1
 
 
 async def test_streams_that_fail_trip_the_breaker(echo_server):

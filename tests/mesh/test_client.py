@@ -7,7 +7,7 @@ import asyncio
 from aimesh.echo.v1 import echo_pb2, echo_pb2_grpc
 from aimesh.llm.v1 import decode_pb2, kv_cache_pb2
 from aimesh.retrieval.v1 import retrieval_pb2
-from mesh.client import create_channel, idempotent_methods, service_config
+from mesh.client import channel_options, create_channel, idempotent_methods, service_config
 from mesh.config import ClientSettings, MeshSettings
 from services.echo.servicer import SERVICE as ECHO_SERVICE
 
@@ -30,6 +30,16 @@ def test_retries_come_from_the_protos_idempotency_levels():
     assert method_config["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
     assert config["retryThrottling"] == {"maxTokens": 10, "tokenRatio": 0.1}
     assert config["loadBalancingConfig"] == [{"round_robin": {}}]
+
+
+def test_reconnect_backoff_is_capped_well_below_grpcs_two_minutes():
+    """grpc's default reconnect backoff reaches 120 s: a callee that was down for a minute
+    would be found again up to ~40 s after it came back (the chaos suite saw it)."""
+    options = dict(channel_options(MeshSettings()))
+    assert options["grpc.max_reconnect_backoff_ms"] <= 5000
+    assert options["grpc.initial_reconnect_backoff_ms"] <= options["grpc.max_reconnect_backoff_ms"]
+    tuned = MeshSettings(client=ClientSettings(reconnect_max_backoff_s=0.25))
+    assert dict(channel_options(tuned))["grpc.max_reconnect_backoff_ms"] == 250
 
 
 async def test_round_robin_spreads_calls_over_every_address(echo_server):

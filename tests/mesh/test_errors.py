@@ -105,6 +105,8 @@ def test_dependency_failures_pass_through_or_become_internal():
     passed = errors.status_for_dependency(unavailable)
     assert passed.code == grpc.StatusCode.UNAVAILABLE
     assert errors.error_info(_as_error(passed)).reason == "NOT_READY"
+    assert errors.passed_through(_as_error(passed))
+    assert not errors.passed_through(unavailable)
 
     bad = _as_error(errors.status_for_failure(InvalidInput([FieldViolation("x", "bad")])))
     hidden = errors.status_for_dependency(bad)
