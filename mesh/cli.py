@@ -56,14 +56,7 @@ def serve(
     metrics_port = settings.metrics_port_of(name, chosen_port)
 
     async def run() -> int:
-        server = MeshServer(
-            name,
-            settings,
-            port=chosen_port,
-            host=settings.service(name).host,
-            exempt_methods=spec.exempt_methods,
-            default_max_concurrency=spec.max_concurrency,
-        )
+        server = MeshServer.for_service(name, settings, port=chosen_port)
         await spec.load_setup()(server)
         if metrics_port:
             serve_metrics(metrics_port, settings.service(name).host)

@@ -40,6 +40,11 @@ class ServiceSettings(BaseModel):
     )
     max_queue: int = Field(default=64, ge=0)
     grace_s: float = Field(default=15.0, ge=0, description="SIGTERM drain period")
+    dependencies: dict[str, str] = Field(
+        default_factory=dict,
+        description="service name -> the address this service dials for it, overriding that "
+        "service's own target (e.g. a proxy on one edge)",
+    )
     options: dict[str, Any] = Field(default_factory=dict, description="engine-specific settings")
 
 

@@ -36,6 +36,9 @@ class ServiceSpec:
     # Proto services (full names) Envoy exposes to the outside; the rest (KV pull, decode,
     # the echo relay that dials any address it is given) stay inside the mesh.
     edge_services: tuple[str, ...] = field(default=())
+    # Services this one calls, by name: MeshServer.channel_to hands out channels to these
+    # only, so the call graph is written down in one place per service.
+    dependencies: tuple[str, ...] = field(default=())
 
     def load_setup(self) -> Callable[[MeshServer], Awaitable[None]]:
         module_name, _, function = self.setup.partition(":")

@@ -35,6 +35,7 @@ from mesh.config import MeshSettings
 from mesh.failures import NotReady
 from mesh.interceptors import MeshServerInterceptor
 from mesh.metrics import watch_event_loop
+from mesh.registry import discover
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,10 @@ class MeshServer:
         host: str = "127.0.0.1",
         exempt_methods: Iterable[str] = (),
         default_max_concurrency: int = 4,
+        dependencies: Iterable[str] = (),
     ) -> None:
         self.name = name
+        self.dependencies = frozenset(dependencies)
         self.settings = settings
         self.host = host
         self.requested_port = port
@@ -91,6 +94,23 @@ class MeshServer:
             options=self._server_options(),
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+
+    @classmethod
+    def for_service(
+        cls, name: str, settings: MeshSettings, *, port: int | None = None
+    ) -> MeshServer:
+        """A server as its ServiceSpec declares it (admission exemptions, default slots,
+        dependencies), on the configured port unless `port` is given (0: any free one)."""
+        spec = discover()[name]
+        return cls(
+            name,
+            settings,
+            port=settings.port_of(name, spec.default_port) if port is None else port,
+            host=settings.service(name).host,
+            exempt_methods=spec.exempt_methods,
+            default_max_concurrency=spec.max_concurrency,
+            dependencies=spec.dependencies,
+        )
 
     def _server_options(self) -> list[tuple[str, Any]]:
         transport = self.settings.transport
@@ -125,6 +145,16 @@ class MeshServer:
         """Registers a servicer, e.g. add_service(add_EchoServiceServicer_to_server, ...)."""
         register(servicer, self.grpc_server)
         self._proto_services.append(descriptor.full_name)
+
+    def channel_to(self, name: str, *services: ServiceDescriptor) -> grpc.aio.Channel:
+        """The mesh channel (tracing, request id, deadline, breaker, retries for the
+        `services`' idempotent methods) to a declared dependency: this service's override
+        in `[services.<self>.dependencies]`, else that service's configured target."""
+        if name not in self.dependencies:
+            raise ValueError(f"{self.name} does not declare a dependency on {name!r}")
+        override = self.settings.service(self.name).dependencies.get(name)
+        target = override or self.settings.target_of(name, discover()[name].default_port)
+        return self.channels.get(target, *services)
 
     def add_warmup(self, hook: Hook) -> None:
         """Runs after the server listens and before readiness (model load, first forward)."""
