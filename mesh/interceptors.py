@@ -25,7 +25,7 @@ from mesh.admission import Admission
 from mesh.breaker import CircuitBreaker
 from mesh.deadline import DeadlinePolicy
 from mesh.errors import fail, local_error
-from mesh.failures import InvalidInput
+from mesh.failures import Failure, InvalidInput
 from mesh.metrics import MethodMetrics
 from mesh.rpc import (
     ClientInterceptor,
@@ -47,17 +47,28 @@ def checked(request: Any) -> Any:
     return request
 
 
+Gate = Callable[[], Failure | None]
+
+
+def _open() -> None:
+    return None
+
+
 class MeshServerInterceptor(grpc.aio.ServerInterceptor):
     """Applies request id, deadline, metrics, errors and admission to every non-probe call.
 
     Methods in `exempt_methods` (cheap control calls such as GetLoad or Cancel) skip
     admission so they answer even when every compute slot is busy; health and reflection
-    skip everything.
+    skip everything. `gate()` names why the process serves nothing now (its engine still
+    loading, a background task dead), so no servicer needs a guard of its own.
     """
 
-    def __init__(self, admission: Admission, exempt_methods: Iterable[str] = ()) -> None:
+    def __init__(
+        self, admission: Admission, exempt_methods: Iterable[str] = (), gate: Gate = _open
+    ) -> None:
         self.admission = admission
         self.exempt_methods = frozenset(exempt_methods)
+        self.gate = gate
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
@@ -95,6 +106,8 @@ class MeshServerInterceptor(grpc.aio.ServerInterceptor):
                 admitted_at = None
                 try:
                     request = checked(request)
+                    if refusal := self.gate():
+                        raise refusal
                     if admit:
                         await admission.enter(method, streaming=False)
                         admitted_at = time.monotonic()
@@ -129,6 +142,8 @@ class MeshServerInterceptor(grpc.aio.ServerInterceptor):
                 admitted_at = None
                 try:
                     request = checked(request)
+                    if refusal := self.gate():
+                        raise refusal
                     if admit:
                         await admission.enter(method, streaming=True)
                         admitted_at = time.monotonic()

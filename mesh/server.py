@@ -3,7 +3,9 @@
 Health (grpc.health.v1): `""` answers SERVING as soon as the process listens (liveness);
 the service's own name and each of its proto service names answer SERVING only after
 every warm-up has run (readiness), follow the readiness probes of a remote engine (e.g.
-Triton's ModelReady) after that, and go NOT_SERVING when draining. Reflection is on for
+Triton's ModelReady) after that, and go NOT_SERVING when draining. Until the warm-ups
+end, and after a watched task died, every call is answered UNAVAILABLE (NOT_READY) here,
+so no servicer guards its engine with a "still loading" check. Reflection is on for
 grpcurl. On SIGTERM: NOT_SERVING, new calls refused, in-flight calls (streams included)
 get the grace period to finish, then the process exits.
 
@@ -85,11 +87,12 @@ class MeshServer:
         self._watched: set[asyncio.Task[Any]] = set()
         self._breaking: asyncio.Task[None] | None = None
         self._draining = False
+        self._warm = False
         self.broken = asyncio.Event()
         self.grpc_server = grpc.aio.server(
             interceptors=[
                 *tracing.server_interceptors(),
-                MeshServerInterceptor(self.admission, exempt_methods),
+                MeshServerInterceptor(self.admission, exempt_methods, self._refusal),
             ],
             options=self._server_options(),
         )
@@ -111,6 +114,14 @@ class MeshServer:
             default_max_concurrency=spec.max_concurrency,
             dependencies=spec.dependencies,
         )
+
+    def _refusal(self) -> NotReady | None:
+        """Why a call cannot be served now; None when it can."""
+        if self.broken.is_set():
+            return NotReady(f"{self.name} is broken and about to restart; retry elsewhere")
+        if not self._warm:
+            return NotReady(f"{self.name} is still loading")
+        return None
 
     def _server_options(self) -> list[tuple[str, Any]]:
         transport = self.settings.transport
@@ -238,6 +249,7 @@ class MeshServer:
         log.info("listening", extra={"address": f"{self.host}:{self.port}"})
         for warmup in self._warmups:
             await warmup()
+        self._warm = True
         await self.set_ready(True)
         log.info("ready")
         if self._probes:

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
+import pytest
+
+from aimesh.echo.v1 import echo_pb2
 from mesh.config import MeshSettings
+from mesh.errors import error_info
 from mesh.failures import NotReady
 from mesh.health import probe
 from mesh.server import BROKEN_EXIT_STATUS, MeshServer
 from services.echo.servicer import setup as echo_setup
-from tests.conftest import target
+from tests.conftest import echo_stub, eventually, target
 
 
 async def _dies_when(event: asyncio.Event) -> None:
@@ -31,6 +36,36 @@ async def test_a_dead_watched_task_flips_liveness_and_readiness_and_fails_its_wa
     assert "scheduler" in str(failed[0])
     assert await probe(target(server), "") == "NOT_SERVING"
     assert await probe(target(server), "echo") == "NOT_SERVING"
+    stub, channel = echo_stub(server)
+    async with channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Echo(echo_pb2.EchoRequest(), timeout=5)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert error_info(caught.value).reason == "NOT_READY"
+    assert "broken" in caught.value.details()
+
+
+async def test_calls_before_the_warm_ups_end_are_not_ready_without_a_servicer_guard():
+    server = MeshServer("echo", MeshSettings(), port=0)
+    await echo_setup(server)
+    loaded = asyncio.Event()
+    server.add_warmup(loaded.wait)
+    starting = asyncio.create_task(server.start())
+    try:
+        await eventually(lambda: server.port != 0)
+        stub, channel = echo_stub(server)
+        async with channel:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.EchoStream(echo_pb2.EchoStreamRequest(count=1), timeout=5).read()
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert error_info(caught.value).reason == "NOT_READY"
+            assert "still loading" in caught.value.details()
+            loaded.set()
+            await asyncio.wait_for(starting, 10)
+            await stub.Echo(echo_pb2.EchoRequest(), timeout=5)
+    finally:
+        loaded.set()
+        await server.drain(0)
 
 
 async def test_a_task_cancelled_by_drain_is_no_death(echo_server):
