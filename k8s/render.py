@@ -28,6 +28,7 @@ from mesh.registry import ServiceSpec, discover
 K8S = Path(__file__).resolve().parent
 CONFIG = K8S / "base" / "aimesh.toml"
 SERVICES_DIR = K8S / "base" / "services"
+DIAGNOSTICS_DIR = K8S / "components" / "diagnostics"
 ADAPTER_RULES = K8S / "observability" / "prometheus-adapter-values.yaml"
 
 NAMESPACE = "aimesh"
@@ -381,7 +382,8 @@ def render(config: Path = CONFIG) -> dict[Path, str]:
     files: dict[Path, str] = {}
     for name, spec in specs.items():
         sizing = SIZING[name]
-        files[SERVICES_DIR / f"{name}.yaml"] = _dump(
+        directory = DIAGNOSTICS_DIR if spec.diagnostic else SERVICES_DIR
+        files[directory / f"{name}.yaml"] = _dump(
             [
                 deployment(spec, settings, sizing),
                 headless_service(spec, settings),
@@ -389,12 +391,27 @@ def render(config: Path = CONFIG) -> dict[Path, str]:
                 autoscaler(name, sizing),
             ]
         )
-    kustomization = {
-        "apiVersion": "kustomize.config.k8s.io/v1beta1",
-        "kind": "Kustomization",
-        "resources": [f"{name}.yaml" for name in specs],
-    }
-    files[SERVICES_DIR / "kustomization.yaml"] = _dump([kustomization])
+    files[SERVICES_DIR / "kustomization.yaml"] = _dump(
+        [
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [
+                    f"{name}.yaml" for name, spec in specs.items() if not spec.diagnostic
+                ],
+            }
+        ]
+    )
+    files[DIAGNOSTICS_DIR / "kustomization.yaml"] = _dump(
+        [
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1alpha1",
+                "kind": "Component",
+                "resources": [f"{name}.yaml" for name, spec in specs.items() if spec.diagnostic],
+            }
+        ],
+        HEADER + "# Diagnostic services (echo): add this component to an overlay to debug one.\n",
+    )
     metrics = sorted({m.name for name in specs for m in SIZING[name].scale_on})
     files[ADAPTER_RULES] = _dump(
         [adapter_rules(metrics)],
@@ -403,13 +420,18 @@ def render(config: Path = CONFIG) -> dict[Path, str]:
     return files
 
 
+def generated_files() -> list[Path]:
+    """What is on disk where render() writes, to find files no service renders any more."""
+    return [*SERVICES_DIR.glob("*.yaml"), *DIAGNOSTICS_DIR.glob("*.yaml")]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if any file is stale")
     args = parser.parse_args(argv)
     files = render()
     stale = [path for path, text in files.items() if not path.is_file() or path.read_text() != text]
-    extra = sorted(set(SERVICES_DIR.glob("*.yaml")) - set(files))
+    extra = sorted(set(generated_files()) - set(files))
     if args.check:
         for path in [*stale, *extra]:
             print(f"stale: {path.relative_to(K8S.parent)}", file=sys.stderr)

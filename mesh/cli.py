@@ -186,9 +186,10 @@ def health(
     ] = None,
     timeout: Annotated[float, typer.Option(help="seconds per probe")] = 1.0,
 ) -> None:
-    """Liveness and readiness of every configured service; exit 0 only if all are ready."""
+    """Liveness and readiness of every service (diagnostic ones such as echo only when
+    named); exit 0 only if all are ready."""
     settings = MeshSettings()
-    specs = _specs(only)
+    specs = _specs(only) if only else [s for s in discover().values() if not s.diagnostic]
 
     async def run() -> list[tuple[str, str, str, str]]:
         async def one(spec: ServiceSpec) -> tuple[str, str, str, str]:

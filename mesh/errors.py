@@ -122,8 +122,12 @@ def status(
 
 
 def status_for_failure(failure: Failure) -> grpc.Status:
-    """The table: an engine failure becomes exactly one status."""
-    code = FAILURE_CODES.get(type(failure), grpc.StatusCode.INTERNAL)
+    """The table: an engine failure becomes exactly one status; a subclass of a failure in
+    the table (e.g. a service's own NotFound) gets its nearest ancestor's code."""
+    code = next(
+        (FAILURE_CODES[kind] for kind in type(failure).__mro__ if kind in FAILURE_CODES),
+        grpc.StatusCode.INTERNAL,
+    )
     return status(
         code,
         failure.message,

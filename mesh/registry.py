@@ -39,6 +39,9 @@ class ServiceSpec:
     # Services this one calls, by name: MeshServer.channel_to hands out channels to these
     # only, so the call graph is written down in one place per service.
     dependencies: tuple[str, ...] = field(default=())
+    # A diagnostic service (echo) is no part of a deployment: k8s/render.py leaves it out
+    # of k8s/base and writes it to k8s/components/diagnostics for an overlay that wants it.
+    diagnostic: bool = False
 
     def load_setup(self) -> Callable[[MeshServer], Awaitable[None]]:
         module_name, _, function = self.setup.partition(":")

@@ -7,4 +7,5 @@ SPEC = ServiceSpec(
     default_port=50100,
     description="conformance and demo service for the mesh runtime",
     setup="services.echo.servicer:setup",
+    diagnostic=True,
 )

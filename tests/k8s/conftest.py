@@ -90,7 +90,12 @@ def overlay(overlay_name, rendered) -> list[Doc]:
 @pytest.fixture(scope="session")
 def deployed(overlay_name) -> set[str]:
     """The mesh services the overlay runs."""
-    return set(discover()) - NOT_DEPLOYED.get(overlay_name, frozenset())
+    return deployable() - NOT_DEPLOYED.get(overlay_name, frozenset())
+
+
+def deployable() -> set[str]:
+    """Every mesh service but the diagnostic ones (k8s/components/diagnostics)."""
+    return {name for name, spec in discover().items() if not spec.diagnostic}
 
 
 def of_kind(docs: list[Doc], kind: str) -> dict[str, Doc]:

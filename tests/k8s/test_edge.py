@@ -51,7 +51,7 @@ def test_envoy_reads_the_config_the_init_container_renders(overlay):
     env = env_of(render)
     assert env["AIMESH_CONFIG"]["value"] == "/etc/aimesh/aimesh.toml"
     assert env["AIMESH_EDGE__HOST"]["value"] == "0.0.0.0"
-    assert render["image"] == next(containers(of_kind(overlay, "Deployment")["echo"]))["image"]
+    assert render["image"] == next(containers(of_kind(overlay, "Deployment")["agent"]))["image"]
 
 
 def test_envoy_serves_clients_and_prometheus_and_is_probed_over_http(overlay):

@@ -19,8 +19,16 @@ def test_committed_manifests_are_fresh():
         if not path.is_file() or path.read_text() != text
     ]
     assert not stale, "rerun `.venv/bin/python k8s/render.py`; stale: " + ", ".join(stale)
-    leftovers = set(render.SERVICES_DIR.glob("*.yaml")) - set(files)
+    leftovers = set(render.generated_files()) - set(files)
     assert not leftovers, f"no service renders these any more: {sorted(leftovers)}"
+
+
+def test_diagnostic_services_stay_out_of_the_base():
+    files = load_render().render()
+    base = files[K8S / "base" / "services" / "kustomization.yaml"]
+    diagnostics = files[K8S / "components" / "diagnostics" / "kustomization.yaml"]
+    assert "echo.yaml" not in base and "decode.yaml" in base
+    assert "echo.yaml" in diagnostics and "kind: Component" in diagnostics
 
 
 def test_a_service_without_sizing_fails_the_render(monkeypatch):

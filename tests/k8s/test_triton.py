@@ -24,7 +24,6 @@ from tritonclient.grpc import model_config_pb2
 
 from loadtest.triton_server import REQUIREMENTS as TESTED_SERVER_REQUIREMENTS
 from mesh.config import MeshSettings
-from mesh.registry import discover
 from mesh.triton import TritonSettings
 from services.diffusion.settings import DiffusionSettings, diffusion_settings
 from services.embedder.settings import EmbedderSettings, embedder_settings
@@ -38,6 +37,7 @@ from tests.k8s.conftest import (
     Doc,
     config_toml,
     containers,
+    deployable,
     documents,
     env_of,
     gpus,
@@ -580,4 +580,4 @@ def test_the_documented_health_check_names_every_service_the_option_runs():
     (command,) = re.findall(r"aimesh health ((?:--only \w+[\s\\]*)+)", deploy_section_8())
     names = re.findall(r"--only (\w+)", command)
     assert len(names) == len(set(names))
-    assert set(names) == set(discover()) - NOT_DEPLOYED[OPTION]
+    assert set(names) == deployable() - NOT_DEPLOYED[OPTION]

@@ -91,6 +91,15 @@ def test_a_request_that_can_never_fit_carries_no_retry_hint():
     assert errors.error_info(error).reason == "JOB_TOO_LARGE"
 
 
+def test_a_subclass_of_a_known_failure_keeps_its_code():
+    class ToolTooSlow(Overloaded):
+        reason = "TOOL_TOO_SLOW"
+
+    error = _as_error(errors.status_for_failure(ToolTooSlow("busy", retry_after_s=1.0)))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert errors.error_info(error).reason == "TOOL_TOO_SLOW"
+
+
 def test_not_found_names_the_resource():
     error = _as_error(
         errors.status_for_failure(
