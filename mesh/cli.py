@@ -14,11 +14,13 @@ from pydantic import SecretStr
 from rich.console import Console
 from rich.table import Table
 
+from aimesh.mesh.v1.info_pb2 import GetInfoResponse
 from mesh import logs, supervisor, tracing
 from mesh.config import MeshSettings
 from mesh.edge import envoy
 from mesh.edge import process as edge_process
 from mesh.health import probe
+from mesh.info import get_info, summary
 from mesh.metrics import serve_metrics
 from mesh.registry import ServiceSpec, discover
 from mesh.server import MeshServer
@@ -92,7 +94,8 @@ def up(
         proxy = None
         try:
             cold_starts = await supervisor.wait_ready(children, ready_timeout)
-            _print_endpoints(children, settings, cold_starts)
+            infos = await asyncio.gather(*(get_info(child.target) for child in children))
+            _print_endpoints(children, settings, cold_starts, infos)
             not_ready = [name for name, took in cold_starts.items() if took is None]
             if not_ready:
                 console.print(f"[red]not ready: {', '.join(not_ready)}[/red]")
@@ -160,11 +163,12 @@ def _print_endpoints(
     children: list[supervisor.Child],
     settings: MeshSettings,
     cold_starts: dict[str, float | None],
+    infos: list[GetInfoResponse | None],
 ) -> None:
     table = Table(title="aimesh services")
-    for column in ("service", "address", "metrics", "pid", "state", "cold start"):
+    for column in ("service", "address", "metrics", "pid", "state", "cold start", "models"):
         table.add_column(column)
-    for child in children:
+    for child, info in zip(children, infos, strict=True):
         name = child.spec.name
         port = settings.port_of(name, child.spec.default_port)
         metrics_port = settings.metrics_port_of(name, port)
@@ -175,8 +179,15 @@ def _print_endpoints(
             str(child.process.pid),
             "[red]not ready[/red]" if cold_starts[name] is None else "[green]ready[/green]",
             "-" if cold_starts[name] is None else f"{cold_starts[name]:.1f} s",
+            _models(info),
         )
     console.print(table)
+
+
+def _models(info: GetInfoResponse | None) -> str:
+    if info is None:
+        return "-"
+    return "; ".join(summary(model) for model in info.models) or "-"
 
 
 @app.command()
@@ -191,25 +202,27 @@ def health(
     settings = MeshSettings()
     specs = _specs(only) if only else [s for s in discover().values() if not s.diagnostic]
 
-    async def run() -> list[tuple[str, str, str, str]]:
-        async def one(spec: ServiceSpec) -> tuple[str, str, str, str]:
+    async def run() -> list[tuple[str, str, str, str, GetInfoResponse | None]]:
+        async def one(spec: ServiceSpec) -> tuple[str, str, str, str, GetInfoResponse | None]:
             target = settings.target_of(spec.name, spec.default_port)
-            live, ready = await asyncio.gather(
-                probe(target, "", timeout), probe(target, spec.name, timeout)
+            live, ready, info = await asyncio.gather(
+                probe(target, "", timeout),
+                probe(target, spec.name, timeout),
+                get_info(target, timeout),
             )
-            return spec.name, target, live, ready
+            return spec.name, target, live, ready, info
 
         return list(await asyncio.gather(*(one(spec) for spec in specs)))
 
     rows = asyncio.run(run())
     table = Table(title="aimesh health")
-    for column in ("service", "address", "live", "ready"):
+    for column in ("service", "address", "live", "ready", "models"):
         table.add_column(column)
-    for name, target, live, ready in rows:
+    for name, target, live, ready, info in rows:
         colour = "green" if ready == "SERVING" else "red"
-        table.add_row(name, target, live, f"[{colour}]{ready}[/{colour}]")
+        table.add_row(name, target, live, f"[{colour}]{ready}[/{colour}]", _models(info))
     console.print(table)
-    all_ready = bool(rows) and all(ready == "SERVING" for *_, ready in rows)
+    all_ready = bool(rows) and all(row[3] == "SERVING" for row in rows)
     raise typer.Exit(0 if all_ready else 1)
 
 

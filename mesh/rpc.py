@@ -26,6 +26,7 @@ INFRASTRUCTURE_SERVICES = frozenset(
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
         "grpc.reflection.v1.ServerReflection",
+        "aimesh.mesh.v1.InfoService",
     }
 )
 

@@ -30,11 +30,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from aimesh.mesh.v1 import info_pb2_grpc
 from mesh import tracing
 from mesh.admission import Admission
 from mesh.client import ChannelPool, transport_options
 from mesh.config import MeshSettings
 from mesh.failures import NotReady
+from mesh.info import SERVICE as INFO_SERVICE
+from mesh.info import InfoServicer, ModelInfo
 from mesh.interceptors import MeshServerInterceptor
 from mesh.metrics import watch_event_loop
 from mesh.registry import discover
@@ -97,6 +100,8 @@ class MeshServer:
             options=self._server_options(),
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+        self.info = InfoServicer(name, lambda: self._warm)
+        info_pb2_grpc.add_InfoServiceServicer_to_server(self.info, self.grpc_server)
 
     @classmethod
     def for_service(
@@ -167,6 +172,10 @@ class MeshServer:
         target = override or self.settings.target_of(name, discover()[name].default_port)
         return self.channels.get(target, *services)
 
+    def describe(self, model: ModelInfo) -> None:
+        """Says what this process serves (GetInfo): call it once the model is loaded."""
+        self.info.models.append(model)
+
     def add_warmup(self, hook: Hook) -> None:
         """Runs after the server listens and before readiness (model load, first forward)."""
         self._warmups.append(hook)
@@ -236,6 +245,7 @@ class MeshServer:
             [
                 *self._proto_services,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                INFO_SERVICE.full_name,
                 reflection.SERVICE_NAME,
             ],
             self.grpc_server,

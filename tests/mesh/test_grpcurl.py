@@ -20,15 +20,19 @@ async def grpcurl(*args: str) -> tuple[int, str]:
     return process.returncode, output.decode()
 
 
-async def test_list_shows_the_service_health_and_reflection(serve_process):
+async def test_list_shows_the_service_health_info_and_reflection(serve_process):
     child = await serve_process("echo")
     code, output = await grpcurl(child.target, "list")
     assert code == 0, output
     assert set(output.split()) == {
         "aimesh.echo.v1.EchoService",
+        "aimesh.mesh.v1.InfoService",
         "grpc.health.v1.Health",
         "grpc.reflection.v1alpha.ServerReflection",
     }
+    code, output = await grpcurl(child.target, "aimesh.mesh.v1.InfoService/GetInfo")
+    assert code == 0, output
+    assert json.loads(output)["service"] == "echo"
 
 
 async def test_health_check_liveness_and_readiness(serve_process):
