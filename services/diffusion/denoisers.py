@@ -39,6 +39,8 @@ class Denoiser(Protocol):
     workspace_bytes: int
     # For ListModels: what runs the passes.
     runs_on: str
+    # For GetInfo: where the passes run ("cpu", "cuda", "triton").
+    device: str
 
     def __call__(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
         """One forward pass from a job's runner thread: the graph's feeds -> `denoised`."""
@@ -70,6 +72,7 @@ class OnnxDenoiser:
     def __init__(self, path: Path, device: str, threads: int | None) -> None:
         self.session = create_session(path, device, threads)
         self.providers = tuple(self.session.get_providers())
+        self.device = "cuda" if "CUDAExecutionProvider" in self.providers else "cpu"
 
     def __call__(self, feeds: Mapping[str, np.ndarray]) -> np.ndarray:
         return self.session.run([OUTPUT], dict(feeds))[0]
@@ -89,6 +92,7 @@ class TritonDenoiser:
 
     workspace_bytes = 0  # a pass's memory is Triton's
     runs_on = "Triton Inference Server"
+    device = "triton"
 
     def __init__(self, model: TritonModel, loop: asyncio.AbstractEventLoop) -> None:
         self.model = model

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from aimesh.diffusion.v1 import diffusion_pb2
-from mesh.artifacts import manifest_problems
+from mesh.artifacts import manifest_problems, sha256_of
 from mesh.failures import NotReady
 from mesh.validation import Violations
 from services.diffusion import schedule
@@ -22,7 +22,7 @@ from services.diffusion.digits_model import (
     PIXELS,
     DigitsDenoiser,
 )
-from services.diffusion.engine import ModelCard, Plan, to_uint8
+from services.diffusion.engine import ModelCard, Plan, Provenance, to_uint8
 from services.diffusion.train_digits import CONFIG, WEIGHTS
 
 SHIPPED = Path(__file__).parent / "weights" / "digits"
@@ -69,6 +69,9 @@ class DigitsModel:
         self.network.load_state_dict(weights)
         self.network.eval().to(device)
         self.device = torch.device(device)
+        self.provenance = Provenance(
+            sha256=sha256_of(directory / WEIGHTS), dtype="float32", device=device, engine="torch"
+        )
         self.alpha_bars = schedule.cosine_alpha_bars(self.timesteps).tolist()
 
     def parse_condition(

@@ -39,6 +39,16 @@ class ModelCard:
 
 
 @dataclass(frozen=True)
+class Provenance:
+    """What GetInfo says of a loaded model: which bytes, on what, run by what."""
+
+    sha256: str
+    dtype: str
+    device: str
+    engine: str
+
+
+@dataclass(frozen=True)
 class Plan:
     """One validated job, in the model's own terms."""
 
@@ -66,6 +76,7 @@ class Sampling(Protocol):
 
 class DiffusionModel(Protocol):
     card: ModelCard
+    provenance: Provenance
 
     def parse_condition(
         self, prompt: str, conditioning: Mapping[str, float], violations: Violations

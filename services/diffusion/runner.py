@@ -14,6 +14,7 @@ from mesh.failures import OutOfMemory
 from services.diffusion.jobs import Job
 from services.diffusion.metrics import IMAGES, STEP_SECONDS
 from services.diffusion.png import encode_png
+from services.shared.memory import is_out_of_memory
 
 Emit = Callable[[diffusion_pb2.GenerateResponse], None]
 
@@ -22,14 +23,6 @@ Emit = Callable[[diffusion_pb2.GenerateResponse], None]
 class RunTimes:
     denoise_s: float
     encode_s: float
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """numpy and the CPU raise MemoryError, torch its OutOfMemoryError; ONNX Runtime has no
-    type of its own for it, only its allocator's message."""
-    return isinstance(error, MemoryError | torch.OutOfMemoryError) or (
-        "failed to allocate memory" in str(error).lower()
-    )
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from opentelemetry import trace
 
 from aimesh.common.v1 import common_pb2
 from aimesh.diffusion.v1 import diffusion_pb2, diffusion_pb2_grpc
-from mesh.failures import Cancelled, NotReady, OutOfMemory
+from mesh.failures import Cancelled, OutOfMemory
+from mesh.info import ModelInfo
 from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
@@ -84,6 +85,23 @@ def load_models(
     return {name: loaders[name]() for name in settings.models}
 
 
+def described(model: DiffusionModel) -> ModelInfo:
+    """GetInfo's entry for a loaded model."""
+    card, provenance = model.card, model.provenance
+    return ModelInfo(
+        name=card.name,
+        sha256=provenance.sha256,
+        dtype=provenance.dtype,
+        device=provenance.device,
+        engine=provenance.engine,
+        limits={
+            "sizes": ",".join(map(str, card.sizes)),
+            "max_steps": str(card.max_steps),
+            "max_images": str(card.max_images),
+        },
+    )
+
+
 class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
     def __init__(self, settings: DiffusionSettings) -> None:
         self.settings = settings
@@ -100,8 +118,6 @@ class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
         self, request: diffusion_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[diffusion_pb2.GenerateResponse]:
         received = time.perf_counter()
-        if not self.models:
-            raise NotReady("the diffusion models are still loading")
         model, plan = plan_job(request, self.models)
         job = Job(model, plan, model.estimate_bytes(len(plan.seeds), plan.size))
         span = trace.get_current_span()
@@ -187,8 +203,6 @@ class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
     async def ListModels(
         self, request: diffusion_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> diffusion_pb2.ListModelsResponse:
-        if not self.models:
-            raise NotReady("the diffusion models are still loading")
         return diffusion_pb2.ListModelsResponse(
             models=[model_info(model.card) for model in self.models.values()]
         )
@@ -248,6 +262,7 @@ async def setup(server: MeshServer) -> DiffusionServicer:
         models = await loop.run_in_executor(servicer.workers, load_models, settings, triton)
         for model in models.values():
             await loop.run_in_executor(servicer.workers, warm_up, model)
+            server.describe(described(model))
         servicer.models = models
 
     async def shut_down() -> None:

@@ -23,7 +23,7 @@ from mesh.artifacts import sha256_of
 from mesh.failures import NotReady
 from mesh.validation import Violations
 from services.diffusion.denoisers import Denoiser, OnnxDenoiser
-from services.diffusion.engine import ModelCard, Plan
+from services.diffusion.engine import ModelCard, Plan, Provenance
 
 # The file the package's wheel RECORD lists; checked at every load.
 ONNX_RESOURCE = "weights/terrain_consistency_unet_difficulty100.onnx"
@@ -86,6 +86,12 @@ class TerrainModel:
             denoiser = OnnxDenoiser(verified_onnx(), device, threads)
         self.denoiser = denoiser
         self.card = dataclasses.replace(CARD, description=describe(denoiser.runs_on))
+        self.provenance = Provenance(
+            sha256=ONNX_SHA256,
+            dtype="float32",
+            device=denoiser.device,
+            engine="onnxruntime" if isinstance(denoiser, OnnxDenoiser) else "triton",
+        )
 
     def parse_condition(
         self, prompt: str, conditioning: Mapping[str, float], violations: Violations

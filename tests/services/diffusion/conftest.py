@@ -16,18 +16,21 @@ from aimesh.diffusion.v1 import diffusion_pb2, diffusion_pb2_grpc
 from mesh.client import create_channel
 from mesh.config import MeshSettings
 from mesh.server import MeshServer
-from services.diffusion import SPEC
 from services.diffusion.servicer import SERVICE, DiffusionServicer, setup
 
 
 class Diffusion:
-    """A running diffusion server's stub, and its servicer (to watch slots free)."""
+    """A running diffusion server's stub, its servicer (to watch slots free) and address."""
 
     def __init__(
-        self, stub: diffusion_pb2_grpc.DiffusionServiceStub, servicer: DiffusionServicer
+        self,
+        stub: diffusion_pb2_grpc.DiffusionServiceStub,
+        servicer: DiffusionServicer,
+        target: str,
     ) -> None:
         self.stub = stub
         self.servicer = servicer
+        self.target = target
 
 
 StartDiffusion = Callable[..., Awaitable[Diffusion]]
@@ -39,18 +42,14 @@ async def start_diffusion() -> AsyncIterator[StartDiffusion]:
 
     async def start(**engine_settings: object) -> Diffusion:
         settings = MeshSettings(engines={"diffusion": {"device": "cpu", **engine_settings}})
-        server = MeshServer(
-            "diffusion",
-            settings,
-            port=0,
-            exempt_methods=SPEC.exempt_methods,
-            default_max_concurrency=SPEC.max_concurrency,
-        )
+        server = MeshServer.for_service("diffusion", settings, port=0)
         servicer = await setup(server)
         await server.start()
         channel = create_channel(f"127.0.0.1:{server.port}", settings, services=[SERVICE])
         started.append((server, channel))
-        return Diffusion(diffusion_pb2_grpc.DiffusionServiceStub(channel), servicer)
+        return Diffusion(
+            diffusion_pb2_grpc.DiffusionServiceStub(channel), servicer, f"127.0.0.1:{server.port}"
+        )
 
     yield start
     for server, channel in started:

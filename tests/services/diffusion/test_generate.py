@@ -10,14 +10,24 @@ import pytest_asyncio
 from PIL import Image
 
 from aimesh.diffusion.v1 import diffusion_pb2
+from mesh.artifacts import sha256_of
+from mesh.info import get_info
+from services.diffusion.digits import SHIPPED
+from services.diffusion.terrain import ONNX_SHA256
+from services.diffusion.train_digits import WEIGHTS
 from tests.services.diffusion.conftest import events, of_kind
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stub(start_diffusion):
-    return (await start_diffusion(preview_min_interval_s=0, progress_min_interval_s=0)).stub
+async def diffusion(start_diffusion):
+    return await start_diffusion(preview_min_interval_s=0, progress_min_interval_s=0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stub(diffusion):
+    return diffusion.stub
 
 
 def pixels(png: bytes) -> np.ndarray:
@@ -120,6 +130,17 @@ async def test_list_models_gives_each_models_limits(stub):
     assert [s.width for s in terrain.sizes] == [128, 256, 512, 1024, 2048]
     assert terrain.max_steps == 1 and not terrain.HasField("default_guidance_scale")
     assert "difficulty" in terrain.conditioning
+
+
+async def test_get_info_names_the_bytes_and_runtime_of_each_model(diffusion):
+    info = await get_info(diffusion.target, timeout_s=5)
+    models = {m.name: m for m in info.models}
+    assert info.loaded and set(models) == {"digits", "terrain"}
+    assert models["digits"].sha256 == sha256_of(SHIPPED / WEIGHTS)
+    assert (models["digits"].engine, models["digits"].device) == ("torch", "cpu")
+    assert models["terrain"].sha256 == ONNX_SHA256
+    assert (models["terrain"].engine, models["terrain"].device) == ("onnxruntime", "cpu")
+    assert models["terrain"].limits["max_images"] == "16"
 
 
 async def test_quality_gate_a_classifier_reads_the_requested_digit(stub, digit_classifier):
