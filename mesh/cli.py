@@ -22,7 +22,7 @@ from mesh.edge import process as edge_process
 from mesh.health import probe
 from mesh.info import get_info, summary
 from mesh.metrics import serve_metrics
-from mesh.registry import ServiceSpec, discover
+from mesh.registry import ServiceSpec, discover, options_problems
 from mesh.server import MeshServer
 
 app = typer.Typer(help="aimesh: a gRPC mesh for AI serving.", no_args_is_help=True)
@@ -52,6 +52,7 @@ def serve(
     """Run one service in this process until SIGTERM, then drain."""
     spec = _spec(name)
     settings = MeshSettings()
+    _refuse_bad_options([spec], settings)
     logs.configure(name)
     tracing.configure(f"aimesh-{name}")
     chosen_port = settings.port_of(name, spec.default_port) if port is None else port
@@ -83,6 +84,7 @@ def up(
     """Start every service as its own process, wait until all are ready, run until Ctrl-C."""
     settings = MeshSettings()
     specs = _specs(only)
+    _refuse_bad_options(specs, settings)
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -117,6 +119,14 @@ def up(
             await supervisor.stop(children, grace)
 
     raise typer.Exit(asyncio.run(run()))
+
+
+def _refuse_bad_options(specs: list[ServiceSpec], settings: MeshSettings) -> None:
+    problems = options_problems(specs, settings)
+    if problems:
+        for problem in problems:
+            console.print(f"[red]{problem}[/red]")
+        raise typer.Exit(2)
 
 
 def _say_restart(child: supervisor.Child, exit_code: int, delay_s: float) -> None:

@@ -8,11 +8,14 @@ so mesh/ stays ignorant of which services exist.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import typing
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -24,7 +27,11 @@ LOOPBACK = "127.0.0.1"
 
 
 class ServiceSettings(BaseModel):
-    """Where one service listens, how it is reached, and its compute budget."""
+    """Where one service listens, how it is reached, and its compute budget; every other
+    key in `[services.<name>]` is the service's own, validated by the ServiceOptions
+    model its spec names (`MeshServer.options_as`, and `aimesh up` before it starts)."""
+
+    model_config = ConfigDict(extra="allow")
 
     host: str = LOOPBACK
     port: int | None = Field(default=None, ge=0, le=65535, description="None: the spec's port")
@@ -45,7 +52,46 @@ class ServiceSettings(BaseModel):
         description="service name -> the address this service dials for it, overriding that "
         "service's own target (e.g. a proxy on one edge)",
     )
-    options: dict[str, Any] = Field(default_factory=dict, description="engine-specific settings")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="[services.<name>.options]: being folded into own()"
+    )
+
+    def own(self) -> dict[str, Any]:
+        """The service's own keys: everything this model does not define."""
+        return dict(self.model_extra or {})
+
+
+def _is_text(annotation: Any) -> bool:
+    """Whether a field's type takes a plain string (an environment value as it is)."""
+    if annotation is str:
+        return True
+    return any(_is_text(arg) for arg in typing.get_args(annotation))
+
+
+class ServiceOptions(BaseModel):
+    """Base of a service's own settings (the rest of its `[services.<name>]` table).
+
+    Unknown keys are refused, so a typo fails the start instead of being ignored. A value
+    from the environment arrives as a string even for a list or a table
+    (AIMESH_SERVICES__GENERATION__DECODE='["127.0.0.1:1"]'): pydantic-settings decodes
+    JSON only for fields it knows the type of, and these it cannot, so it is decoded here.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _decode_json_strings(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        decoded = dict(data)
+        for name, field in cls.model_fields.items():
+            value = decoded.get(name)
+            if isinstance(value, str) and not _is_text(field.annotation):
+                # Not JSON: left as it is, for the field's own validation to name.
+                with contextlib.suppress(ValueError):
+                    decoded[name] = json.loads(value)
+        return decoded
 
 
 class BreakerSettings(BaseModel, frozen=True):

@@ -9,10 +9,14 @@ function (and with it torch, models and so on).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+
+from mesh.config import MeshSettings, ServiceOptions
 
 if TYPE_CHECKING:
     from mesh.server import MeshServer
@@ -42,10 +46,33 @@ class ServiceSpec:
     # A diagnostic service (echo) is no part of a deployment: k8s/render.py leaves it out
     # of k8s/base and writes it to k8s/components/diagnostics for an overlay that wants it.
     diagnostic: bool = False
+    # "package.module:Class": the mesh.config.ServiceOptions model of the service's own
+    # keys in [services.<name>]; the module must be cheap to import. None: it has none.
+    options: str | None = None
+
+    def load_options(self) -> type[ServiceOptions]:
+        if self.options is None:
+            return ServiceOptions
+        module_name, _, name = self.options.partition(":")
+        return getattr(importlib.import_module(module_name), name)
 
     def load_setup(self) -> Callable[[MeshServer], Awaitable[None]]:
         module_name, _, function = self.setup.partition(":")
         return getattr(importlib.import_module(module_name), function)
+
+
+def options_problems(specs: Iterable[ServiceSpec], settings: MeshSettings) -> list[str]:
+    """Every service's own settings checked before anything starts: one line per problem,
+    naming the table and key (a typo or a bad value fails the start, not a request)."""
+    problems = []
+    for spec in specs:
+        try:
+            spec.load_options().model_validate(settings.service(spec.name).own())
+        except ValidationError as error:
+            for problem in error.errors():
+                key = ".".join(str(part) for part in problem["loc"])
+                problems.append(f"[services.{spec.name}] {key}: {problem['msg']}")
+    return problems
 
 
 def discover() -> dict[str, ServiceSpec]:

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
@@ -34,7 +34,7 @@ from aimesh.mesh.v1 import info_pb2_grpc
 from mesh import tracing
 from mesh.admission import Admission
 from mesh.client import ChannelPool, transport_options
-from mesh.config import MeshSettings
+from mesh.config import MeshSettings, ServiceOptions
 from mesh.failures import NotReady
 from mesh.info import SERVICE as INFO_SERVICE
 from mesh.info import InfoServicer, ModelInfo
@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
+OptionsT = TypeVar("OptionsT", bound=ServiceOptions)
 Hook = Callable[[], Awaitable[None]]
 Probe = Callable[[], Awaitable[bool]]
 OnDeath = Callable[[BaseException], None]
@@ -161,6 +162,10 @@ class MeshServer:
         """Registers a servicer, e.g. add_service(add_EchoServiceServicer_to_server, ...)."""
         register(servicer, self.grpc_server)
         self._proto_services.append(descriptor.full_name)
+
+    def options_as(self, model: type[OptionsT]) -> OptionsT:
+        """This service's own keys of [services.<name>], validated by `model`."""
+        return model.model_validate(self.settings.service(self.name).own())
 
     def channel_to(self, name: str, *services: ServiceDescriptor) -> grpc.aio.Channel:
         """The mesh channel (tracing, request id, deadline, breaker, retries for the
