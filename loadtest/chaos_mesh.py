@@ -34,7 +34,7 @@ SECOND_DECODE = "decode-b"
 EDGES = (("agent", "tools"), ("tools", "retrieval"))
 # How the callers learn the proxy's address (services/agent/settings.py, tools/settings.py).
 EDGE_SETTING = {
-    ("agent", "tools"): "AIMESH_ENGINES__AGENT__TOOLS",
+    ("agent", "tools"): "AIMESH_SERVICES__AGENT__DEPENDENCIES__TOOLS",
     ("tools", "retrieval"): "AIMESH_ENGINES__TOOLS__RETRIEVAL",
 }
 GRACE_S = 3  # each service's SIGTERM drain; keeps teardown short

@@ -9,5 +9,6 @@ SPEC = ServiceSpec(
     setup="services.agent.servicer:setup",
     # A run mostly waits on tools and generation.
     max_concurrency=32,
+    dependencies=("tools", "generation"),
     edge_services=("aimesh.agent.v1.AgentService",),
 )

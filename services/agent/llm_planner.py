@@ -5,8 +5,17 @@ pick has no arguments in the question, the plan is unusable and the rules act in
 
 from __future__ import annotations
 
-from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
-from services.agent.planner import MAX_QUERY, ToolStep, arithmetic_in, digit_in, dotted_name_in
+from collections.abc import Mapping
+
+from services.agent.planner import (
+    CALCULATOR,
+    GENERATE_IMAGE,
+    KNOWLEDGE_SEARCH,
+    PYTHON_DOC,
+    Tool,
+    ToolStep,
+    arguments_for,
+)
 
 ANSWER = "answer"
 SYSTEM = (
@@ -18,63 +27,39 @@ SYSTEM = (
 # Worked examples as earlier chat turns: a 135M model routes far better from examples
 # than from descriptions alone.
 EXAMPLES = (
-    ("What is 12*7+3?", "calculator"),
-    ("How do I sort a dictionary by its values?", "knowledge_search"),
-    ("What does os.path.join do?", "python_doc"),
-    ("Draw the digit 5", "generate_image"),
-    ("How can I read a file line by line?", "knowledge_search"),
-    ("Compute 2^8 - 1", "calculator"),
+    ("What is 12*7+3?", CALCULATOR),
+    ("How do I sort a dictionary by its values?", KNOWLEDGE_SEARCH),
+    ("What does os.path.join do?", PYTHON_DOC),
+    ("Draw the digit 5", GENERATE_IMAGE),
+    ("How can I read a file line by line?", KNOWLEDGE_SEARCH),
+    ("Compute 2^8 - 1", CALCULATOR),
     ("Hello!", ANSWER),
 )
 
 
-def arguments_for(tool: str, question: str) -> dict | None:
-    """The tool's arguments taken from the question; None when it holds none."""
-    if tool == "calculator":
-        expression = arithmetic_in(question)
-        return {"expression": expression} if expression else None
-    if tool == "python_doc":
-        name = dotted_name_in(question)
-        return {"name": name} if name else None
-    if tool == "generate_image":
-        digit = digit_in(question)
-        return {"prompt": digit} if digit is not None else None
-    if tool == "knowledge_search":
-        return {"query": question[:MAX_QUERY]} if question.strip() else None
-    return None
+def messages(question: str, tools: Mapping[str, Tool]) -> list[dict[str, str]]:
+    """The chat that asks the model to pick among `tools` and ANSWER."""
+    listing = "\n".join(f"- {name}: {tools[name].description}" for name in sorted(tools))
+    return [
+        {"role": "system", "content": SYSTEM.format(tools=listing)},
+        *(
+            {"role": role, "content": content}
+            for example, pick in EXAMPLES
+            if pick in tools or pick == ANSWER
+            for role, content in (("user", example), ("assistant", pick))
+        ),
+        {"role": "user", "content": question},
+    ]
 
 
-async def choose(
-    stub: generation_pb2_grpc.GenerationServiceStub,
-    question: str,
-    tools: dict[str, str],
-    request_id: str,
-) -> str:
-    """The model's pick among `tools` (name -> description) and ANSWER."""
-    listing = "\n".join(f"- {name}: {description}" for name, description in sorted(tools.items()))
-    request = generation_pb2.ChatRequest(
-        request_id=request_id,
-        messages=[
-            {"role": "system", "content": SYSTEM.format(tools=listing)},
-            *(
-                {"role": role, "content": content}
-                for example, pick in EXAMPLES
-                if pick in tools or pick == ANSWER
-                for role, content in (("user", example), ("assistant", pick))
-            ),
-            {"role": "user", "content": question},
-        ],
-        sampling=sampling_pb2.SamplingParameters(choices=[*sorted(tools), ANSWER]),
-    )
-    text = ""
-    async for message in stub.Chat(request):
-        if message.HasField("chunk"):
-            text += message.chunk.text
-    return text
+def choices(tools: Mapping[str, Tool]) -> tuple[str, ...]:
+    """What the model's reply is constrained to."""
+    return (*sorted(tools), ANSWER)
 
 
-def step_for(choice: str, question: str) -> ToolStep | None:
-    arguments = arguments_for(choice, question)
+def step_for(tool: Tool, question: str) -> ToolStep | None:
+    """The call of the model's pick, None when the question gives it no arguments."""
+    arguments = arguments_for(tool, question)
     if arguments is None:
         return None
-    return ToolStep(choice, arguments, f"{choice} (the model's choice)")
+    return ToolStep(tool.name, arguments, f"{tool.name} (the model's choice)")

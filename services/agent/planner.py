@@ -1,7 +1,8 @@
 """Which tools to call next, decided by fixed rules over the question and what came back.
 
-This is the deterministic planner: it always produces calls that validate against the
-tools' schemas, so it is what acts whenever a model's plan is missing or unusable.
+This is the deterministic planner: it knows which tool does what by name, and keeps each
+argument within the limits that tool's input schema publishes (ListTools), so its calls
+validate and it is what acts whenever a model's plan is missing or unusable.
 
 Every extractor is linear in the question's length (no pattern here can backtrack over
 what it already matched), and the calculator, which prices each operation before it runs,
@@ -12,15 +13,19 @@ from __future__ import annotations
 
 import heapq
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.tools.calculator import CalculationError, calculate
+from services.shared.calculator import CalculationError, calculate
 
-# The tools' input limits (their JSON Schemas): a longer argument would be refused there.
-MAX_EXPRESSION = 256
-MAX_NAME = 200
-MAX_QUERY = 1000
+# The tools the rules know how to use, by the names ListTools gives them. What each may
+# be given (lengths, ranges) is not known here: it comes from the tool's input schema.
+CALCULATOR = "calculator"
+GENERATE_IMAGE = "generate_image"
+KNOWLEDGE_SEARCH = "knowledge_search"
+PYTHON_DOC = "python_doc"
+
 # Arithmetic candidates the calculator tries, longest first; each is priced by the
 # calculator before it is evaluated (`3999999^3999999` is refused, not computed).
 MAX_CANDIDATES = 8
@@ -43,6 +48,42 @@ IMAGE_WORDS = re.compile(r"\b(draw|image|picture|sketch|generate)\b", re.IGNOREC
 
 
 @dataclass(frozen=True)
+class Tool:
+    """One tool as ListTools describes it. Its input schema is another service's output:
+    a bound that is missing or not a number is no bound (the tool still checks)."""
+
+    name: str
+    description: str
+    input_schema: Mapping[str, Any] = field(default_factory=dict)
+
+    def _bound(self, argument: str, keyword: str) -> int | float | None:
+        properties = self.input_schema.get("properties")
+        schema = properties.get(argument) if isinstance(properties, Mapping) else None
+        value = schema.get(keyword) if isinstance(schema, Mapping) else None
+        return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+    def max_length(self, argument: str) -> int | None:
+        """The argument's maxLength, None when the schema sets none."""
+        bound = self._bound(argument, "maxLength")
+        return None if bound is None else max(int(bound), 0)
+
+    def admits(self, arguments: Mapping[str, Any]) -> bool:
+        """Whether each argument keeps within the lengths (of a string) or the range (of a
+        number) the schema gives it; the tool validates the rest."""
+        for argument, value in arguments.items():
+            if isinstance(value, str):
+                size, low, high = len(value), "minLength", "maxLength"
+            elif isinstance(value, int | float) and not isinstance(value, bool):
+                size, low, high = value, "minimum", "maximum"
+            else:
+                continue
+            least, most = self._bound(argument, low), self._bound(argument, high)
+            if (least is not None and size < least) or (most is not None and size > most):
+                return False
+        return True
+
+
+@dataclass(frozen=True)
 class ToolStep:
     name: str
     arguments: dict[str, Any]
@@ -59,19 +100,20 @@ class Observation:
     structured: dict[str, Any] = field(default_factory=dict)
 
 
-def _candidates(question: str) -> list[str]:
+def _candidates(question: str, max_length: int | None) -> list[str]:
     """The longest few stretches that look like a calculation, edges trimmed."""
     found = []
     for run in ARITHMETIC_RUN.finditer(question):
         text = run.group().lstrip(LEADING_JUNK).rstrip(TRAILING_JUNK)
-        if len(text) <= MAX_EXPRESSION and OPERATION.search(text):
+        if (max_length is None or len(text) <= max_length) and OPERATION.search(text):
             found.append(text)
     return heapq.nlargest(MAX_CANDIDATES, found, key=len)
 
 
-def arithmetic_in(question: str) -> str | None:
-    """The longest arithmetic expression in the question that actually calculates."""
-    for candidate in _candidates(question):
+def arithmetic_in(question: str, max_length: int | None) -> str | None:
+    """The longest arithmetic expression in the question, at most `max_length` characters,
+    that actually calculates."""
+    for candidate in _candidates(question, max_length):
         try:
             calculate(candidate)
         except CalculationError:
@@ -80,10 +122,10 @@ def arithmetic_in(question: str) -> str | None:
     return None
 
 
-def dotted_name_in(question: str) -> str | None:
-    """The first dotted name short enough for python_doc."""
+def dotted_name_in(question: str, max_length: int | None) -> str | None:
+    """The first dotted name of at most `max_length` characters."""
     names = (m.group() for m in DOTTED_NAME.finditer(question))
-    return next((name for name in names if len(name) <= MAX_NAME), None)
+    return next((n for n in names if max_length is None or len(n) <= max_length), None)
 
 
 def digit_in(question: str) -> str | None:
@@ -97,39 +139,52 @@ def digit_in(question: str) -> str | None:
     return None
 
 
-def first_plan(question: str, allowed: set[str]) -> list[ToolStep]:
+def arguments_for(tool: Tool, question: str) -> dict[str, Any] | None:
+    """The tool's arguments taken from the question, within the limits its schema gives;
+    None when the question holds none (or the tool is not one the rules know)."""
+    arguments: dict[str, Any] | None = None
+    if tool.name == CALCULATOR:
+        expression = arithmetic_in(question, tool.max_length("expression"))
+        arguments = {"expression": expression} if expression else None
+    elif tool.name == PYTHON_DOC:
+        name = dotted_name_in(question, tool.max_length("name"))
+        arguments = {"name": name} if name else None
+    elif tool.name == GENERATE_IMAGE:
+        digit = digit_in(question)
+        arguments = {"prompt": digit} if digit is not None else None
+    elif tool.name == KNOWLEDGE_SEARCH and question.strip():
+        arguments = {"query": question[: tool.max_length("query")]}
+    return arguments if arguments is not None and tool.admits(arguments) else None
+
+
+def step(tools: Mapping[str, Tool], name: str, question: str, why: str) -> ToolStep | None:
+    """A call of `name` with arguments from the question, if it is a tool of this run."""
+    tool = tools.get(name)
+    arguments = arguments_for(tool, question) if tool is not None else None
+    return None if arguments is None else ToolStep(name, arguments, why.format(**arguments))
+
+
+def first_plan(question: str, tools: Mapping[str, Tool]) -> list[ToolStep]:
     """Independent calls for the first iteration; the loop runs them in parallel."""
-    steps = []
-    expression = arithmetic_in(question) if "calculator" in allowed else None
-    if expression:
-        steps.append(ToolStep("calculator", {"expression": expression}, f"calculate {expression}"))
-    image_digit = digit_in(question) if IMAGE_WORDS.search(question) else None
-    if image_digit is not None and "generate_image" in allowed:
-        steps.append(
-            ToolStep("generate_image", {"prompt": image_digit}, f"draw the digit {image_digit}")
-        )
-    name = dotted_name_in(question)
-    if name and "python_doc" in allowed:
-        steps.append(ToolStep("python_doc", {"name": name}, f"read the documentation of {name}"))
-    if not steps and question.strip() and "knowledge_search" in allowed:
-        steps.append(
-            ToolStep(
-                "knowledge_search",
-                {"query": question[:MAX_QUERY]},
-                "search the knowledge base for the question",
-            )
-        )
-    return steps
+    steps = [step(tools, CALCULATOR, question, "calculate {expression}")]
+    if IMAGE_WORDS.search(question):
+        steps.append(step(tools, GENERATE_IMAGE, question, "draw the digit {prompt}"))
+    steps.append(step(tools, PYTHON_DOC, question, "read the documentation of {name}"))
+    found = [s for s in steps if s is not None]
+    if found:
+        return found
+    search = step(tools, KNOWLEDGE_SEARCH, question, "search the knowledge base for the question")
+    return [search] if search else []
 
 
-def next_plan(question: str, allowed: set[str], seen: list[Observation]) -> list[ToolStep]:
+def next_plan(question: str, tools: Mapping[str, Tool], seen: list[Observation]) -> list[ToolStep]:
     """Follow-up calls: a failed exact lookup becomes a search; otherwise none (answer)."""
-    searched = any(o.step.name == "knowledge_search" for o in seen)
-    failed_lookup = any(o.step.name == "python_doc" and o.is_error for o in seen)
-    if failed_lookup and not searched and question.strip() and "knowledge_search" in allowed:
-        return [ToolStep("knowledge_search", {"query": question[:MAX_QUERY]}, "search instead")]
-    return []
+    searched = any(o.step.name == KNOWLEDGE_SEARCH for o in seen)
+    failed_lookup = any(o.step.name == PYTHON_DOC and o.is_error for o in seen)
+    search = step(tools, KNOWLEDGE_SEARCH, question, "search instead")
+    return [search] if failed_lookup and not searched and search else []
 
 
-def plan(question: str, allowed: set[str], seen: list[Observation]) -> list[ToolStep]:
-    return first_plan(question, allowed) if not seen else next_plan(question, allowed, seen)
+def plan(question: str, tools: Mapping[str, Tool], seen: list[Observation]) -> list[ToolStep]:
+    """The next calls to make, among `tools` (the run's, by name)."""
+    return first_plan(question, tools) if not seen else next_plan(question, tools, seen)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from services.agent.planner import Observation
+from services.agent.planner import CALCULATOR, GENERATE_IMAGE, Observation
 
 SYSTEM = (
     "You answer questions about Python and arithmetic. Use only the evidence given. "
@@ -46,7 +46,7 @@ def is_passage(value: object) -> bool:
 def evidence(observations: list[Observation], limit: int, chars: int = 600) -> str:
     lines = []
     for observation in observations:
-        if observation.step.name in ("calculator", "generate_image") and not observation.is_error:
+        if observation.step.name in (CALCULATOR, GENERATE_IMAGE) and not observation.is_error:
             lines.append(f"{observation.step.name}: {observation.text}")
         elif observation.is_error:
             lines.append(f"{observation.step.name} failed: {observation.text}")
@@ -89,7 +89,7 @@ def fallback_answer(observations: list[Observation]) -> str:
         return "I could not answer: every tool I tried failed or ran out of time."
     parts = []
     for observation in useful:
-        if observation.step.name == "calculator":
+        if observation.step.name == CALCULATOR:
             parts.append(f"The calculator gives {observation.text}.")
     found = passages(useful)
     if found:

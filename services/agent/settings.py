@@ -5,13 +5,11 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from mesh.config import MeshSettings
-from mesh.registry import discover
 
 
 class AgentSettings(BaseModel, extra="forbid"):
-    # None: each service's configured target.
-    tools: str | None = None
-    generation: str | None = None
+    # The tools and generation the agent dials are its declared dependencies (services/
+    # agent/__init__.py); a proxy on one edge goes in [services.agent.dependencies].
     # A run with no deadline of its own gets this one.
     default_budget_s: float = Field(default=60, gt=0)
     # Kept back from tool calls for the answer: this share of the budget, at least
@@ -34,11 +32,3 @@ class AgentSettings(BaseModel, extra="forbid"):
 
 def agent_settings(settings: MeshSettings) -> AgentSettings:
     return AgentSettings.model_validate(settings.engines.get("agent", {}))
-
-
-def dependency_targets(settings: MeshSettings, agent: AgentSettings) -> tuple[str, str]:
-    specs = discover()
-    return (
-        agent.tools or settings.target_of("tools", specs["tools"].default_port),
-        agent.generation or settings.target_of("generation", specs["generation"].default_port),
-    )

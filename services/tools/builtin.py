@@ -14,7 +14,7 @@ from aimesh.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 from aimesh.tools.v1 import tools_pb2
 from mesh.errors import field_violations
 from services.rerank.client import rerank_hits
-from services.tools.calculator import (
+from services.shared.calculator import (
     EXPRESSION_PATTERN,
     MAX_EXPRESSION,
     CalculationError,

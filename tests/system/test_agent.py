@@ -14,7 +14,7 @@ from google.protobuf import json_format
 from aimesh.agent.v1 import agent_pb2, agent_pb2_grpc
 from aimesh.diffusion.v1 import diffusion_pb2, diffusion_pb2_grpc
 from mesh.client import create_channel
-from mesh.config import MeshSettings
+from mesh.config import MeshSettings, ServiceSettings
 from mesh.errors import field_violations
 from mesh.server import MeshServer
 from services.agent.servicer import setup as agent_setup
@@ -112,10 +112,9 @@ async def test_a_stuck_tool_costs_evidence_not_the_answer(mesh):
 
 
 async def test_without_a_language_model_the_agent_answers_from_the_evidence(mesh):
-    settings = MeshSettings(
-        engines={"agent": {"tools": mesh.target("tools"), "generation": f"127.0.0.1:{free_port()}"}}
-    )
-    agent = MeshServer("agent", settings, port=0)
+    dependencies = {"tools": mesh.target("tools"), "generation": f"127.0.0.1:{free_port()}"}
+    settings = MeshSettings(services={"agent": ServiceSettings(dependencies=dependencies)})
+    agent = MeshServer.for_service("agent", settings, port=0)
     await agent_setup(agent)
     await agent.start()
     try:

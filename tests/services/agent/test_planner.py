@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from services.agent import planner, prompts
+from services.tools.builtin import BUILTIN
 
-ALL = {"calculator", "knowledge_search", "python_doc", "generate_image"}
+# The built-in tools as ListTools describes them, schemas included.
+ALL = {t.name: planner.Tool(t.name, t.description, t.input_schema) for t in BUILTIN}
 
 
 @pytest.mark.parametrize(
@@ -35,8 +37,43 @@ def test_first_plans(question, calls):
 
 
 def test_only_allowed_tools_are_planned():
-    assert planner.plan("What is 2+2?", {"knowledge_search"}, [])[0].name == "knowledge_search"
-    assert planner.plan("What is 2+2?", set(), []) == []
+    search = {"knowledge_search": ALL["knowledge_search"]}
+    assert planner.plan("What is 2+2?", search, [])[0].name == "knowledge_search"
+    assert planner.plan("What is 2+2?", {}, []) == []
+
+
+def tool(name: str, /, **properties: dict) -> planner.Tool:
+    """A tool whose input schema gives `properties`, as ListTools sends it (numbers as
+    floats: JSON Schemas travel in a protobuf Struct)."""
+    return planner.Tool(name, name, {"type": "object", "properties": properties})
+
+
+def test_argument_limits_come_from_the_tools_schema():
+    question = "What is 123456+1 and what does os.path.join do?"
+    tools = {
+        "calculator": tool("calculator", expression={"type": "string", "maxLength": 5.0}),
+        "python_doc": tool("python_doc", name={"type": "string", "maxLength": 7.0}),
+    }
+    assert planner.plan(question, tools, []) == []  # neither fits: nothing to call
+    tools["calculator"] = tool("calculator", expression={"type": "string", "maxLength": 8.0})
+    tools["python_doc"] = tool("python_doc", name={"maxLength": 12})
+    assert [(s.name, s.arguments) for s in planner.plan(question, tools, [])] == [
+        ("calculator", {"expression": "123456+1"}),
+        ("python_doc", {"name": "os.path.join"}),
+    ]
+    search = {"knowledge_search": tool("knowledge_search", query={"maxLength": 7.0})}
+    (step,) = planner.plan("How do I copy a list?", search, [])
+    assert step.arguments == {"query": "How do "}
+
+
+def test_arguments_outside_the_schemas_range_are_not_planned():
+    draw = {"generate_image": tool("generate_image", prompt={"minLength": 2})}
+    assert planner.plan("Draw the digit 7", draw, []) == []
+    # A schema that is no schema bounds nothing.
+    odd = planner.Tool("calculator", "", {"properties": {"expression": {"maxLength": "x"}}})
+    assert planner.plan("What is 2+2?", {"calculator": odd}, [])[0].arguments == {
+        "expression": "2+2"
+    }
 
 
 def test_a_failed_lookup_turns_into_one_search_then_the_answer():

@@ -22,16 +22,19 @@ from jsonschema import Draft202012Validator
 from aimesh.agent.v1 import agent_pb2
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc
 from aimesh.tools.v1 import tools_pb2, tools_pb2_grpc
-from mesh.client import ChannelPool
-from mesh.config import MeshSettings
+from mesh.config import MeshSettings, ServiceSettings
 from mesh.failures import InvalidInput
-from services.agent import llm_planner, planner, servicer
-from services.agent.servicer import AgentServicer, allowed_tools, check_request
+from mesh.server import MeshServer
+from services.agent import llm_planner, loop, planner, servicer
+from services.agent.servicer import AgentServicer, check_request
 from services.agent.settings import AgentSettings
 from services.tools.builtin import BUILTIN
 
 SCHEMAS = {tool.name: Draft202012Validator(tool.input_schema) for tool in BUILTIN}
-ALL = set(SCHEMAS)
+# The built-in tools as ListTools describes them: the planner's limits are their schemas'.
+ALL = {t.name: planner.Tool(t.name, t.description, t.input_schema) for t in BUILTIN}
+MAX_EXPRESSION = ALL["calculator"].max_length("expression")
+MAX_NAME = ALL["python_doc"].max_length("name")
 KB = 100 * 1024
 
 
@@ -64,8 +67,8 @@ ADVERSARIAL = {
 @pytest.mark.parametrize("question", ADVERSARIAL.values(), ids=ADVERSARIAL.keys())
 def test_adversarial_questions_plan_fast(question):
     started = time.monotonic()
-    for name in ALL:
-        llm_planner.step_for(name, question)
+    for tool in ALL.values():
+        llm_planner.step_for(tool, question)
     steps = planner.plan(question, ALL, [])
     assert time.monotonic() - started < 1.0
     assert_valid(steps)
@@ -76,7 +79,7 @@ def test_adversarial_questions_plan_fast(question):
 )
 def test_costly_arithmetic_is_refused_not_computed(question):
     started = time.monotonic()
-    assert planner.arithmetic_in(question) is None
+    assert planner.arithmetic_in(question, MAX_EXPRESSION) is None
     assert time.monotonic() - started < 1.0  # computing it would take tens of seconds
 
 
@@ -88,7 +91,7 @@ def test_the_calculator_tries_a_few_candidates_only(monkeypatch):
         raise planner.CalculationError("no")
 
     monkeypatch.setattr(planner, "calculate", refuse)
-    assert planner.arithmetic_in("2+2 is not 5+1, " * 1000) is None
+    assert planner.arithmetic_in("2+2 is not 5+1, " * 1000, MAX_EXPRESSION) is None
     assert 0 < len(evaluated) <= planner.MAX_CANDIDATES
 
 
@@ -97,7 +100,7 @@ def test_the_calculator_tries_a_few_candidates_only(monkeypatch):
     [("What is 2^0.5?", "2^0.5"), ("(7/3)^20 please", "(7/3)^20"), ("2^1000", "2^1000")],
 )
 def test_cheap_arithmetic_still_calculates(question, expression):
-    assert planner.arithmetic_in(question) == expression
+    assert planner.arithmetic_in(question, MAX_EXPRESSION) == expression
 
 
 @pytest.mark.parametrize("question", ["Draw the digit ٣", "draw ²", "sketch a ₇"])
@@ -108,7 +111,7 @@ def test_only_ascii_digits_are_drawn(question):
 
 def test_a_dotted_name_too_long_for_python_doc_is_not_looked_up():
     question = f"What is {'a.' * 150}b? And os.path.join?"
-    assert planner.dotted_name_in(question) == "os.path.join"
+    assert planner.dotted_name_in(question, MAX_NAME) == "os.path.join"
 
 
 ARITHMETIC_TEXT = st.text(alphabet=st.sampled_from(list("0123456789+-*/^%(). sqrtlogé²٣\n")))
@@ -120,8 +123,8 @@ def test_any_text_plans_valid_calls(question, seen_lookup_failed):
     lookup = planner.ToolStep("python_doc", {"name": "json.dumps"}, "")
     seen = [planner.Observation(lookup, True, "no such name")] if seen_lookup_failed else []
     assert_valid(planner.plan(question, ALL, seen))
-    for name in ALL:
-        step = llm_planner.step_for(name, question)
+    for tool in ALL.values():
+        step = llm_planner.step_for(tool, question)
         assert_valid([step] if step else [])
 
 
@@ -220,15 +223,15 @@ def test_a_huge_tool_list_is_refused_without_reading_it(monkeypatch):
 
 
 def test_unknown_tools_are_named_briefly():
-    available = {"calculator": "adds", "knowledge_search": "finds"}
+    available = {name: ALL[name] for name in ("calculator", "knowledge_search")}
     names = [f"tool{i}" for i in range(64)]
     with pytest.raises(InvalidInput) as refused:
-        allowed_tools(options(allowed_tools=["calculator", *names]), available)
+        loop.select_tools(["calculator", *names], available)
     (violation,) = refused.value.violations
     assert violation.field == "options.allowed_tools"
     assert "tool0" in violation.description and len(violation.description) < 500
-    assert allowed_tools(options(allowed_tools=["calculator"]), available) == {"calculator": "adds"}
-    assert allowed_tools(options(), available) == available
+    assert loop.select_tools(["calculator"], available) == {"calculator": ALL["calculator"]}
+    assert loop.select_tools([], available) == available
 
 
 # -- degradation: a run answers whatever its tools and model do -------------------------
@@ -261,19 +264,25 @@ async def failure(context):
 class FakeTools(tools_pb2_grpc.ToolsServiceServicer):
     """Each tool does what its outcome says; "hang" runs until cancelled."""
 
-    def __init__(self, outcomes: dict[str, Outcome | str]) -> None:
+    def __init__(self, outcomes: dict[str, Outcome | str], schemas: dict | None = None) -> None:
         self.outcomes = outcomes
+        self.schemas = {t.name: t.input_schema for t in BUILTIN} if schemas is None else schemas
         self.calls: list[str] = []
+        self.clients: list[list[str]] = []
         self.started = asyncio.Event()
         self.cancelled = asyncio.Event()
 
     async def ListTools(self, request, context):
-        return tools_pb2.ListToolsResponse(
-            tools=[tools_pb2.Tool(name=name, description=name) for name in sorted(self.outcomes)]
-        )
+        listed = tools_pb2.ListToolsResponse()
+        for name in sorted(self.outcomes):
+            tool = listed.tools.add(name=name, description=name)
+            json_format.ParseDict(self.schemas.get(name, {}), tool.input_schema)
+        return listed
 
     async def CallTool(self, request, context):
         self.calls.append(request.name)
+        metadata = context.invocation_metadata() or ()
+        self.clients.append([value for key, value in metadata if key == "x-aimesh-client"])
         outcome = self.outcomes[request.name]
         if outcome == "hang":
             self.started.set()
@@ -301,14 +310,15 @@ class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
         yield generation_pb2.ChatResponse(complete=generation_pb2.GenerationComplete())
 
 
-StartAgent = Callable[[FakeTools, FakeGeneration], Awaitable[AgentServicer]]
+StartAgent = Callable[..., Awaitable[AgentServicer]]
 
 
 @pytest_asyncio.fixture
 async def start_agent() -> AsyncIterator[StartAgent]:
-    """An AgentServicer whose tools and generation are the given fakes on loopback."""
+    """An AgentServicer whose tools and generation are the given fakes on loopback, dialled
+    as its declared dependencies (a caller's override, as a proxy on an edge would be)."""
     servers: list[grpc.aio.Server] = []
-    pools: list[ChannelPool] = []
+    agents: list[MeshServer] = []
 
     async def serve(register: Callable, servicer: object) -> str:
         server = grpc.aio.server()
@@ -318,27 +328,30 @@ async def start_agent() -> AsyncIterator[StartAgent]:
         servers.append(server)
         return target
 
-    async def start(tools: FakeTools, generation: FakeGeneration) -> AgentServicer:
-        targets = AgentSettings(
-            tools=await serve(tools_pb2_grpc.add_ToolsServiceServicer_to_server, tools),
-            generation=await serve(
+    async def start(
+        tools: FakeTools, generation: FakeGeneration, tools_target: str | None = None
+    ) -> AgentServicer:
+        dependencies = {
+            "tools": tools_target
+            or await serve(tools_pb2_grpc.add_ToolsServiceServicer_to_server, tools),
+            "generation": await serve(
                 generation_pb2_grpc.add_GenerationServiceServicer_to_server, generation
             ),
-        )
-        mesh_settings = MeshSettings()
-        pools.append(ChannelPool(mesh_settings))
-        return AgentServicer(SimpleNamespace(settings=mesh_settings, channels=pools[-1]), targets)
+        }
+        mesh_settings = MeshSettings(services={"agent": ServiceSettings(dependencies=dependencies)})
+        agents.append(MeshServer.for_service("agent", mesh_settings, port=0))
+        return AgentServicer(agents[-1], AgentSettings())
 
     yield start
-    for pool in pools:
-        await pool.close()
+    for agent in agents:
+        await agent.channels.close()
     for server in servers:
         await server.stop(0)
 
 
-async def run_all(agent: AgentServicer, question: str, **fields: object) -> list:
+async def run_all(agent: AgentServicer, question: str, context=None, **fields: object) -> list:
     request = agent_pb2.RunRequest(question=question, options=options(**fields))
-    return [event async for event in agent.Run(request, None)]
+    return [event async for event in agent.Run(request, context)]
 
 
 def final(events: list) -> agent_pb2.Final:
@@ -350,7 +363,7 @@ def pending_tool_calls() -> list[asyncio.Task]:
     return [
         task
         for task in asyncio.all_tasks()
-        if not task.done() and task.get_coro().__qualname__ == "AgentServicer._call"
+        if not task.done() and task.get_coro().__qualname__ == "Loop._call"
     ]
 
 
@@ -382,8 +395,7 @@ async def test_malformed_passages_cost_evidence_not_the_answer(start_agent):
 
 
 async def test_unreachable_tools_still_get_an_answer(start_agent, unused_tcp_port):
-    agent = await start_agent(FakeTools({}), FakeGeneration())
-    agent.tools_target = f"127.0.0.1:{unused_tcp_port}"
+    agent = await start_agent(FakeTools({}), FakeGeneration(), f"127.0.0.1:{unused_tcp_port}")
     events = await run_all(agent, "What is 2+2?")
     assert "".join(e.answer_delta.text for e in events) == "An answer."
     assert "answered without tools" in "\n".join(final(events).notes)
@@ -428,3 +440,29 @@ async def anext_until_stuck(run: AsyncIterator) -> None:
     """Consumes events until the run waits on something that never comes."""
     async for _ in run:
         pass
+
+
+async def test_the_callers_client_identity_reaches_the_tools(start_agent):
+    tools = FakeTools({"calculator": result("4"), "python_doc": result("doc")})
+    agent = await start_agent(tools, FakeGeneration(choice="calculator"))
+    caller = SimpleNamespace(invocation_metadata=lambda: (("x-aimesh-client", "alice"),))
+    await run_all(agent, "What is 2+2, and json.loads?", caller)
+    assert sorted(tools.calls) == ["calculator", "python_doc"]
+    assert tools.clients == [["alice"], ["alice"]]
+    # A call from inside the mesh (no client header) is sent on without one.
+    await run_all(agent, "What is 2+2?", SimpleNamespace(invocation_metadata=lambda: None))
+    assert tools.clients[2:] == [[]]
+
+
+async def test_argument_limits_come_from_list_tools(start_agent):
+    schemas = {"calculator": {"properties": {"expression": {"type": "string", "maxLength": 3}}}}
+    tools = FakeTools({"calculator": result("4"), "knowledge_search": result("found")}, schemas)
+    agent = await start_agent(tools, FakeGeneration(choice="calculator"))
+    events = await run_all(agent, "What is 20+22?")
+    # 20+22 is longer than this calculator takes: the rules search instead.
+    assert tools.calls == ["knowledge_search"]
+    notes = final(events).notes
+    assert "the model chose calculator, but the question gives it no arguments" in notes
+    assert [c.name for c in (e.tool_call for e in events if e.HasField("tool_call"))] == [
+        "knowledge_search"
+    ]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.tools.calculator import MAX_DIGITS, CalculationError, calculate
+from services.shared.calculator import MAX_DIGITS, CalculationError, calculate
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""Arithmetic for the calculator tool: parsed and walked by simpleeval, never eval()'d.
+"""Arithmetic for the calculator tool and the agent's planner: parsed and walked by
+simpleeval, never eval()'d.
 
 Only numbers, + - * / // % ** and unary minus, parentheses, a few math functions and the
 constants pi and e; anything else (attributes, strings, comparisons, keywords, names or

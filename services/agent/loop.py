@@ -1,0 +1,376 @@
+"""The agent's plan/act loop: plan -> call tools in parallel -> ... -> answer, in a budget.
+
+Plain async code over three small interfaces (list the tools, call one, generate text),
+so it runs without grpc: the servicer adapts the mesh's stubs to them, tests fakes.
+
+Deadline split: the run's budget (its own deadline, or default_budget_s) is cut in two;
+tools get what is left after keeping answer_share of it (at least answer_min_s) for the
+answer, so slow or stuck tools cost the answer its evidence, never its existence. When
+generation itself fails, the agent answers from the evidence directly. Every failure
+becomes a note (RunState.notes) saying what the run could not do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from mesh.validation import Violations
+from services.agent import llm_planner, planner, prompts
+from services.agent.planner import Observation, Tool, ToolStep
+from services.agent.settings import AgentSettings
+
+DEFAULT_ITERATIONS = 4
+# Below this, a model call for the plan would leave the tools nothing; rules are instant.
+MIN_PLAN_S = 0.5
+# ListTools answers from memory: a tools service slower than this counts as down.
+LIST_TOOLS_S = 5.0
+# An unknown-tools error names at most this many.
+MAX_NAMED = 8
+
+
+class Unavailable(Exception):
+    """A call to the tools or the model failed; `reason` says how (e.g. a status name)."""
+
+    def __init__(self, reason: str, details: str = "") -> None:
+        super().__init__(f"{reason}: {details}" if details else reason)
+        self.reason = reason
+        self.details = details
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the model generates; None leaves a setting to the model's default."""
+
+    temperature: float = 0.0
+    seed: int | None = None
+    max_new_tokens: int | None = None
+    repetition_penalty: float | None = None
+    # The reply must be one of these (guided choice); empty: free text.
+    choices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class Tools(Protocol):
+    async def list(self, timeout_s: float) -> dict[str, Tool]:
+        """Every tool the tools service serves, by name. Raises Unavailable."""
+        ...
+
+    async def call(self, step: ToolStep, timeout_s: float) -> Observation | None:
+        """The call's result (is_error when the tool failed); None when the call ended
+        without one. Raises Unavailable when the call itself failed."""
+        ...
+
+
+class Generation(Protocol):
+    def generate(
+        self, messages: list[dict[str, str]], sampling: Sampling, timeout_s: float
+    ) -> AsyncIterator[str | Usage]:
+        """The model's reply, as text chunks then its Usage, within timeout_s. Raises
+        Unavailable."""
+        ...
+
+
+class Planner(enum.Enum):
+    MODEL = "model"
+    RULES = "rules"
+
+
+@dataclass(frozen=True)
+class Question:
+    """One run's request, validated."""
+
+    text: str
+    # Tool names the run may call; empty: every tool.
+    allowed_tools: Sequence[str] = ()
+    max_iterations: int = DEFAULT_ITERATIONS
+    # For the answer; 0: AgentSettings.max_new_tokens.
+    max_new_tokens: int = 0
+    temperature: float = 0.0
+    seed: int | None = None
+
+
+# What a run reports as it goes, in this order: per iteration a Plan, then a Calling per
+# call and a Called as each ends; then the answer's text; then its citations, if any.
+@dataclass(frozen=True)
+class Planned:
+    planner: Planner
+    steps: list[str]
+
+
+@dataclass(frozen=True)
+class Calling:
+    call_id: str
+    step: ToolStep
+
+
+@dataclass(frozen=True)
+class Called:
+    call_id: str
+    observation: Observation
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Answered:
+    text: str
+
+
+@dataclass(frozen=True)
+class Cited:
+    passage_ids: list[str]
+
+
+Event = Planned | Calling | Called | Answered | Cited
+
+
+@dataclass(frozen=True)
+class Hop:
+    """A stage of the run: `service` is "agent" for work done here, else the one called."""
+
+    name: str
+    seconds: float
+    service: str
+
+
+@dataclass
+class RunState:
+    """What one run has gathered so far; its summary (Final) is made from it."""
+
+    started: float = field(default_factory=time.monotonic)
+    observations: list[Observation] = field(default_factory=list)
+    hops: list[Hop] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    planners: set[Planner] = field(default_factory=set)
+    iterations: int = 0
+    answer: str = ""
+    usage: Usage = field(default_factory=Usage)
+
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+    @property
+    def planner(self) -> Planner:
+        """RULES when any iteration was planned by the rules."""
+        return Planner.RULES if Planner.RULES in self.planners else Planner.MODEL
+
+
+def select_tools(names: Sequence[str], available: Mapping[str, Tool]) -> dict[str, Tool]:
+    """The tools a run may call: those it names, all when it names none. Naming a tool
+    the tools service does not serve is InvalidInput on options.allowed_tools."""
+    unknown = list(dict.fromkeys(n for n in names if n not in available))
+    if unknown:
+        shown, known = ", ".join(unknown[:MAX_NAMED]), ", ".join(sorted(available))
+        violations = Violations()
+        violations.add("options.allowed_tools", f"unknown tools {shown}; known: {known}")
+        violations.raise_if_any()
+    chosen = set(names)
+    return {name: tool for name, tool in available.items() if not chosen or name in chosen}
+
+
+class Loop:
+    """Runs questions against one tools service and one model."""
+
+    def __init__(self, tools: Tools, generation: Generation, settings: AgentSettings) -> None:
+        self.tools = tools
+        self.generation = generation
+        self.settings = settings
+
+    async def run(
+        self, question: Question, left_s: float | None, state: RunState
+    ) -> AsyncIterator[Event]:
+        """Events of one run with `left_s` to go (None: default_budget_s) counted from
+        state.started; what it gathered stays in `state`. Closing it early (the caller
+        went away) cancels and awaits every call in flight."""
+        settings = self.settings
+        budget_s = (settings.default_budget_s if left_s is None else left_s) - settings.wrap_up_s
+        reserve_s = max(budget_s * settings.answer_share, settings.answer_min_s)
+        tools_until = state.started + budget_s - reserve_s
+        tools = await self._tools(question, state, budget_s)
+        async with aclosing(self._act(question, tools, state, tools_until)) as acting:
+            async for event in acting:
+                yield event
+        async with aclosing(self._respond(question, state, state.started + budget_s)) as answer:
+            async for event in answer:
+                yield event
+        citations = prompts.cited(state.answer, state.observations, settings.passages_in_prompt)
+        if citations:
+            yield Cited(citations)
+
+    async def _tools(self, question: Question, state: RunState, budget_s: float) -> dict[str, Tool]:
+        """The tools this run may call, with their schemas; none when they cannot be
+        listed, and a note says so."""
+        timeout_s = max(min(LIST_TOOLS_S, budget_s), 0)
+        try:
+            async with asyncio.timeout(timeout_s):
+                available = await self.tools.list(timeout_s)
+        except (Unavailable, TimeoutError):
+            state.notes.append("the tools service was unavailable; answered without tools")
+            return {}
+        return select_tools(question.allowed_tools, available)
+
+    async def _plan(
+        self, question: Question, tools: dict[str, Tool], state: RunState, window_s: float
+    ) -> tuple[list[ToolStep], Planner]:
+        """The model picks the first tool; follow-ups, and any plan the model cannot make
+        usable, are the rules'. The model may use half of what is left for tools (at most
+        plan_timeout_s); with too little for that, the rules plan at once. Planning runs in
+        a worker thread: it is cheap but not free (a few calculator checks), and the event
+        loop serves every caller."""
+        text, notes = question.text, state.notes
+        rules = await asyncio.to_thread(planner.plan, text, tools, state.observations)
+        if state.observations or not tools:
+            return rules, Planner.RULES
+        plan_s = min(self.settings.plan_timeout_s, window_s / 2)
+        if plan_s < MIN_PLAN_S:
+            notes.append("too little time to ask the model for a plan; planned by rules")
+            return rules, Planner.RULES
+        try:
+            async with asyncio.timeout(plan_s):
+                choice = await self._choose(text, tools, plan_s)
+        except TimeoutError:
+            notes.append("the planning model failed (DEADLINE_EXCEEDED); planned by rules")
+            return rules, Planner.RULES
+        except Unavailable as error:
+            notes.append(f"the planning model failed ({error.reason}); planned by rules")
+            return rules, Planner.RULES
+        if choice == llm_planner.ANSWER:
+            return [], Planner.MODEL
+        if choice not in tools:
+            notes.append(f"the model chose {choice[:64]!r}, not a tool of this run")
+            return rules, Planner.RULES
+        step = await asyncio.to_thread(llm_planner.step_for, tools[choice], text)
+        if step is None:
+            notes.append(f"the model chose {choice}, but the question gives it no arguments")
+            return rules, Planner.RULES
+        # Calls the rules find for other tools are independent of the model's pick.
+        return [step, *(s for s in rules if s.name != step.name)], Planner.MODEL
+
+    async def _choose(self, text: str, tools: dict[str, Tool], timeout_s: float) -> str:
+        """The model's pick among `tools` and llm_planner.ANSWER."""
+        sampling = Sampling(choices=llm_planner.choices(tools))
+        reply = self.generation.generate(llm_planner.messages(text, tools), sampling, timeout_s)
+        chosen = ""
+        async with aclosing(reply) as pieces:
+            async for piece in pieces:
+                if isinstance(piece, str):
+                    chosen += piece
+        return chosen
+
+    async def _act(
+        self, question: Question, tools: dict[str, Tool], state: RunState, tools_until: float
+    ) -> AsyncIterator[Event]:
+        """Plan -> call tools, until the plan is empty, max_iterations, or the tools' time
+        is spent."""
+        while True:
+            planned = time.monotonic()
+            steps, made_by = await self._plan(question, tools, state, tools_until - planned)
+            if steps or not state.observations:
+                state.planners.add(made_by)
+            state.hops.append(Hop("plan", time.monotonic() - planned, "agent"))
+            if not steps:
+                if not state.observations:
+                    yield Planned(made_by, ["answer without tools"])
+                return
+            if state.iterations == question.max_iterations:
+                state.notes.append(
+                    f"stopped at max_iterations ({question.max_iterations}) with tools still "
+                    "to call"
+                )
+                return
+            left_s = tools_until - time.monotonic()
+            if left_s <= 0:
+                state.notes.append("no time was left for more tool calls")
+                return
+            state.iterations += 1
+            yield Planned(made_by, [s.why for s in steps])
+            async with aclosing(self._call_all(steps, state, left_s)) as calling:
+                async for event in calling:
+                    yield event
+
+    async def _call_all(
+        self, steps: list[ToolStep], state: RunState, left_s: float
+    ) -> AsyncIterator[Event]:
+        """Announces every call, runs them at once within `left_s`, reports each as it ends.
+        Calls still running when this ends early are cancelled and awaited, so none
+        outlives the run."""
+        calls = {f"{state.iterations}.{k}": step for k, step in enumerate(steps, start=1)}
+        for call_id, step in calls.items():
+            yield Calling(call_id, step)
+        tasks = [asyncio.create_task(self._call(i, step, left_s)) for i, step in calls.items()]
+        try:
+            for finished in asyncio.as_completed(tasks):
+                call_id, observation, seconds = await finished
+                state.observations.append(observation)
+                state.hops.append(Hop(observation.step.name, seconds, "tools"))
+                if observation.is_error:
+                    state.notes.append(f"{observation.step.name}: {observation.text}")
+                yield Called(call_id, observation, seconds)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _call(
+        self, call_id: str, step: ToolStep, timeout_s: float
+    ) -> tuple[str, Observation, float]:
+        started = time.monotonic()
+        observation: Observation | None
+        try:
+            async with asyncio.timeout(timeout_s):
+                observation = await self.tools.call(step, timeout_s)
+        except TimeoutError:
+            observation = Observation(
+                step, True, f"the call failed (DEADLINE_EXCEEDED): stopped after {timeout_s:.1f} s"
+            )
+        except Unavailable as error:
+            observation = Observation(
+                step, True, f"the call failed ({error.reason}): {error.details}"
+            )
+        if observation is None:
+            observation = Observation(step, True, "the tool ended without a result")
+        return call_id, observation, time.monotonic() - started
+
+    async def _respond(
+        self, question: Question, state: RunState, until: float
+    ) -> AsyncIterator[Event]:
+        """Streams the model's answer; if the model fails, the evidence itself."""
+        settings = self.settings
+        answered = time.monotonic()
+        sampling = Sampling(
+            temperature=question.temperature,
+            seed=question.seed,
+            max_new_tokens=question.max_new_tokens or settings.max_new_tokens,
+            repetition_penalty=settings.repetition_penalty,
+        )
+        messages = prompts.answer_messages(
+            question.text, state.observations, settings.passages_in_prompt
+        )
+        reply = self.generation.generate(messages, sampling, until - answered)
+        try:
+            async with aclosing(reply) as pieces:
+                async for piece in pieces:
+                    if isinstance(piece, Usage):
+                        state.usage = piece
+                    elif piece:
+                        state.answer += piece
+                        yield Answered(piece)
+        except Unavailable as error:
+            state.notes.append(
+                f"the language model failed ({error.reason}); answered from the evidence"
+            )
+            fallback = prompts.fallback_answer(state.observations)
+            state.answer += ("\n\n" if state.answer else "") + fallback
+            yield Answered(fallback)
+        state.hops.append(Hop("answer", time.monotonic() - answered, "generation"))
