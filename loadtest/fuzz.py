@@ -251,7 +251,8 @@ class Channels:
     """An aio and a sync channel per target. Calls that stream requests go over the sync
     one: when a server ends such a call while the client still writes, grpc.aio's client
     replaces the server's status with an INTERNAL "Internal error from Core" of its own
-    (a failed send batch); the sync client keeps the status the server sent."""
+    (a failed send batch; grpc/grpc#36066, fix proposed in grpc/grpc#43486); the sync
+    client keeps the status the server sent."""
 
     def __init__(self, targets: dict[str, str]) -> None:
         self.aio = {
