@@ -1,8 +1,8 @@
 """The mesh's server and client interceptors: every concern applied in one layer each.
 
-Server, outermost first (after OpenTelemetry's span): request id -> deadline -> metrics
--> error table -> admission -> handler. Client, after OpenTelemetry: request id ->
-deadline -> circuit breaker -> the call.
+Server, outermost first (after OpenTelemetry's span): request id and client -> deadline
+-> metrics -> error table -> admission -> handler. Client, after OpenTelemetry: request
+id and client -> deadline -> circuit breaker -> the call.
 
 Each concern lives in its own module (request_id, deadline, metrics, errors, admission,
 breaker); they are composed here rather than registered as one interceptor each because
@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from mesh import deadline, request_id
+from mesh import caller, deadline, request_id
 from mesh.admission import Admission
 from mesh.breaker import CircuitBreaker
 from mesh.deadline import DeadlinePolicy
@@ -99,6 +99,7 @@ class MeshServerInterceptor(grpc.aio.ServerInterceptor):
 
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             request_id.adopt(context)
+            caller.adopt(context)
             deadline.record(context)
             started = metrics.started()
             error: BaseException | None = None
@@ -134,6 +135,7 @@ class MeshServerInterceptor(grpc.aio.ServerInterceptor):
 
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
             request_id.adopt(context)
+            caller.adopt(context)
             deadline.record(context)
             started = metrics.started()
             error: BaseException | None = None
@@ -186,9 +188,8 @@ class MeshClientInterceptor(ClientInterceptor):
         refusal = self.breaker.before_call(method_name(details))
         if refusal is not None:
             raise local_error(refusal)
-        return details._replace(
-            timeout=timeout, metadata=request_id.with_request_id(details.metadata)
-        )
+        metadata = caller.with_client(request_id.with_request_id(details.metadata))
+        return details._replace(timeout=timeout, metadata=metadata)
 
     async def _unary(self, continuation: Any, details: Any, request: Any) -> Any:
         details = self._prepare(details, streaming=False)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from aimesh.echo.v1 import echo_pb2, echo_pb2_grpc
-from mesh import deadline, request_id, tracing
+from mesh import caller, deadline, request_id, tracing
 from mesh.errors import abort, status
 from mesh.server import MeshServer
 from mesh.validation import Violations
@@ -151,6 +151,7 @@ class EchoServicer(echo_pb2_grpc.EchoServiceServicer):
             deadline_remaining_ms=_deadline_ms(),
             trace_id=tracing.current_trace_id(),
             request_id=request_id.current(),
+            client=caller.current(),
         )
 
     def _stub(self, target: str) -> echo_pb2_grpc.EchoServiceStub:

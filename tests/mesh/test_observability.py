@@ -18,17 +18,20 @@ from mesh.failures import InvalidInput
 from tests.conftest import echo_stub, target
 
 
-async def test_callers_request_id_reaches_every_hop(echo_server):
+async def test_callers_request_id_and_client_reach_every_hop(echo_server):
     a, b, c = await asyncio.gather(echo_server(), echo_server(), echo_server())
     stub, channel = echo_stub(a)
     async with channel:
         response = await stub.RelayUnary(
             echo_pb2.RelayUnaryRequest(hops=[target(b), target(c)]),
-            metadata=(("x-request-id", "req-42"),),
+            metadata=(("x-request-id", "req-42"), ("x-aimesh-client", "alice")),
             timeout=5,
         )
         generated = await stub.RelayUnary(echo_pb2.RelayUnaryRequest(hops=[target(b)]), timeout=5)
     assert [hop.request_id for hop in response.hops] == ["req-42"] * 3
+    # The edge's client name travels on, so per-client state deep down is the caller's.
+    assert [hop.client for hop in response.hops] == ["alice"] * 3
+    assert [hop.client for hop in generated.hops] == ["", ""]
     # Without one, the first hop makes one up and the next hop sees the same.
     (made_up,) = {hop.request_id for hop in generated.hops}
     assert len(made_up) == 32

@@ -92,13 +92,15 @@ class RelayUnaryResponse(_message.Message):
     def __init__(self, hops: _Optional[_Iterable[_Union[HopReport, _Mapping]]] = ...) -> None: ...
 
 class HopReport(_message.Message):
-    __slots__ = ("server", "deadline_remaining_ms", "trace_id", "request_id")
+    __slots__ = ("server", "deadline_remaining_ms", "trace_id", "request_id", "client")
     SERVER_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
     server: str
     deadline_remaining_ms: int
     trace_id: str
     request_id: str
-    def __init__(self, server: _Optional[str] = ..., deadline_remaining_ms: _Optional[int] = ..., trace_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    client: str
+    def __init__(self, server: _Optional[str] = ..., deadline_remaining_ms: _Optional[int] = ..., trace_id: _Optional[str] = ..., request_id: _Optional[str] = ..., client: _Optional[str] = ...) -> None: ...

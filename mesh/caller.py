@@ -1,0 +1,44 @@
+"""The client a request is for: `x-aimesh-client`, set by the edge from the API key it
+checked, carried on across every hop like the request id.
+
+Per-client state deeper in the mesh (the tools' idempotency keys) is scoped by it, so a
+service in the middle (the agent) must pass it on; doing that here, in the interceptors,
+means no service can forget to. Calls that arrive without it (inside the mesh, tests)
+belong to the anonymous client "".
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from typing import Any
+
+import grpc
+
+METADATA_KEY = "x-aimesh-client"
+_MAX_LENGTH = 128
+
+_client: ContextVar[str] = ContextVar("aimesh_client", default="")
+
+
+def current() -> str:
+    return _client.get()
+
+
+def adopt(context: grpc.aio.ServicerContext) -> None:
+    """Takes the client from the call's metadata for this call's task."""
+    for key, value in context.invocation_metadata() or ():
+        if key == METADATA_KEY and isinstance(value, str):
+            _client.set(value[:_MAX_LENGTH])
+            return
+    _client.set("")
+
+
+def with_client(metadata: Any) -> grpc.aio.Metadata | Any:
+    """Outgoing metadata carrying the current client, unless the caller set one."""
+    client = _client.get()
+    if not client:
+        return metadata
+    outgoing = grpc.aio.Metadata(*(metadata or ()))
+    if METADATA_KEY not in outgoing:
+        outgoing.add(METADATA_KEY, client)
+    return outgoing
