@@ -4,7 +4,7 @@ loop (services/agent/loop.py), and stream its events as RunResponses."""
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from itertools import islice
 
@@ -39,7 +39,6 @@ MAX_ITERATIONS = 25
 MAX_ANSWER_TOKENS = 2048
 # The caller's client identity, set by the edge (the name of its API key). Passed on to
 # the tools, so what they keep per client (idempotency keys) is the caller's.
-CLIENT_HEADER = "x-aimesh-client"
 PLANNERS = {
     loop.Planner.MODEL: agent_pb2.PLANNER_LLM,
     loop.Planner.RULES: agent_pb2.PLANNER_FALLBACK,
@@ -87,28 +86,20 @@ def question_of(request: agent_pb2.RunRequest) -> loop.Question:
     )
 
 
-def client_metadata(context: grpc.aio.ServicerContext | None) -> tuple[tuple[str, str], ...]:
-    """The caller's client header, to send on with the calls made for it."""
-    metadata = context.invocation_metadata() if context is not None else None
-    return tuple((key, str(value)) for key, value in metadata or () if key == CLIENT_HEADER)
-
-
 def unavailable(error: grpc.aio.AioRpcError) -> loop.Unavailable:
     return loop.Unavailable(error.code().name, error.details() or "")
 
 
 class MeshTools:
-    """loop.Tools over the tools service, on behalf of one caller."""
+    """loop.Tools over the tools service; the caller's client travels with each call
+    (mesh.caller), so the tools' per-client state is the caller's."""
 
-    def __init__(self, channel: grpc.aio.Channel, metadata: Sequence[tuple[str, str]]) -> None:
+    def __init__(self, channel: grpc.aio.Channel) -> None:
         self.stub = tools_pb2_grpc.ToolsServiceStub(channel)
-        self.metadata = tuple(metadata)
 
     async def list(self, timeout_s: float) -> dict[str, Tool]:
         try:
-            listed = await self.stub.ListTools(
-                tools_pb2.ListToolsRequest(), timeout=timeout_s, metadata=self.metadata
-            )
+            listed = await self.stub.ListTools(tools_pb2.ListToolsRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as error:
             raise unavailable(error) from None
         return {
@@ -123,7 +114,7 @@ class MeshTools:
         observation = None
         try:
             with deadline.budget(timeout_s):
-                async for message in self.stub.CallTool(request, metadata=self.metadata):
+                async for message in self.stub.CallTool(request):
                     if message.HasField("result"):
                         result = message.result
                         text = "\n".join(c.text for c in result.content if c.HasField("text"))
@@ -242,7 +233,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         state = loop.RunState()
         check_request(request)
         runner = loop.Loop(
-            MeshTools(self.server.channel_to("tools", TOOLS), client_metadata(context)),
+            MeshTools(self.server.channel_to("tools", TOOLS)),
             MeshGeneration(self.server.channel_to("generation", GENERATION), request.request_id),
             self.settings,
         )

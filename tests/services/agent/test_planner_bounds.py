@@ -22,6 +22,7 @@ from jsonschema import Draft202012Validator
 from aimesh.agent.v1 import agent_pb2
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc
 from aimesh.tools.v1 import tools_pb2, tools_pb2_grpc
+from mesh import caller
 from mesh.config import MeshSettings, ServiceSettings
 from mesh.failures import InvalidInput
 from mesh.server import MeshServer
@@ -445,12 +446,14 @@ async def anext_until_stuck(run: AsyncIterator) -> None:
 async def test_the_callers_client_identity_reaches_the_tools(start_agent):
     tools = FakeTools({"calculator": result("4"), "python_doc": result("doc")})
     agent = await start_agent(tools, FakeGeneration(choice="calculator"))
-    caller = SimpleNamespace(invocation_metadata=lambda: (("x-aimesh-client", "alice"),))
-    await run_all(agent, "What is 2+2, and json.loads?", caller)
+    # What the server interceptor does with the caller's metadata (mesh.caller).
+    caller.adopt(SimpleNamespace(invocation_metadata=lambda: (("x-aimesh-client", "alice"),)))
+    await run_all(agent, "What is 2+2, and json.loads?")
     assert sorted(tools.calls) == ["calculator", "python_doc"]
     assert tools.clients == [["alice"], ["alice"]]
     # A call from inside the mesh (no client header) is sent on without one.
-    await run_all(agent, "What is 2+2?", SimpleNamespace(invocation_metadata=lambda: None))
+    caller.adopt(SimpleNamespace(invocation_metadata=lambda: None))
+    await run_all(agent, "What is 2+2?")
     assert tools.clients[2:] == [[]]
 
 
