@@ -22,10 +22,9 @@ from services.decode.engine import BLOCK_TOKENS, DecodeEngine, Sequence
 from services.decode.sources import PrefillSources
 from services.llm import kv_codec, kv_transfer
 from services.llm.artifacts import resolve_model
-from services.llm.detokenize import IncrementalDetokenizer
 from services.llm.kv_transfer import HANDLE_ID, HANDLE_ID_RULE, KvReleaser
 from services.llm.llama import Llama, resolve_device, resolve_dtype
-from services.llm.requests import check_prompt, end_token, sampling_params, stopping
+from services.llm.requests import check_prompt, decode_length, end_token, sampling_params
 from services.llm.settings import LlmSettings, llm_settings
 from services.llm.stopping import Finish, StopChecker
 
@@ -34,7 +33,6 @@ DECODE = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"]
 FINISH_REASONS = {
     Finish.LENGTH: sampling_pb2.FINISH_REASON_LENGTH,
     Finish.EOS: sampling_pb2.FINISH_REASON_EOS,
-    Finish.STOP_SEQUENCE: sampling_pb2.FINISH_REASON_STOP_SEQUENCE,
 }
 
 
@@ -52,7 +50,6 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
         self.settings = settings
         self.sources = sources
         self.engine: DecodeEngine | None = None
-        self.tokenizer = None
         self.releaser = KvReleaser(server.channels)
 
     def _engine(self) -> DecodeEngine:
@@ -61,6 +58,8 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
         return self.engine
 
     def _validate(self, request: decode_pb2.DecodeRequest, engine: DecodeEngine):
+        """The router validated the request; this guards the engine (ids, the KV's shape,
+        the room in the context) against a caller that did not go through it."""
         config = engine.model.config
         violations = Violations()
         handle = request.kv_handle
@@ -98,16 +97,17 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
         params = sampling_params(
             request.sampling, config.vocab_size, violations, end_token=end_token(config)
         )
-        stop = stopping(request.stopping, len(prompt), self.settings, violations)
+        if prompt:
+            decode_length(request.max_new_tokens, len(prompt), engine.max_seq_len, violations)
         violations.raise_if_any()
-        return prompt, params, stop
+        return prompt, params
 
     async def Decode(
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         received = time.perf_counter()
         engine = self._engine()
-        prompt, params, stop = self._validate(request, engine)
+        prompt, params = self._validate(request, engine)
         handle = request.kv_handle
         if not await self.sources.allows(handle.address):
             raise InvalidInput(
@@ -119,13 +119,10 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
                     )
                 ]
             )
-        detokenizer = IncrementalDetokenizer(self.tokenizer.decode) if stop.stop_sequences else None
         checker = StopChecker(
-            max_new_tokens=stop.max_new_tokens,
+            max_new_tokens=request.max_new_tokens,
             eos_ids=frozenset(engine.model.config.eos_token_ids),
-            stop_sequences=stop.stop_sequences,
-            ignore_eos=stop.ignore_eos,
-            token_text=(lambda token: detokenizer.push([token])) if detokenizer else (lambda _: ""),
+            ignore_eos=request.ignore_eos,
         )
         logprobs = [request.first_token_logprob]
         emitted = 0
@@ -231,11 +228,8 @@ async def setup(server: MeshServer) -> None:
     server.add_service(decode_pb2_grpc.add_DecodeServiceServicer_to_server, worker, DECODE)
 
     def load() -> DecodeEngine:
-        from transformers import AutoTokenizer
-
         torch.set_num_threads(settings.threads)
         directory = resolve_model(settings.model, server.settings.cache_dir)
-        worker.tokenizer = AutoTokenizer.from_pretrained(directory)
         device = resolve_device(settings.device)
         model = Llama.load(directory, resolve_dtype(settings.dtype, device), device)
         return DecodeEngine(model, settings.max_batch_size, settings.max_seq_len)

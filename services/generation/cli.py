@@ -54,7 +54,7 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object at the end")] = False,
     timeout: Annotated[float, typer.Option(help="seconds for the whole request")] = 120.0,
 ) -> None:
-    """Generate text through the mesh: tokenizer -> prefill -> decode -> detokenizer."""
+    """Generate text through the mesh: tokenizer -> prefill -> decode -> the router's text."""
     sampling = sampling_pb2.SamplingParameters(temperature=temperature)
     if seed is not None:
         sampling.seed = seed

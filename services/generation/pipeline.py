@@ -1,15 +1,18 @@
-"""One generation, hop by hop: tokenize -> prefill -> decode (which pulls the KV) ->
-detokenize, with text deltas streamed back as decode produces tokens.
+"""One generation on aimesh's own workers, hop by hop: prefill -> decode (which pulls the
+KV), with decode's token ids streamed back as they come. Text is the router's.
 
 Every call runs in the caller's task, so the caller's deadline and cancellation reach
-each hop. The KV a prefill worker leased is released here if the request ends before
-decode took it over (decode releases it once pulled); the lease covers a router crash.
+each hop; closing the stream early (a stop sequence, the caller gone) cancels the decode
+call, and decode frees the sequence's slot at its next step. The KV a prefill worker
+leased is released here if the request ends before decode took it over (decode releases
+it once pulled); the lease covers a router crash.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
@@ -24,27 +27,25 @@ from aimesh.llm.v1 import (
 )
 from mesh.client import ChannelPool
 from mesh.validation import Violations
-from services.generation.text import TokenizerClient
 from services.generation.workers import DecodePicker, PrefillPicker
 from services.llm.kv_transfer import KvReleaser, new_handle_id
+from services.llm.requests import Stopping
 
 PREFILL = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"]
 DECODE = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"]
 
 
 @dataclass
-class Delta:
-    text: str
-    token_ids: list[int]
-
-
-@dataclass
 class Outcome:
-    finish_reason: int
-    prompt_tokens: int
-    completion_tokens: int
-    prefill_worker: str
-    decode_worker: str
+    """What an engine reports of one generation, filled in as it goes: a stream the router
+    closes early (a stop sequence) keeps what was known by then."""
+
+    finish_reason: int = sampling_pb2.FINISH_REASON_UNSPECIFIED
+    # Every token the engine generated, a dropped end-of-sequence token included; 0 until
+    # the engine says (the router then counts the tokens it received).
+    generated_tokens: int = 0
+    prefill_worker: str = ""
+    decode_worker: str = ""
     stages: dict[str, float] = field(default_factory=dict)
 
 
@@ -55,15 +56,8 @@ def _stage_seconds(timing: common_pb2.Timing, name: str) -> float:
 class Pipeline:
     """Generation on aimesh's own prefill and decode workers."""
 
-    def __init__(
-        self,
-        channels: ChannelPool,
-        tokenizer: TokenizerClient,
-        prefill: PrefillPicker,
-        decode: DecodePicker,
-    ) -> None:
+    def __init__(self, channels: ChannelPool, prefill: PrefillPicker, decode: DecodePicker) -> None:
         self.channels = channels
-        self.tokenizer = tokenizer
         self.prefill = prefill
         self.decode = decode
         self.releaser = KvReleaser(channels)
@@ -81,9 +75,11 @@ class Pipeline:
         request_id: str,
         prompt_ids: list[int],
         sampling: sampling_pb2.SamplingParameters,
-        stopping: sampling_pb2.StoppingCriteria,
-    ) -> AsyncIterator[Delta | Outcome]:
+        limits: Stopping,
+        outcome: Outcome,
+    ) -> AsyncIterator[list[int]]:
         prefill_target = self.prefill.pick()
+        outcome.prefill_worker = prefill_target
         # Chosen here so the KV can be released even if this call is cancelled while
         # prefill's answer is on its way (prefill drops a KV released before it exists).
         handle_id = new_handle_id()
@@ -101,6 +97,8 @@ class Pipeline:
         except BaseException:
             self.releaser.release_later(prefill_target, handle_id)
             raise
+        outcome.stages["queue"] = _stage_seconds(prefill.timing, "queue")
+        outcome.stages["prefill"] = _stage_seconds(prefill.timing, "prefill")
         handle = prefill.kv_handle
         decode_request = decode_pb2.DecodeRequest(
             request_id=request_id,
@@ -109,65 +107,48 @@ class Pipeline:
             first_token_id=prefill.first_token_id,
             first_token_logprob=prefill.first_token_logprob,
             sampling=sampling,
-            stopping=stopping,
+            max_new_tokens=limits.max_new_tokens,
+            ignore_eos=limits.ignore_eos,
         )
-        detokenize_s = 0.0
         complete: decode_pb2.DecodeComplete | None = None
-        detokenizer = self.tokenizer.detokenizer()
+        decode_started = time.perf_counter()
         try:
-            # Opened here: a cancel while it opens still releases the leased KV below.
-            await detokenizer.open(request_id)
-            decode_target = ""
-            async for message, target in self._decode(decode_request):
-                decode_target = target
-                if message.HasField("complete"):
-                    complete = message.complete
-                    continue
-                ids = list(message.chunk.token_ids)
-                started = time.perf_counter()
-                text = await detokenizer.push(ids)
-                detokenize_s += time.perf_counter() - started
-                yield Delta(text, ids)
-            async for tail in detokenizer.finish():
-                yield Delta(tail, [])
+            async with aclosing(self._decode(decode_request, outcome)) as messages:
+                async for message in messages:
+                    if message.HasField("complete"):
+                        complete = message.complete
+                        continue
+                    yield list(message.chunk.token_ids)
         finally:
             if complete is None:
                 self.releaser.release_later(handle.address, handle.id)
-                detokenizer.cancel()
+                outcome.stages["decode"] = time.perf_counter() - decode_started
         if complete is None:
             raise RuntimeError("decode stream ended without its complete message")
-        yield Outcome(
-            finish_reason=complete.finish_reason,
-            prompt_tokens=len(prompt_ids),
-            completion_tokens=complete.generated_tokens,
-            prefill_worker=prefill_target,
-            decode_worker=decode_target,
-            stages={
-                "queue": _stage_seconds(prefill.timing, "queue")
-                + _stage_seconds(complete.timing, "queue"),
-                "prefill": _stage_seconds(prefill.timing, "prefill"),
-                "kv_transfer": _stage_seconds(complete.timing, "kv_transfer"),
-                "decode": _stage_seconds(complete.timing, "decode"),
-                "detokenize": detokenize_s,
-            },
-        )
+        outcome.finish_reason = complete.finish_reason
+        outcome.generated_tokens = complete.generated_tokens
+        outcome.stages["queue"] += _stage_seconds(complete.timing, "queue")
+        outcome.stages["kv_transfer"] = _stage_seconds(complete.timing, "kv_transfer")
+        outcome.stages["decode"] = _stage_seconds(complete.timing, "decode")
 
     async def _decode(
-        self, request: decode_pb2.DecodeRequest
-    ) -> AsyncIterator[tuple[decode_pb2.DecodeResponse, str]]:
+        self, request: decode_pb2.DecodeRequest, outcome: Outcome
+    ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         """Decode on the least-loaded worker; a worker that cannot be reached at all is
-        swapped for another before anything streamed (the KV is still leased)."""
+        swapped for another before anything streamed (the KV is still leased). Closing
+        this stream cancels the call."""
         tried: frozenset[str] = frozenset()
         while True:
             target = self.decode.pick(exclude=tried)
             call = decode_pb2_grpc.DecodeServiceStub(self.channels.get(target, DECODE)).Decode(
                 request
             )
+            outcome.decode_worker = target
             streamed = False
             try:
                 async for message in call:
                     streamed = True
-                    yield message, target
+                    yield message
                 return
             except grpc.aio.AioRpcError as error:
                 retry = not streamed and error.code() == grpc.StatusCode.UNAVAILABLE
@@ -175,3 +156,5 @@ class Pipeline:
                     raise
                 self.decode.report_failure(target)
                 tried = tried | {target}
+            finally:
+                call.cancel()

@@ -1,20 +1,24 @@
-"""The external text-generation API: Generate and Chat, validated here once, run by the
-pipeline, reported with usage and per-stage timing."""
+"""The external text-generation API: Generate and Chat, validated here once, run by an
+engine that streams token ids, made into text here once, reported with usage and
+per-stage timing."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Literal, Protocol
 
 import grpc
 from pydantic import BaseModel, Field, model_validator
+from tokenizers import Tokenizer
 
 from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 from mesh import request_id
-from mesh.config import MeshSettings
+from mesh.failures import NotReady
 from mesh.health import probe
 from mesh.registry import discover
 from mesh.server import MeshServer
@@ -22,12 +26,13 @@ from mesh.timing import stage
 from mesh.triton import TritonModel, TritonSettings
 from mesh.validation import Violations
 from services.generation.on_triton import TritonGeneration
-from services.generation.pipeline import Delta, Outcome, Pipeline
-from services.generation.text import TokenizerClient
+from services.generation.pipeline import Outcome, Pipeline
+from services.generation.text import TextStream
+from services.generation.tokenize import TOKENIZER, TokenizerClient
 from services.generation.workers import DecodePicker, PrefillPicker
 from services.llm import metrics
-from services.llm.artifacts import DEFAULT_NAME
-from services.llm.requests import sampling_params, stopping
+from services.llm.artifacts import DEFAULT_NAME, load_tokenizer, resolve_model
+from services.llm.requests import Stopping, sampling_params, stopping
 from services.llm.settings import LlmSettings, llm_settings
 
 GENERATION = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
@@ -41,7 +46,10 @@ _ANY_VOCAB = 2**31 - 1
 
 
 class RouterOptions(BaseModel, extra="forbid"):
-    """[services.generation.options]; empty lists mean each service's configured target."""
+    """[services.generation.options]. Tokenizer, prefill and decode are declared
+    dependencies: [services.generation.dependencies] overrides where each is dialled.
+    The lists name several workers of one kind (empty: the dependency's one target), and
+    `tokenizer` is the older spelling of its dependency override."""
 
     tokenizer: str | None = None
     # "triton": the model runs on Triton Inference Server as a decoupled model (the one
@@ -77,20 +85,29 @@ class Engine(Protocol):
         request_id: str,
         prompt_ids: list[int],
         sampling: sampling_pb2.SamplingParameters,
-        stopping: sampling_pb2.StoppingCriteria,
-    ) -> AsyncIterator[Delta | Outcome]: ...
+        limits: Stopping,
+        outcome: Outcome,
+    ) -> AsyncIterator[list[int]]:
+        """Token ids as they are generated; `outcome` is filled in as it goes. Closing
+        the stream early cancels the generation."""
+        ...
 
 
-def _targets(settings: MeshSettings, options: RouterOptions) -> tuple[str, list[str], list[str]]:
-    specs = discover()
+def _dependency_target(server: MeshServer, name: str) -> str:
+    """The address channel_to(name) dials: this service's override in
+    [services.generation.dependencies], else that service's own target. Named here too
+    for what needs the address itself: the health probes, which go around the mesh
+    channel so that a dependency still starting trips no circuit breaker, and the
+    workers' lists, whose entries each get the pool's channel as channel_to would."""
+    override = server.settings.service(server.name).dependencies.get(name)
+    return override or server.settings.target_of(name, discover()[name].default_port)
 
-    def default(name: str) -> str:
-        return settings.target_of(name, specs[name].default_port)
 
+def _workers(server: MeshServer, options: RouterOptions) -> tuple[list[str], list[str]]:
+    """Prefill and decode workers: the options' lists, else the declared dependency."""
     return (
-        options.tokenizer or default("tokenizer"),
-        options.prefill or [default("prefill")],
-        options.decode or [default("decode")],
+        options.prefill or [_dependency_target(server, "prefill")],
+        options.decode or [_dependency_target(server, "decode")],
     )
 
 
@@ -112,6 +129,13 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         self.engine = engine
         self.settings = settings
         self.model_name = model_name
+        # The model's tokenizer.json, loaded in the warm-up: what ids become text with.
+        self.text_tokenizer: Tokenizer | None = None
+
+    def _text(self, limits: Stopping) -> TextStream:
+        if self.text_tokenizer is None:
+            raise NotReady("the router is still loading the model's tokenizer")
+        return TextStream(self.text_tokenizer, limits.stop_sequences)
 
     def _check_common(self, request, violations: Violations) -> None:
         if request.model and request.model != self.model_name:
@@ -141,26 +165,28 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         )
 
     async def _guided(
-        self, rid: str, request
-    ) -> tuple[sampling_pb2.SamplingParameters, sampling_pb2.StoppingCriteria]:
+        self, rid: str, request, prompt_tokens: int, limits: Stopping
+    ) -> tuple[sampling_pb2.SamplingParameters, Stopping]:
         """The request's sampling with its choices tokenized for prefill and decode, and
         room for the longest choice (plus its end token) when no length was asked for."""
         if not request.sampling.choices:
-            return request.sampling, request.stopping
+            return request.sampling, limits
         sampling = sampling_pb2.SamplingParameters()
         sampling.CopyFrom(request.sampling)
-        stopping = sampling_pb2.StoppingCriteria()
-        stopping.CopyFrom(request.stopping)
         tokenized = await asyncio.gather(
             *(self.tokenizer.tokenize_choice(choice, rid) for choice in request.sampling.choices)
         )
         for ids in tokenized:
             sampling.choice_token_ids.add(ids=ids)
-        if not stopping.HasField("max_new_tokens"):
-            stopping.max_new_tokens = max(map(len, tokenized)) + 1
-        return sampling, stopping
+        if not request.stopping.HasField("max_new_tokens"):
+            longest = max(map(len, tokenized)) + 1
+            room = self.settings.max_seq_len - prompt_tokens
+            limits = dataclasses.replace(limits, max_new_tokens=min(longest, room))
+        return sampling, limits
 
-    def _check_length(self, request, prompt_ids: list[int], field: str) -> None:
+    def _limits(self, request, prompt_ids: list[int], field: str) -> Stopping:
+        """The request's stopping with its defaults resolved for this prompt: the
+        validated form prefill, decode and Triton receive."""
         violations = Violations()
         violations.check(
             len(prompt_ids) < self.settings.max_seq_len,
@@ -168,9 +194,10 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
             f"{len(prompt_ids)} tokens leave no room in the {self.settings.max_seq_len}-token "
             "context window",
         )
-        if len(prompt_ids) < self.settings.max_seq_len:
-            stopping(request.stopping, len(prompt_ids), self.settings, violations)
         violations.raise_if_any()
+        limits = stopping(request.stopping, len(prompt_ids), self.settings, violations)
+        violations.raise_if_any()
+        return limits
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -184,9 +211,9 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         violations.raise_if_any()
         rid = request_id.ensure(request.request_id)
         prompt_ids = await self.tokenizer.tokenize(request.prompt, rid)
-        self._check_length(request, prompt_ids, "prompt")
+        limits = self._limits(request, prompt_ids, "prompt")
         tokenize_s = time.perf_counter() - received
-        async for event in self._stream(rid, prompt_ids, request, received, tokenize_s):
+        async for event in self._stream(rid, prompt_ids, request, limits, received, tokenize_s):
             yield generation_pb2.GenerateResponse(**event)
 
     async def Chat(
@@ -215,46 +242,70 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         violations.raise_if_any()
         rid = request_id.ensure(request.request_id)
         prompt_ids = await self.tokenizer.apply_chat_template(rid, list(request.messages))
-        self._check_length(request, prompt_ids, "messages")
+        limits = self._limits(request, prompt_ids, "messages")
         tokenize_s = time.perf_counter() - received
-        async for event in self._stream(rid, prompt_ids, request, received, tokenize_s):
+        async for event in self._stream(rid, prompt_ids, request, limits, received, tokenize_s):
             yield generation_pb2.ChatResponse(**event)
 
     async def _stream(
-        self, rid: str, prompt_ids: list[int], request, received: float, tokenize_s: float
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        request,
+        limits: Stopping,
+        received: float,
+        tokenize_s: float,
     ) -> AsyncIterator[dict]:
+        text = self._text(limits)
+        sampling, limits = await self._guided(rid, request, len(prompt_ids), limits)
+        outcome = Outcome()
         last_token_at: float | None = None
-        sampling, stopping_criteria = await self._guided(rid, request)
-        async for event in self.engine.run(rid, prompt_ids, sampling, stopping_criteria):
-            now = time.perf_counter()
-            if isinstance(event, Delta):
-                if event.token_ids:
-                    if last_token_at is None:
-                        metrics.TIME_TO_FIRST_TOKEN.observe(now - received)
-                    else:
-                        gap = (now - last_token_at) / len(event.token_ids)
-                        for _ in event.token_ids:
-                            metrics.INTER_TOKEN_LATENCY.observe(gap)
-                    last_token_at = now
-                yield {
-                    "chunk": generation_pb2.GenerationChunk(
-                        text=event.text, token_ids=event.token_ids
-                    )
-                }
-            else:
-                metrics.E2E_REQUEST_LATENCY.observe(now - received)
-                yield {"complete": self._complete(event, received, tokenize_s)}
+        received_tokens = 0
+        detokenize_s = 0.0
+        async with aclosing(
+            self.engine.run(rid, prompt_ids, sampling, limits, outcome)
+        ) as generated:
+            async for ids in generated:
+                now = time.perf_counter()
+                if last_token_at is None:
+                    metrics.TIME_TO_FIRST_TOKEN.observe(now - received)
+                else:
+                    for _ in ids:
+                        metrics.INTER_TOKEN_LATENCY.observe((now - last_token_at) / len(ids))
+                last_token_at = now
+                received_tokens += len(ids)
+                piece = text.push(ids)
+                detokenize_s += time.perf_counter() - now
+                if text.stopped:
+                    # Leaving the block closes the engine's stream: decode (or Triton) is
+                    # cancelled before the last text goes out.
+                    break
+                yield {"chunk": generation_pb2.GenerationChunk(text=piece, token_ids=ids)}
+        if text.stopped:
+            yield {"chunk": generation_pb2.GenerationChunk(text=piece, token_ids=ids)}
+        else:
+            started = time.perf_counter()
+            tail = text.finish()
+            detokenize_s += time.perf_counter() - started
+            if tail:
+                yield {"chunk": generation_pb2.GenerationChunk(text=tail)}
+        if text.stopped:
+            outcome.finish_reason = sampling_pb2.FINISH_REASON_STOP_SEQUENCE
+        outcome.generated_tokens = max(outcome.generated_tokens, received_tokens)
+        outcome.stages["detokenize"] = detokenize_s
+        metrics.E2E_REQUEST_LATENCY.observe(time.perf_counter() - received)
+        yield {"complete": self._complete(outcome, len(prompt_ids), received, tokenize_s)}
 
     def _complete(
-        self, outcome: Outcome, received: float, tokenize_s: float
+        self, outcome: Outcome, prompt_tokens: int, received: float, tokenize_s: float
     ) -> generation_pb2.GenerationComplete:
         stages = {"tokenize": tokenize_s, **outcome.stages}
         return generation_pb2.GenerationComplete(
-            finish_reason=outcome.finish_reason or sampling_pb2.FINISH_REASON_UNSPECIFIED,
+            finish_reason=outcome.finish_reason,
             usage=common_pb2.Usage(
-                prompt_tokens=outcome.prompt_tokens,
-                completion_tokens=outcome.completion_tokens,
-                total_tokens=outcome.prompt_tokens + outcome.completion_tokens,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=outcome.generated_tokens,
+                total_tokens=prompt_tokens + outcome.generated_tokens,
             ),
             timing=common_pb2.Timing(
                 stages=[stage(name, seconds, _KINDS[name]) for name, seconds in stages.items()],
@@ -269,28 +320,41 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
 async def setup(server: MeshServer) -> None:
     settings = llm_settings(server.settings)
     options = RouterOptions.model_validate(server.options)
-    tokenizer_target, prefill, decode = _targets(server.settings, options)
-    tokenizer = TokenizerClient(server.channels, tokenizer_target)
+    prefill, decode = _workers(server, options)
+    if options.tokenizer:
+        tokenizer_target = options.tokenizer
+        tokenizer_channel = server.channels.get(tokenizer_target, TOKENIZER)
+    else:
+        tokenizer_target = _dependency_target(server, "tokenizer")
+        tokenizer_channel = server.channel_to("tokenizer", TOKENIZER)
+    tokenizer = TokenizerClient(tokenizer_channel)
     model_name = settings.model.name if settings.model else DEFAULT_NAME
+    engine: Engine
     if options.triton is not None:
         model = TritonModel(options.triton, server.settings.client.breaker)
-        engine: Engine = TritonGeneration(model, tokenizer, settings)
+        engine = TritonGeneration(model)
         server.add_warmup(lambda: _wait_for_triton(tokenizer_target, model, options))
         server.add_readiness_probe(model.ready)
         server.add_shutdown(model.close)
     else:
         decode_picker = DecodePicker(decode, server.channels, options.poll_interval_s)
-        engine = Pipeline(
-            server.channels, tokenizer, PrefillPicker(prefill, server.channels), decode_picker
-        )
+        engine = Pipeline(server.channels, PrefillPicker(prefill, server.channels), decode_picker)
         server.add_warmup(
             lambda: _wait_for_workers(server, tokenizer_target, prefill, decode_picker, options)
         )
         server.add_shutdown(decode_picker.stop)
+    router = GenerationRouter(tokenizer, engine, settings, model_name)
+
+    async def load_tokenizer_json() -> None:
+        """The model's tokenizer.json, found as every LLM service finds the model."""
+        directory = await asyncio.to_thread(
+            resolve_model, settings.model, server.settings.cache_dir
+        )
+        router.text_tokenizer = await asyncio.to_thread(load_tokenizer, directory)
+
+    server.add_warmup(load_tokenizer_json)
     server.add_service(
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server,
-        GenerationRouter(tokenizer, engine, settings, model_name),
-        GENERATION,
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server, router, GENERATION
     )
 
 

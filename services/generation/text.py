@@ -1,92 +1,82 @@
-"""The tokenizer service as the router uses it: prompts to ids before a generation, and
-ids back to text while one streams, whichever engine generates."""
+"""Text, made once: the router turns a generation's ids into text and cuts it at stop
+strings, whichever engine generated the ids.
+
+Ids become text through the `tokenizers` library's DecodeStream with the model's own
+tokenizer.json: a character whose bytes span several tokens (byte-level BPE, byte-fallback
+tokens) comes out whole with the token that completes it, never as half a character.
+
+Stop strings are matched on that text, by character: the text before the first match is
+emitted and the match and everything after it never is. Only the end of the text that
+could still be the start of a stop string is held back; the rest goes out at once.
+"""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
-
-import grpc
-
-from aimesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from mesh.client import ChannelPool
-
-TOKENIZER = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"]
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 
-class TokenizerClient:
-    def __init__(self, channels: ChannelPool, target: str) -> None:
-        self.channels = channels
-        self.target = target
+class TextStream:
+    """One generation's text: ids in, text deltas out, until a stop string appears."""
 
-    def _stub(self) -> tokenizer_pb2_grpc.TokenizerServiceStub:
-        return tokenizer_pb2_grpc.TokenizerServiceStub(self.channels.get(self.target, TOKENIZER))
+    def __init__(self, tokenizer: Tokenizer, stop_sequences: tuple[str, ...] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._decoder = DecodeStream(skip_special_tokens=True)
+        self._stops = stop_sequences
+        self._longest = max(map(len, stop_sequences), default=0)
+        # Ids DecodeStream has not turned into text yet (a character still unfinished),
+        # and the ids of the last step that gave text: what finish() decodes them after.
+        self._pending: list[int] = []
+        self._context: list[int] = []
+        self._held = ""
+        self.stopped = False
 
-    async def tokenize(self, prompt: str, request_id: str) -> list[int]:
-        response = await self._stub().Tokenize(
-            tokenizer_pb2.TokenizeRequest(
-                request_id=request_id, text=prompt, add_special_tokens=True
-            )
+    def push(self, ids: list[int]) -> str:
+        """The text now safe to show; empty while a character or a possible stop string
+        is unfinished, and once a stop string appeared."""
+        if self.stopped:
+            return ""
+        self._pending += ids
+        piece = self._decoder.step(self._tokenizer, ids)
+        if piece is None:
+            return ""
+        self._context, self._pending = self._pending, []
+        return self._cut(piece)
+
+    def finish(self) -> str:
+        """What is left once no more ids come: held text, and an unfinished character as
+        U+FFFD (as a one-shot decode of every id shows it)."""
+        if self.stopped:
+            return ""
+        tail = ""
+        if self._pending:
+            before = self._decode(self._context)
+            after = self._decode(self._context + self._pending)
+            tail = after[len(before) :] if after.startswith(before) else self._decode(self._pending)
+            self._pending = []
+        text = self._cut(tail)
+        if self.stopped:
+            return text
+        text, self._held = text + self._held, ""
+        return text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _cut(self, piece: str) -> str:
+        text = self._held + piece
+        matches = [at for stop in self._stops if (at := text.find(stop)) >= 0]
+        if matches:
+            self.stopped = True
+            self._held = ""
+            return text[: min(matches)]
+        hold = next(
+            (
+                k
+                for k in range(min(len(text), self._longest - 1), 0, -1)
+                if any(stop.startswith(text[-k:]) for stop in self._stops)
+            ),
+            0,
         )
-        return list(response.token_ids)
-
-    async def tokenize_choice(self, choice: str, request_id: str) -> list[int]:
-        """A guided choice's tokens as they follow the prompt: no special tokens."""
-        response = await self._stub().Tokenize(
-            tokenizer_pb2.TokenizeRequest(
-                request_id=request_id, text=choice, add_special_tokens=False
-            )
-        )
-        return list(response.token_ids)
-
-    async def apply_chat_template(self, request_id: str, messages: list) -> list[int]:
-        response = await self._stub().ApplyChatTemplate(
-            tokenizer_pb2.ApplyChatTemplateRequest(
-                request_id=request_id,
-                messages=messages,
-                add_generation_prompt=True,
-                return_token_ids=True,
-            )
-        )
-        return list(response.token_ids)
-
-    def detokenizer(self) -> Detokenizer:
-        """A stream not yet opened: open it inside the block that cleans up after it."""
-        return Detokenizer(self._stub().DetokenizeStream())
-
-
-class Detokenizer:
-    """One generation's DetokenizeStream: text comes back only once it is whole (a
-    multi-byte character split across tokens waits for its last token)."""
-
-    def __init__(self, call) -> None:
-        self._call = call
-
-    async def open(self, request_id: str) -> None:
-        await self._write(
-            tokenizer_pb2.DetokenizeStreamRequest(request_id=request_id, skip_special_tokens=True)
-        )
-        await self._call.read()
-
-    async def push(self, token_ids: list[int]) -> str:
-        await self._write(tokenizer_pb2.DetokenizeStreamRequest(token_ids=token_ids))
-        return (await self._call.read()).text
-
-    async def _write(self, request: tokenizer_pb2.DetokenizeStreamRequest) -> None:
-        """A write to a stream that already ended (its deadline, a margin before the
-        caller's, passed) says only "RPC already finished": reading gives its status."""
-        try:
-            await self._call.write(request)
-        except asyncio.InvalidStateError:
-            await self._call.read()
-            raise
-
-    async def finish(self) -> AsyncIterator[str]:
-        """The text still held back once no more tokens come."""
-        await self._call.done_writing()
-        while (tail := await self._call.read()) is not grpc.aio.EOF:
-            if tail.text:
-                yield tail.text
-
-    def cancel(self) -> None:
-        self._call.cancel()
+        self._held = text[len(text) - hold :]
+        return text[: len(text) - hold]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from tokenizers import Tokenizer
 
 from mesh.artifacts import MANIFEST, build_once, manifest_problems
 from mesh.failures import NotReady
@@ -91,3 +92,12 @@ def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     for shard in pickles:
         state.update(torch.load(shard, map_location="cpu", weights_only=True, mmap=True))
     return state
+
+
+def load_tokenizer(directory: Path) -> Tokenizer:
+    """The model's fast tokenizer (tokenizer.json) as the `tokenizers` library loads it:
+    what the router turns generated ids into text with."""
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise NotReady(f"{directory} has no fast tokenizer (tokenizer.json)")
+    return Tokenizer.from_file(str(path))

@@ -1,7 +1,8 @@
 """Incremental detokenization: token ids in, text deltas out, never half a character.
 
-Shared by the tokenizer service (DetokenizeStream) and decode (matching stop sequences),
-so both see exactly the same text for the same ids.
+The tokenizer service's DetokenizeStream, public API for callers with ids of their own.
+Generation does not use it: the router makes a generation's text itself
+(services/generation/text.py).
 """
 
 from __future__ import annotations

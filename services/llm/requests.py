@@ -1,7 +1,11 @@
-"""Validating the LLM request messages every LLM service shares (sampling, stopping).
+"""The LLM request messages (sampling, stopping), validated once by the router, and the
+checks prefill and decode keep to protect their engines.
 
-Prefill, decode and the router all receive SamplingParameters and StoppingCriteria;
-they refuse the same bad values with the same field violations.
+The router applies every rule of the API and resolves the defaults (stopping()); what it
+sends on is the validated form, which prefill and decode only convert. sampling_params()
+is also their guard: its ranges are what the sampler needs to stay finite, and a token id
+outside the vocabulary would index past the logits. decode_length() is decode's guard on
+the length the router resolved.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ def sampling_params(
     field: str = "sampling",
     end_token: int | None = None,
 ) -> SamplingParams:
-    """`end_token` (the model's end-of-sequence id) closes every guided choice, so the
-    output stops right after one; only prefill and decode, which know it, pass it."""
+    """The ranges the sampler needs. `end_token` (the model's end-of-sequence id) closes
+    every guided choice, so the output stops right after one; only prefill and decode,
+    which know it, pass it."""
     violations.in_range(message.temperature, f"{field}.temperature", 0.0, 2.0)
     violations.in_range(message.top_k, f"{field}.top_k", 0, vocab_size)
     top_p = 1.0
@@ -86,6 +91,7 @@ def stopping(
     violations: Violations,
     field: str = "stopping",
 ) -> Stopping:
+    """The router's rules for stopping, with the defaults resolved."""
     max_new = settings.default_max_new_tokens
     if message.HasField("max_new_tokens"):
         max_new = message.max_new_tokens
@@ -114,6 +120,18 @@ def stopping(
         max_new_tokens=max(1, min(max_new, room)),
         stop_sequences=tuple(message.stop_sequences),
         ignore_eos=message.ignore_eos,
+    )
+
+
+def decode_length(
+    max_new_tokens: int, prompt_tokens: int, max_seq_len: int, violations: Violations
+) -> None:
+    """The length the router resolved must fit what is left of decode's context."""
+    room = max_seq_len - prompt_tokens
+    violations.check(
+        1 <= max_new_tokens <= room,
+        "max_new_tokens",
+        f"must be 1 to {room} for a {prompt_tokens}-token prompt, got {max_new_tokens}",
     )
 
 

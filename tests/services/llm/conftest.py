@@ -129,6 +129,7 @@ def running_llm_mesh(root: Path, dtype: str = "float32") -> Iterator[LlmMesh]:
     auto is bfloat16 on a CPU with AVX-512 BF16, and the float32 tests compare batched
     output with single streams and transformers float32 bit for bit."""
     ports = {name: free_port() for name in ("tokenizer", "prefill", "generation")}
+    ports["tokenizer_metrics"] = free_port()
     ports["prefill_metrics"] = free_port()
     ports["generation_metrics"] = free_port()
     decode_ports = [free_port(), free_port()]
@@ -137,13 +138,15 @@ def running_llm_mesh(root: Path, dtype: str = "float32") -> Iterator[LlmMesh]:
     config.write_text(
         f"[engines.llm]\nmax_seq_len = {MAX_SEQ_LEN}\nmax_batch_size = {MAX_BATCH}\n"
         f'dtype = "{dtype}"\n'
-        f"[services.tokenizer]\nport = {ports['tokenizer']}\nmetrics_port = 0\n"
+        f"[services.tokenizer]\nport = {ports['tokenizer']}\n"
+        f"metrics_port = {ports['tokenizer_metrics']}\n"
         f"[services.prefill]\nport = {ports['prefill']}\n"
         f"metrics_port = {ports['prefill_metrics']}\n"
         f"[services.generation]\nport = {ports['generation']}\n"
         f"metrics_port = {ports['generation_metrics']}\n"
-        "[services.generation.options]\n"
+        "[services.generation.dependencies]\n"
         f'tokenizer = "127.0.0.1:{ports["tokenizer"]}"\n'
+        "[services.generation.options]\n"
         f'prefill = ["127.0.0.1:{ports["prefill"]}"]\n'
         f"decode = [{decode_targets}]\n"
     )

@@ -67,7 +67,8 @@ async def test_a_float32_decode_takes_bfloat16_kv_from_prefill(bfloat16_mesh, bf
                 kv_handle=handle,
                 prompt_token_ids=prompt_ids,
                 first_token_id=leased.first_token_id,
-                stopping=stopping(8, ignore_eos=True),
+                max_new_tokens=8,
+                ignore_eos=True,
             )
 
         unknown = kv_cache_pb2.KvHandle()

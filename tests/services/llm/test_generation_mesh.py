@@ -26,6 +26,7 @@ from aimesh.llm.v1 import (
 from mesh.client import create_channel
 from mesh.config import MeshSettings
 from mesh.errors import field_violations
+from services.llm.artifacts import load_tokenizer, resolve_model
 from services.llm.kv_transfer import new_handle_id
 from tests.conftest import VENV_BIN
 from tests.services.llm.conftest import (
@@ -257,7 +258,7 @@ async def test_unknown_and_expired_kv_handles_are_not_found(llm_mesh, reference)
                     kv_handle=handle,
                     prompt_token_ids=prompt_ids,
                     first_token_id=leased.first_token_id,
-                    stopping=stopping(8),
+                    max_new_tokens=8,
                 ),
                 timeout=30,
             )
@@ -279,7 +280,7 @@ async def test_unknown_and_expired_kv_handles_are_not_found(llm_mesh, reference)
                     kv_handle=handle,
                     prompt_token_ids=prompt_ids,
                     first_token_id=leased.first_token_id,
-                    stopping=stopping(8),
+                    max_new_tokens=8,
                 ),
                 timeout=30,
             )
@@ -288,6 +289,21 @@ async def test_unknown_and_expired_kv_handles_are_not_found(llm_mesh, reference)
                     pass
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert [v.field for v in field_violations(caught.value)] == [field]
+        # The router resolves the length: decode checks only that it fits its context.
+        for length in (0, MAX_SEQ_LEN):
+            call = decode.Decode(
+                decode_pb2.DecodeRequest(
+                    kv_handle=leased.kv_handle,
+                    prompt_token_ids=prompt_ids,
+                    first_token_id=leased.first_token_id,
+                    max_new_tokens=length,
+                ),
+                timeout=30,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in call:
+                    pass
+            assert [v.field for v in field_violations(caught.value)] == ["max_new_tokens"]
     async with create_channel(llm_mesh.target("prefill"), MeshSettings()) as channel:
         kv_cache = kv_cache_pb2_grpc.KvCacheServiceStub(channel)
         for made_up in ("x" * 1024 * 1024, "é" * 32, "a" * 16):
@@ -310,6 +326,65 @@ async def test_cancelling_a_stream_frees_its_decode_slot_within_a_step(llm_mesh)
         while not await idle():
             assert time.monotonic() - started < 2.0, "slot still busy 2 s after cancel"
             await asyncio.sleep(0.02)
+
+
+def _handled(url: str, method: str) -> float:
+    """aimesh_rpc_server_handled_total of `method`, over every status code."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    pattern = rf'^aimesh_rpc_server_handled_total{{[^}}]*grpc_method="{method}"[^}}]*}} (\S+)$'
+    return sum(float(value) for value in re.findall(pattern, text, re.MULTILINE))
+
+
+async def test_a_stop_sequence_is_cut_exactly_where_it_begins_and_decode_is_cancelled(
+    llm_mesh, reference
+):
+    """The stop string starts inside a token: the text before it is sent, to the
+    character, and decode, asked for 300 tokens, is cancelled by the router at once."""
+    _, tokenizer = reference
+    prompt = "The capital of France is"
+    stub, channel = llm_mesh.stub()
+    async with channel:
+        ids, full, _ = await generate(stub, prompt=prompt, stopping=stopping(24, ignore_eos=True))
+        boundaries = {
+            len(tokenizer.decode(ids[:n], skip_special_tokens=True)) for n in range(len(ids))
+        }
+        at = next(
+            k
+            for k in range(len(full) // 3, len(full) - 6)
+            if k not in boundaries and full[k - 1].isalnum() and full.index(full[k : k + 6]) == k
+        )
+        stop = full[at : at + 6]
+        ids, text, complete = await generate(
+            stub,
+            prompt=prompt,
+            stopping=stopping(300, ignore_eos=True, stop_sequences=[stop]),
+        )
+        assert text == full[:at], (full, stop)
+        assert complete.finish_reason == sampling_pb2.FINISH_REASON_STOP_SEQUENCE
+        assert len(ids) == complete.usage.completion_tokens < 40
+        started = time.monotonic()
+        while sum(load.running for load in await _loads(llm_mesh)) != 0:
+            assert time.monotonic() - started < 2.0, "decode still generating after the stop"
+            await asyncio.sleep(0.02)
+
+
+async def test_text_is_made_once_by_the_router_without_detokenize_stream(llm_mesh):
+    """A generation's ids become text in the router: the tokenizer serves Tokenize and
+    never DetokenizeStream, and the text is a one-shot decode of the streamed ids, even
+    where characters span tokens."""
+    tokenizer = load_tokenizer(resolve_model(None, MeshSettings().cache_dir))
+    tokenizer_metrics = llm_mesh.metrics_url("tokenizer")
+    tokenized_before = _handled(tokenizer_metrics, "Tokenize")
+    stub, channel = llm_mesh.stub()
+    async with channel:
+        for prompt in ("Translate to Japanese: good morning ->", "Emoji for a happy face:"):
+            ids, text, _ = await generate(
+                stub, prompt=prompt, stopping=stopping(24, ignore_eos=True)
+            )
+            assert text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert _handled(tokenizer_metrics, "Tokenize") >= tokenized_before + 2
+    assert _handled(tokenizer_metrics, "DetokenizeStream") == 0
 
 
 async def test_no_leaks_after_200_streams_cancelled_at_random_points(llm_mesh, prompts):

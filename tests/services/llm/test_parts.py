@@ -14,7 +14,6 @@ from aimesh.llm.v1 import kv_cache_pb2, sampling_pb2
 from mesh.artifacts import manifest_problems
 from mesh.validation import Violations
 from services.llm import artifacts, kv_codec
-from services.llm.detokenize import IncrementalDetokenizer
 from services.llm.kv_transfer import new_handle_id
 from services.llm.requests import sampling_params
 from services.llm.sampling import SamplingParams, sample
@@ -93,49 +92,22 @@ def test_repetition_penalty_pushes_seen_tokens_down():
     assert sample(logits, SamplingParams(repetition_penalty=1.5), [3], 0)[0] == 4
 
 
-class _CharTokenizer:
-    """Token i is chr(i): enough to test text-level stopping without a model."""
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return "".join(chr(i) for i in ids)
-
-
-def _checker(stops: tuple[str, ...], max_new: int = 100) -> StopChecker:
-    detokenizer = IncrementalDetokenizer(_CharTokenizer().decode)
-    return StopChecker(
-        max_new_tokens=max_new,
-        eos_ids=frozenset({0}),
-        stop_sequences=stops,
-        token_text=lambda token: detokenizer.push([token]),
-    )
+def test_decode_stops_on_the_end_token_without_emitting_it():
+    checker = StopChecker(max_new_tokens=100, eos_ids=frozenset({0}))
+    assert checker.feed(7) == [7]
+    assert checker.feed(0) == []
+    assert checker.finish is Finish.EOS and checker.generated == 2
+    assert checker.feed(8) == []
 
 
-def _feed(checker: StopChecker, text: str) -> str:
-    return "".join(chr(t) for ch in text for t in checker.feed(ord(ch)))
-
-
-def test_stop_sequence_is_never_emitted():
-    checker = _checker(("END",))
-    assert _feed(checker, "abcEN") == "abc"  # "EN" could still become "END": held
-    assert _feed(checker, "D more") == ""
-    assert checker.finish is Finish.STOP_SEQUENCE
-
-
-def test_held_text_is_released_when_it_cannot_become_a_stop():
-    checker = _checker(("END",))
-    assert _feed(checker, "abcEN") == "abc"
-    assert _feed(checker, "x") == "ENx"
-    assert checker.finish is None
-
-
-def test_eos_and_length_flush_what_was_held():
-    checker = _checker(("END",), max_new=3)
-    assert _feed(checker, "aEN") == "aEN"
-    assert checker.finish is Finish.LENGTH
-    eos = _checker(("END",))
-    assert _feed(eos, "aE") == "a"
-    assert [chr(t) for t in eos.feed(0)] == ["E"]
-    assert eos.finish is Finish.EOS
+def test_decode_stops_at_the_length_or_the_context_with_the_last_token():
+    checker = StopChecker(max_new_tokens=2, eos_ids=frozenset({0}))
+    assert checker.feed(7) == [7] and checker.finish is None
+    assert checker.feed(8) == [8] and checker.finish is Finish.LENGTH
+    full = StopChecker(max_new_tokens=100, eos_ids=frozenset({0}))
+    assert full.feed(7, room_left=False) == [7] and full.finish is Finish.LENGTH
+    ignoring = StopChecker(max_new_tokens=100, eos_ids=frozenset({0}), ignore_eos=True)
+    assert ignoring.feed(0) == [0] and ignoring.finish is None
 
 
 def _kv(tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,21 +1,21 @@
-"""The generation router's Triton option without a Triton server: its settings, the
-stop-sequence holdback it puts on Triton's token stream, and its detokenizer stream at
-its deadline (tests/triton runs the rest)."""
+"""The generation router's Triton option without a Triton server: its settings, and the
+router making the text of Triton's token stream and closing that stream at a stop
+sequence (tests/triton runs the rest against a real server)."""
 
 from __future__ import annotations
 
-import asyncio
+from types import SimpleNamespace
 
-import grpc
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from aimesh.tokenizer.v1 import tokenizer_pb2_grpc
-from mesh.client import create_channel
+from aimesh.llm.v1 import generation_pb2, sampling_pb2
 from mesh.config import MeshSettings
-from services.generation.on_triton import Holdback
-from services.generation.servicer import RouterOptions
-from services.generation.text import TOKENIZER, Detokenizer
+from services.generation.on_triton import TritonGeneration
+from services.generation.servicer import GenerationRouter, RouterOptions
+from services.llm.artifacts import load_tokenizer
+from services.llm.settings import LlmSettings
 
 
 def test_triton_and_its_section_go_together():
@@ -41,60 +41,89 @@ def test_the_option_arrives_from_the_environment(monkeypatch):
     )
 
 
-def feed(holdback: Holdback, pieces: list[str]) -> tuple[list[int], str]:
-    ids: list[int] = []
-    text = ""
-    for token, piece in enumerate(pieces):
-        released, released_text = holdback.feed(token, piece)
-        ids += released
-        text += released_text
-        if holdback.stopped:
-            break
-    return ids, text
+class FakeTriton:
+    """Triton's decoupled text_generation model as TritonModel.stream shows it: one
+    response per token, the last with a finish reason; records whether the stream was
+    closed before its end (which cancels the request on a real Triton)."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.settings = SimpleNamespace(url="triton:8001", model="text_generation")
+        self.sent = 0
+        self.closed_early = False
+
+    async def stream(self, inputs, outputs, final, request_id=""):
+        finished = False
+        try:
+            for index, token in enumerate(self.tokens):
+                last = index + 1 == len(self.tokens)
+                self.sent += 1
+                yield {
+                    "output_ids": np.array([token], dtype=np.int64),
+                    "finish_reason": np.array([b"length"], dtype=object) if last else None,
+                }
+            finished = True
+        finally:
+            self.closed_early = not finished
 
 
-def test_without_stop_sequences_every_token_passes_at_once():
-    holdback = Holdback(())
-    assert holdback.feed(7, "Hi") == ([7], "Hi")
-    assert holdback.feed(8, "") == ([8], "")
-    assert not holdback.stopped and holdback.generated == 2
+class FakeTokenizerService:
+    def __init__(self, prompt_ids: list[int]) -> None:
+        self.prompt_ids = prompt_ids
+
+    async def tokenize(self, prompt: str, request_id: str) -> list[int]:
+        return self.prompt_ids
 
 
-def test_text_that_may_start_a_stop_sequence_waits_and_a_stop_is_never_shown():
-    holdback = Holdback(("</s>",))
-    ids, text = feed(holdback, ["Paris", " is", " nice", "</", "s", ">", " more"])
-    assert holdback.stopped
-    assert (ids, text) == ([0, 1, 2], "Paris is nice")
-    assert holdback.generated == 6, "the stop sequence's tokens were generated"
+async def _generate_on(triton: FakeTriton, tokenizer, **stopping) -> tuple[str, list[int], object]:
+    router = GenerationRouter(
+        FakeTokenizerService(_ids(tokenizer, "Hello")),
+        TritonGeneration(triton),
+        LlmSettings(max_seq_len=512),
+        "SmolLM2-135M-Instruct",
+    )
+    router.text_tokenizer = tokenizer
+    request = generation_pb2.GenerateRequest(
+        prompt="Hello", stopping=sampling_pb2.StoppingCriteria(max_new_tokens=64, **stopping)
+    )
+    text, ids, complete = "", [], None
+    async for message in router.Generate(request, None):
+        if message.HasField("chunk"):
+            text += message.chunk.text
+            ids += message.chunk.token_ids
+        else:
+            complete = message.complete
+    return text, ids, complete
 
 
-def test_a_prefix_that_does_not_become_a_stop_is_released_in_order():
-    holdback = Holdback(("STOP",))
-    assert holdback.feed(0, "a") == ([0], "a")
-    assert holdback.feed(1, "ST") == ([], "")
-    assert holdback.feed(2, "O") == ([], "")
-    assert holdback.feed(3, "ry") == ([1, 2, 3], "STOry")
-    assert not holdback.stopped and holdback.rest() == ([], "")
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def test_what_is_held_when_the_stream_ends_comes_out_with_rest():
-    holdback = Holdback(("\n\n",))
-    ids, text = feed(holdback, ["end", "\n"])
-    assert (ids, text) == ([0], "end")
-    assert holdback.rest() == ([1], "\n")
-    assert holdback.rest() == ([], "")
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return load_tokenizer(model_dir)
 
 
-async def test_a_detokenizer_stream_past_its_deadline_reports_deadline_exceeded(serve_process):
-    """Its deadline ends a margin before the caller's: the caller's next token meets a
-    finished stream, and must learn why (DEADLINE_EXCEEDED), not "RPC already finished"."""
-    tokenizer = await serve_process("tokenizer")
-    async with create_channel(tokenizer.target, MeshSettings(), services=[TOKENIZER]) as channel:
-        call = tokenizer_pb2_grpc.TokenizerServiceStub(channel).DetokenizeStream(timeout=1.0)
-        detokenizer = Detokenizer(call)
-        await detokenizer.open("late")
-        assert await detokenizer.push([504]) != ""
-        await asyncio.sleep(1.5)
-        with pytest.raises(grpc.aio.AioRpcError) as late:
-            await detokenizer.push([3575])
-    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+async def test_the_router_makes_tritons_text_as_a_one_shot_decode_of_its_ids(tokenizer):
+    tokens = _ids(tokenizer, " Paris is the capital of France. 日本語 🙂")
+    triton = FakeTriton(tokens)
+    text, ids, complete = await _generate_on(triton, tokenizer)
+    assert ids == tokens
+    assert text == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert complete.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+    assert complete.usage.completion_tokens == len(tokens)
+    stages = {s.name for s in complete.timing.stages}
+    assert stages == {"tokenize", "prefill", "decode", "detokenize"}
+    assert not triton.closed_early
+
+
+async def test_a_stop_sequence_cuts_tritons_text_exactly_and_closes_its_stream(tokenizer):
+    tokens = _ids(tokenizer, " Paris is the capital of France. It is")
+    triton = FakeTriton(tokens)
+    # "tal of" begins inside the token " capital" and ends inside " of".
+    text, ids, complete = await _generate_on(triton, tokenizer, stop_sequences=["tal of"])
+    assert text == " Paris is the capi"
+    assert complete.finish_reason == sampling_pb2.FINISH_REASON_STOP_SEQUENCE
+    assert triton.closed_early and triton.sent < len(tokens)
+    assert complete.usage.completion_tokens == len(ids) == triton.sent

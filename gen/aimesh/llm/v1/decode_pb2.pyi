@@ -11,22 +11,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "kv_handle", "prompt_token_ids", "first_token_id", "sampling", "stopping", "first_token_logprob")
+    __slots__ = ("request_id", "kv_handle", "prompt_token_ids", "first_token_id", "sampling", "first_token_logprob", "max_new_tokens", "ignore_eos")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    STOPPING_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kv_handle: _kv_cache_pb2.KvHandle
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
     sampling: _sampling_pb2.SamplingParameters
-    stopping: _sampling_pb2.StoppingCriteria
     first_token_logprob: float
-    def __init__(self, request_id: _Optional[str] = ..., kv_handle: _Optional[_Union[_kv_cache_pb2.KvHandle, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[_sampling_pb2.StoppingCriteria, _Mapping]] = ..., first_token_logprob: _Optional[float] = ...) -> None: ...
+    max_new_tokens: int
+    ignore_eos: bool
+    def __init__(self, request_id: _Optional[str] = ..., kv_handle: _Optional[_Union[_kv_cache_pb2.KvHandle, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParameters, _Mapping]] = ..., first_token_logprob: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("chunk", "complete")

@@ -28,8 +28,9 @@ if _version_not_supported:
 class DecodeServiceStub:
     """DecodeService continues generations whose prompt was prefilled elsewhere: it pulls the
     KV named by a KvHandle (KvCacheService.Pull), joins the request to its running batch
-    (continuous batching) and streams token ids. The router detokenizes for the caller;
-    decode turns ids into text only to match stop_sequences. Internal only: no HTTP mapping.
+    (continuous batching) and streams token ids. It never makes text: the router turns ids
+    into text and matches stop sequences, and cancels this call when one appears. Internal
+    only: no HTTP mapping.
     """
 
     def __init__(self, channel):
@@ -53,13 +54,14 @@ class DecodeServiceStub:
 class DecodeServiceServicer:
     """DecodeService continues generations whose prompt was prefilled elsewhere: it pulls the
     KV named by a KvHandle (KvCacheService.Pull), joins the request to its running batch
-    (continuous batching) and streams token ids. The router detokenizes for the caller;
-    decode turns ids into text only to match stop_sequences. Internal only: no HTTP mapping.
+    (continuous batching) and streams token ids. It never makes text: the router turns ids
+    into text and matches stop sequences, and cancels this call when one appears. Internal
+    only: no HTTP mapping.
     """
 
     def Decode(self, request, context):
-        """Decode streams the completion, first_token_id included, until a stopping criterion
-        is met, then one complete message. Cancelling the call removes the request from the
+        """Decode streams the completion, first_token_id included, until the end-of-sequence
+        token or max_new_tokens, then one complete message. Cancelling the call removes the request from the
         batch at the next step and frees its KV. RESOURCE_EXHAUSTED when the batch and the
         queue are full; NOT_FOUND or UNAVAILABLE when the KV cannot be pulled.
         """
@@ -99,8 +101,9 @@ def add_DecodeServiceServicer_to_server(servicer, server):
 class DecodeService:
     """DecodeService continues generations whose prompt was prefilled elsewhere: it pulls the
     KV named by a KvHandle (KvCacheService.Pull), joins the request to its running batch
-    (continuous batching) and streams token ids. The router detokenizes for the caller;
-    decode turns ids into text only to match stop_sequences. Internal only: no HTTP mapping.
+    (continuous batching) and streams token ids. It never makes text: the router turns ids
+    into text and matches stop sequences, and cancels this call when one appears. Internal
+    only: no HTTP mapping.
     """
 
     @staticmethod

@@ -28,8 +28,9 @@ if _version_not_supported:
 class GenerationServiceStub:
     """GenerationService is the external text-generation API: the router that turns text into
     tokens (TokenizerService), prefills them on one worker (PrefillService), decodes on
-    another (DecodeService, which pulls the KV) and streams text back as it is detokenized
-    (TokenizerService.DetokenizeStream). Callers see only text, token ids and timing.
+    another (DecodeService, which pulls the KV) and turns the ids decode streams into text
+    itself, with the model's tokenizer, where it also cuts the text at stop sequences.
+    Callers see only text, token ids and timing.
     """
 
     def __init__(self, channel):
@@ -53,8 +54,9 @@ class GenerationServiceStub:
 class GenerationServiceServicer:
     """GenerationService is the external text-generation API: the router that turns text into
     tokens (TokenizerService), prefills them on one worker (PrefillService), decodes on
-    another (DecodeService, which pulls the KV) and streams text back as it is detokenized
-    (TokenizerService.DetokenizeStream). Callers see only text, token ids and timing.
+    another (DecodeService, which pulls the KV) and turns the ids decode streams into text
+    itself, with the model's tokenizer, where it also cuts the text at stop sequences.
+    Callers see only text, token ids and timing.
     """
 
     def Generate(self, request, context):
@@ -96,8 +98,9 @@ def add_GenerationServiceServicer_to_server(servicer, server):
 class GenerationService:
     """GenerationService is the external text-generation API: the router that turns text into
     tokens (TokenizerService), prefills them on one worker (PrefillService), decodes on
-    another (DecodeService, which pulls the KV) and streams text back as it is detokenized
-    (TokenizerService.DetokenizeStream). Callers see only text, token ids and timing.
+    another (DecodeService, which pulls the KV) and turns the ids decode streams into text
+    itself, with the model's tokenizer, where it also cuts the text at stop sequences.
+    Callers see only text, token ids and timing.
     """
 
     @staticmethod
