@@ -35,7 +35,7 @@ EDGES = (("agent", "tools"), ("tools", "retrieval"))
 # How the callers learn the proxy's address (services/agent/settings.py, tools/settings.py).
 EDGE_SETTING = {
     ("agent", "tools"): "AIMESH_SERVICES__AGENT__DEPENDENCIES__TOOLS",
-    ("tools", "retrieval"): "AIMESH_ENGINES__TOOLS__RETRIEVAL",
+    ("tools", "retrieval"): "AIMESH_SERVICES__TOOLS__DEPENDENCIES__RETRIEVAL",
 }
 GRACE_S = 3  # each service's SIGTERM drain; keeps teardown short
 STOP_WAIT_S = 20

@@ -19,16 +19,16 @@ from mesh.artifacts import build_once
 from mesh.config import BreakerSettings
 from mesh.triton import TritonModel, TritonSettings
 from services.embedder.model import SentenceModel
+from services.shared.minilm import export_onnx
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 log = logging.getLogger(__name__)
 
 BackendName = Literal["onnx", "torch"]
 ONNX_DIRECTORY = "all-MiniLM-L6-v2-onnx"
 ONNX_FILE = "model.onnx"
-OPSET = 18  # torch's dynamo exporter's own opset: no version conversion after export
 _GPU_PROVIDER = "CUDAExecutionProvider"
 _CPU_PROVIDER = "CPUExecutionProvider"
 
@@ -110,34 +110,6 @@ def _export(model: SentenceModel, path: Path) -> None:
     from services.embedder.pooled import load_pooled
 
     export_onnx(load_pooled(model), path, "sentence_embedding", model.max_tokens)
-
-
-def export_onnx(module: torch.nn.Module, path: Path, output: str, max_tokens: int) -> None:
-    """A module of (input_ids, attention_mask) through torch.onnx's dynamo exporter, batch
-    and sequence axes dynamic, weights inside the one file (90 MB for MiniLM, far below
-    protobuf's 2 GB limit), so an artifact manifest covers one file."""
-    import torch
-
-    # The exporter's optimizer logs each of its hundreds of rewrites at INFO.
-    for name in ("onnxscript", "onnx_ir"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    batch, tokens = torch.export.Dim("batch"), torch.export.Dim("tokens", max=max_tokens)
-    # Two distinct tensors: the exporter would take one tensor passed twice for one input.
-    example = (torch.ones((2, 8), dtype=torch.int64), torch.ones((2, 8), dtype=torch.int64))
-    torch.onnx.export(
-        module,
-        example,
-        str(path),
-        input_names=["input_ids", "attention_mask"],
-        output_names=[output],
-        dynamic_shapes={
-            "input_ids": {0: batch, 1: tokens},
-            "attention_mask": {0: batch, 1: tokens},
-        },
-        opset_version=OPSET,
-        external_data=False,
-        verbose=False,
-    )
 
 
 def load_backend(name: BackendName, model: SentenceModel, cache_dir: Path, threads: int) -> Backend:

@@ -17,7 +17,7 @@ from mesh.config import BreakerSettings
 from services.embedder.backends import Backend, TritonBackend, load_backend
 from services.embedder.model import SentenceModel, default_model
 from services.embedder.settings import EmbedderSettings
-from services.embedder.tokens import TextTokenizer, pad
+from services.shared.minilm import TextTokenizer, normalized, pad
 
 
 @dataclass
@@ -89,9 +89,3 @@ class Encoder:
         tokenized = self.tokenizer.tokenize(texts, "right")
         vectors = self.embed([each.ids for each in tokenized])
         return (normalized(vectors) if normalize else vectors), [len(t.ids) for t in tokenized]
-
-
-def normalized(vectors: np.ndarray) -> np.ndarray:
-    """Rows scaled to unit L2 norm (a zero row stays zero), as torch's F.normalize does."""
-    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-    return vectors / np.maximum(norms, 1e-12)

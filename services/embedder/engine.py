@@ -25,7 +25,8 @@ from prometheus_client import Histogram
 
 from mesh import deadline
 from mesh.failures import NotReady
-from services.embedder.encoder import Encoder, normalized
+from services.embedder.encoder import Encoder
+from services.shared.minilm import normalized
 
 log = logging.getLogger(__name__)
 

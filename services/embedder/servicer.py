@@ -31,7 +31,7 @@ from services.embedder.backends import TritonBackend
 from services.embedder.encoder import Encoder
 from services.embedder.engine import EmbedEngine
 from services.embedder.settings import embedder_settings
-from services.embedder.tokens import Side, Tokenized
+from services.shared.minilm import Side, Tokenized
 
 SERVICE = embedder_pb2.DESCRIPTOR.services_by_name["EmbedderService"]
 

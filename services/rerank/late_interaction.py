@@ -21,8 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.embedder.encoder import normalized
-from services.embedder.tokens import TextTokenizer, pad
+from services.shared.minilm import TextTokenizer, normalized, pad
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModel
 
 from mesh.artifacts import build_once
-from services.embedder.backends import export_onnx
+from services.shared.minilm import export_onnx
 
 ONNX_DIRECTORY = "all-MiniLM-L6-v2-tokens-onnx"
 ONNX_FILE = "model.onnx"

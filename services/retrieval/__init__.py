@@ -1,4 +1,5 @@
-"""retrieval: collections of passages in Qdrant, searched dense, sparse or hybrid."""
+"""retrieval: collections of passages in Qdrant, searched dense, sparse or hybrid, and
+reranked by the rerank service when a search asks."""
 
 from mesh.registry import ServiceSpec
 
@@ -10,4 +11,5 @@ SPEC = ServiceSpec(
     # Calls mostly wait on the embedder and the store's own thread.
     max_concurrency=16,
     edge_services=("aimesh.retrieval.v1.RetrievalService",),
+    dependencies=("embedder", "rerank"),
 )

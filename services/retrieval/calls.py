@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import grpc
 from qdrant_client import AsyncQdrantClient
@@ -41,6 +42,12 @@ UNAVAILABLE = "VECTOR_STORE_UNAVAILABLE"
 # answering garbage (ResponseHandlingException wraps httpx's errors), the embedded store's
 # files failing.
 _STORE_ERRORS = (ResponseHandlingException, OSError, sqlite3.Error)
+
+
+def display(url: str) -> str:
+    """The URL without credentials or path, fit for error messages."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
 
 
 class StoreCalls:

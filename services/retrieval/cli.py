@@ -11,13 +11,11 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from aimesh.rerank.v1 import rerank_pb2_grpc
 from aimesh.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 from mesh.client import create_channel
 from mesh.commands import run_command
 from mesh.config import MeshSettings
 from mesh.registry import discover
-from services.rerank.client import rerank_hits
 from services.retrieval.corpus import Passage, dedupe, file_passages, stdlib_passages
 
 DEFAULT_COLLECTION = "knowledge"
@@ -95,33 +93,38 @@ def search(
     collection: Annotated[str, typer.Option()] = DEFAULT_COLLECTION,
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object")] = False,
 ) -> None:
-    """Search a collection; --rerank reorders a deeper candidate list with the rerank service."""
+    """Search a collection; --rerank has retrieval reorder a deeper candidate list with the
+    rerank service (in retrieval order, with a note, when rerank is unavailable)."""
     if mode not in MODES:
         raise typer.BadParameter(f"mode must be one of {', '.join(MODES)}")
     settings = MeshSettings()
 
     async def run() -> dict:
-        candidates = max(top_k * 4, 20) if rerank else top_k
         async with create_channel(_target(settings, "retrieval"), settings) as channel:
             found = await retrieval_pb2_grpc.RetrievalServiceStub(channel).Search(
                 retrieval_pb2.SearchRequest(
-                    collection=collection, query=query, top_k=candidates, mode=MODES[mode]
+                    collection=collection,
+                    query=query,
+                    top_k=top_k,
+                    mode=MODES[mode],
+                    rerank=rerank,
                 )
             )
-        hits = [{"id": h.id, "score": h.score, "text": h.text} for h in found.hits]
-        timing = {s.name: s.duration_ns / 1e6 for s in found.timing.stages}
-        if rerank and hits:
-            async with create_channel(_target(settings, "rerank"), settings) as channel:
-                stub = rerank_pb2_grpc.RerankServiceStub(channel)
-                hits, ranked = await rerank_hits(stub, query, hits, top_k)
-            timing["rerank"] = ranked.timing.total_ns / 1e6
-        return {"hits": hits[:top_k], "timing": timing}
+        result = {
+            "hits": [{"id": h.id, "score": h.score, "text": h.text} for h in found.hits],
+            "timing": {s.name: s.duration_ns / 1e6 for s in found.timing.stages},
+        }
+        if found.note:
+            result["note"] = found.note
+        return result
 
     result, trace_id = run_command("search", run, timeout_s=60)
     result["trace_id"] = trace_id
     if as_json:
         typer.echo(json.dumps(result))
         return
+    if "note" in result:
+        typer.echo(result["note"], err=True)
     for rank, hit in enumerate(result["hits"], start=1):
         first_line = hit["text"].splitlines()[0] if hit["text"] else ""
         typer.echo(f"{rank:2}. {hit['id']}  ({hit['score']:.4f})\n    {first_line[:100]}")

@@ -21,7 +21,6 @@ class RetrievalSettings(BaseModel, extra="forbid"):
         gt=0,
         description="per Qdrant call when the caller brings no deadline, and its cap",
     )
-    embedder: str | None = Field(default=None, description="None: the embedder's configured target")
     rrf_k: int = Field(default=60, ge=1, description="reciprocal rank fusion constant")
     # Each retriever of a hybrid search looks this many times deeper than top_k, so fusion
     # can promote a document that one retriever ranks low.

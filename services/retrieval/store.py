@@ -4,7 +4,7 @@ Each document is one Qdrant point: a dense vector ("dense"), a BM25 sparse vecto
 IDF applied by Qdrant) when the collection has one, and the caller's payload plus reserved
 keys: its aimesh id (Qdrant ids must be integers or UUIDs, so the point id is a UUID5 of
 it), its text, and a hash of text and payload that lets a re-upsert skip what did not
-change. Calls are synchronous: the servicer runs them on one thread of their own, which
+change. Calls are synchronous: the engine runs them on one thread of their own, which
 also serialises access to the embedded store.
 """
 
@@ -13,13 +13,16 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from qdrant_client import QdrantClient, models
 
 from mesh.failures import AlreadyExists, NotFound
+from services.retrieval.settings import RetrievalSettings
 
 log = logging.getLogger(__name__)
 
@@ -203,3 +206,15 @@ class Store:
                 collection, points_selector=models.FilterSelector(filter=query_filter), wait=True
             )
         return count
+
+
+def open_store(settings: RetrievalSettings, cache_dir: Path) -> Store:
+    """Opens without contacting a server: a Qdrant server that is down only delays readiness."""
+    if settings.url:
+        client = QdrantClient(
+            url=settings.url, api_key=settings.api_key, timeout=math.ceil(settings.timeout_s)
+        )
+        return Store(client, local=False)
+    path = settings.path or cache_dir / "qdrant"
+    path.mkdir(parents=True, exist_ok=True)
+    return Store(QdrantClient(path=str(path)), local=True)

@@ -1,4 +1,4 @@
-"""tools: MCP's tool model over gRPC; built-in tools wrap retrieval, rerank and diffusion."""
+"""tools: MCP's tool model over gRPC; built-in tools wrap retrieval and diffusion."""
 
 from mesh.registry import ServiceSpec
 
@@ -11,4 +11,5 @@ SPEC = ServiceSpec(
     max_concurrency=64,
     exempt_methods=("/aimesh.tools.v1.ToolsService/ListTools",),
     edge_services=("aimesh.tools.v1.ToolsService",),
+    dependencies=("retrieval", "diffusion"),
 )

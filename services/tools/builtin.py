@@ -9,11 +9,9 @@ from typing import Any
 import grpc
 
 from aimesh.diffusion.v1 import diffusion_pb2, diffusion_pb2_grpc
-from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 from aimesh.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 from aimesh.tools.v1 import tools_pb2
 from mesh.errors import field_violations
-from services.rerank.client import rerank_hits
 from services.shared.calculator import (
     EXPRESSION_PATTERN,
     MAX_EXPRESSION,
@@ -24,17 +22,7 @@ from services.tools.tool import ToolContext, ToolDefinition, ToolError, ToolEven
 
 PASSAGE_CHARS = 700  # of each passage's text shown to the model
 RETRIEVAL = retrieval_pb2.DESCRIPTOR.services_by_name["RetrievalService"]
-RERANK = rerank_pb2.DESCRIPTOR.services_by_name["RerankService"]
 DIFFUSION = diffusion_pb2.DESCRIPTOR.services_by_name["DiffusionService"]
-# Rerank failures that mean "not now" rather than "wrong request": knowledge_search then
-# answers in retrieval order instead of failing.
-RERANK_DOWN = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-    }
-)
 
 
 def unavailable(what: str, error: grpc.aio.AioRpcError) -> ToolError:
@@ -56,43 +44,32 @@ def passages_text(passages: list[dict[str, Any]]) -> str:
 async def knowledge_search(
     arguments: dict[str, Any], context: ToolContext
 ) -> AsyncIterator[ToolEvent]:
+    """Hybrid search, reranked by retrieval itself; when rerank is down, retrieval answers
+    in its own order with a note, passed on to the model."""
     query, top_k = arguments["query"], int(arguments.get("top_k", 5))
     rerank = arguments.get("rerank", True)
     retrieval = retrieval_pb2_grpc.RetrievalServiceStub(context.channel("retrieval", RETRIEVAL))
-    yield progress(0, 2 if rerank else 1, "searching the knowledge base")
+    yield progress(0, 1, "searching the knowledge base")
     try:
         found = await retrieval.Search(
             retrieval_pb2.SearchRequest(
                 collection=context.settings.knowledge_collection,
                 query=query,
-                top_k=max(top_k * 4, 20) if rerank else top_k,
+                top_k=top_k,
                 mode=retrieval_pb2.SEARCH_MODE_HYBRID,
+                rerank=rerank,
             )
         )
     except grpc.aio.AioRpcError as error:
         raise unavailable("knowledge search", error) from None
-    hits = [{"id": h.id, "text": h.text, "score": h.score} for h in found.hits]
-    if not hits:
+    passages = [{"id": h.id, "text": h.text, "score": h.score} for h in found.hits]
+    if not passages:
         raise ToolError(f"no passage in the knowledge base matches {query!r}")
-    note = None
-    if rerank:
-        yield progress(1, 2, f"reranking {len(hits)} passages")
-        stub = rerank_pb2_grpc.RerankServiceStub(context.channel("rerank", RERANK))
-        try:
-            hits, _ = await rerank_hits(stub, query, hits, top_k)
-        except grpc.aio.AioRpcError as error:
-            if error.code() not in RERANK_DOWN:
-                raise unavailable("rerank", error) from None
-            note = (
-                f"reranking unavailable ({error.code().name}): passages are in retrieval "
-                "order, best first by hybrid search"
-            )
-    passages = hits[:top_k]
-    if note is None:
+    if not found.note:
         yield ToolOutput(passages_text(passages), {"passages": passages})
     else:
-        text = f"{note}\n\n{passages_text(passages)}"
-        yield ToolOutput(text, {"passages": passages, "note": note})
+        text = f"{found.note}\n\n{passages_text(passages)}"
+        yield ToolOutput(text, {"passages": passages, "note": found.note})
 
 
 async def python_doc(arguments: dict[str, Any], context: ToolContext) -> AsyncIterator[ToolEvent]:

@@ -19,7 +19,7 @@ from services.tools.builtin import BUILTIN
 from services.tools.idempotency import MAX_KEY_BYTES, IdempotencyKeys, client_of
 from services.tools.runner import run_tool
 from services.tools.schema import arguments_of, check_arguments
-from services.tools.settings import ToolsSettings, tools_settings, wrapped_targets
+from services.tools.settings import ToolsSettings, tools_settings
 from services.tools.tool import ToolContext, ToolDefinition
 
 SERVICE = tools_pb2.DESCRIPTOR.services_by_name["ToolsService"]
@@ -133,7 +133,7 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
 
 async def setup(server: MeshServer) -> None:
     settings = tools_settings(server.settings)
-    context = ToolContext(server.channels, settings, wrapped_targets(server.settings, settings))
+    context = ToolContext(settings, server.channel_to)
     server.add_service(
         tools_pb2_grpc.add_ToolsServiceServicer_to_server,
         ToolsServicer(context, BUILTIN),

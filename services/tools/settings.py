@@ -5,17 +5,10 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from mesh.config import MeshSettings
-from mesh.registry import discover
-
-WRAPPED = ("retrieval", "rerank", "diffusion")
 
 
 class ToolsSettings(BaseModel, extra="forbid"):
     knowledge_collection: str = "knowledge"
-    # Addresses of the services the built-in tools wrap; None: each one's configured target.
-    retrieval: str | None = None
-    rerank: str | None = None
-    diffusion: str | None = None
     # How long a repeated idempotency key returns the first call's result.
     idempotency_window_s: float = Field(default=600, gt=0)
     # How many keys (all clients together) are remembered, results included (a few KB each,
@@ -35,11 +28,3 @@ class ToolsSettings(BaseModel, extra="forbid"):
 
 def tools_settings(settings: MeshSettings) -> ToolsSettings:
     return ToolsSettings.model_validate(settings.engines.get("tools", {}))
-
-
-def wrapped_targets(settings: MeshSettings, tools: ToolsSettings) -> dict[str, str]:
-    specs = discover()
-    return {
-        name: getattr(tools, name) or settings.target_of(name, specs[name].default_port)
-        for name in WRAPPED
-    }

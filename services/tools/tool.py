@@ -15,7 +15,6 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 
 from aimesh.tools.v1 import tools_pb2
-from mesh.client import ChannelPool
 from services.tools.settings import ToolsSettings
 
 
@@ -32,14 +31,11 @@ class ToolOutput:
 
 @dataclass(frozen=True)
 class ToolContext:
-    """What a tool body may use: channels (with breakers) to the services it wraps."""
+    """What a tool body may use: the settings, and mesh channels (deadline, breaker,
+    retries) to the services the tools service declares, by name: MeshServer.channel_to."""
 
-    channels: ChannelPool
     settings: ToolsSettings
-    targets: dict[str, str]
-
-    def channel(self, service: str, descriptor: ServiceDescriptor) -> grpc.aio.Channel:
-        return self.channels.get(self.targets[service], descriptor)
+    channel: Callable[[str, ServiceDescriptor], grpc.aio.Channel]
 
 
 ToolEvent = tools_pb2.Progress | ToolOutput

@@ -10,7 +10,7 @@ from mesh.artifacts import MANIFEST, manifest_problems
 from services.embedder.backends import ONNX_DIRECTORY, ONNX_FILE, OnnxBackend, onnx_graph
 from services.embedder.encoder import Encoder
 from services.embedder.model import SentenceModel
-from services.embedder.tokens import pad
+from services.shared.minilm import pad
 from tests.services.embedder.conftest import CACHE_DIR, TEXTS, assert_same_vectors
 
 

@@ -7,7 +7,7 @@ import pytest
 from sentence_transformers import SentenceTransformer
 
 from services.embedder.encoder import Encoder
-from services.embedder.tokens import pad
+from services.shared.minilm import pad
 from tests.services.embedder.conftest import TEXTS, assert_same_vectors
 
 

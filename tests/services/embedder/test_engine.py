@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator, Callable
 import numpy as np
 import pytest
 
-from services.embedder.encoder import Encoder, normalized
+from services.embedder.encoder import Encoder
 from services.embedder.engine import EmbedEngine
 from services.embedder.settings import EmbedderSettings
-from services.embedder.tokens import pad
+from services.shared.minilm import normalized, pad
 from tests.services.embedder.conftest import TEXTS, assert_same_vectors
 
 SENTENCES = [f"request number {n} asks about topic {n * 7 % 13}" for n in range(16)]

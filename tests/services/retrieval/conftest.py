@@ -18,8 +18,9 @@ from services.embedder.servicer import setup as embedder_setup
 from services.retrieval.servicer import setup as retrieval_setup
 
 
-async def start_retrieval(store: Path) -> tuple[MeshServer, MeshServer]:
-    """(embedder, retrieval), both started; the caller drains them."""
+async def start_retrieval(store: Path, rerank: str | None = None) -> tuple[MeshServer, MeshServer]:
+    """(embedder, retrieval), both started, retrieval reranking at `rerank` if given; the
+    caller drains them."""
     cache = MeshSettings().cache_dir
     # Two threads: while these tests ingest, the embedder has the machine's cores to itself
     # (1000 stdlib passages embedded in 15 s instead of 26 with the default one thread).
@@ -27,12 +28,15 @@ async def start_retrieval(store: Path) -> tuple[MeshServer, MeshServer]:
     embedder = MeshServer("embedder", embedder_settings, port=0, default_max_concurrency=32)
     await embedder_setup(embedder)
     await embedder.start()
+    dependencies = {"embedder": f"127.0.0.1:{embedder.port}"}
+    if rerank is not None:
+        dependencies["rerank"] = rerank
     settings = MeshSettings(
         cache_dir=cache,
-        services={"retrieval": ServiceSettings(max_concurrency=16)},
-        engines={"retrieval": {"path": str(store), "embedder": f"127.0.0.1:{embedder.port}"}},
+        services={"retrieval": ServiceSettings(dependencies=dependencies)},
+        engines={"retrieval": {"path": str(store)}},
     )
-    retrieval = MeshServer("retrieval", settings, port=0)
+    retrieval = MeshServer.for_service("retrieval", settings, port=0)
     await retrieval_setup(retrieval)
     await retrieval.start()
     return embedder, retrieval
@@ -68,13 +72,26 @@ async def start_fake_embedder() -> MeshServer:
     return server
 
 
-def retrieval_server(embedder: MeshServer, **engine: Any) -> MeshServer:
-    """A retrieval server (not started) whose embedder is `embedder`, with [engines.retrieval]
-    `engine` (a path or a url); its setup still has to run."""
-    settings = MeshSettings(
-        engines={"retrieval": {"embedder": f"127.0.0.1:{embedder.port}", **engine}}
+def retrieval_settings(
+    embedder: MeshServer, rerank: str | None = None, **engine: Any
+) -> MeshSettings:
+    """Settings of a retrieval server whose embedder is `embedder` (and rerank `rerank`, if
+    given), with [engines.retrieval] `engine` (a path or a url)."""
+    dependencies = {"embedder": f"127.0.0.1:{embedder.port}"}
+    if rerank is not None:
+        dependencies["rerank"] = rerank
+    return MeshSettings(
+        services={"retrieval": ServiceSettings(dependencies=dependencies)},
+        engines={"retrieval": engine},
     )
-    return MeshServer("retrieval", settings, port=0)
+
+
+def retrieval_server(embedder: MeshServer, rerank: str | None = None, **engine: Any) -> MeshServer:
+    """A retrieval server (not started), as retrieval_settings describes it; its setup
+    still has to run."""
+    return MeshServer.for_service(
+        "retrieval", retrieval_settings(embedder, rerank, **engine), port=0
+    )
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 import httpx
@@ -31,11 +32,12 @@ from mesh.errors import error_info, field_violations
 from mesh.failures import NotFound, NotReady
 from mesh.server import MeshServer
 from services.retrieval.calls import StoreCalls
+from services.retrieval.engine import KnowledgeBase
 from services.retrieval.servicer import SERVICE, RetrievalServicer
 from services.retrieval.servicer import setup as retrieval_setup
 from services.retrieval.settings import RetrievalSettings
 from tests.conftest import health_delays
-from tests.services.retrieval.conftest import retrieval_server
+from tests.services.retrieval.conftest import retrieval_server, retrieval_settings
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -200,34 +202,8 @@ async def test_a_qdrant_server_that_is_down_is_unavailable_and_readiness_follows
             return server.port != 0
 
         await _until(listening)
-        async with create_channel(
-            f"127.0.0.1:{server.port}", MeshSettings(), services=[SERVICE]
-        ) as channel:
-            stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
-            search = retrieval_pb2.SearchRequest(collection="docs", query="x")
-
-            async def store_is_called() -> bool:
-                error = await _refusal(stub.Search(search, timeout=30))
-                assert error.code() == grpc.StatusCode.UNAVAILABLE, error
-                return _reason(error) == "VECTOR_STORE_UNAVAILABLE"
-
-            await _until(store_is_called)  # warm-up opened the store and waits for Qdrant
-            started = time.monotonic()
-            calls = [
-                lambda: stub.Upsert(_stream([retrieval_pb2.Document(text="t")]), timeout=30),
-                lambda: stub.CreateCollection(
-                    retrieval_pb2.CreateCollectionRequest(collection="docs"), timeout=30
-                ),
-                lambda: stub.Delete(
-                    retrieval_pb2.DeleteRequest(collection="docs", ids=["a"]), timeout=30
-                ),
-                *[lambda: stub.Search(search, timeout=30)] * 12,
-            ]
-            errors = [await _refusal(call()) for call in calls]  # one after another
-            assert time.monotonic() - started < 10  # refused, not hung to the deadline
-            assert {e.code() for e in errors} == {grpc.StatusCode.UNAVAILABLE}
-            assert {_reason(e) for e in errors} == {"VECTOR_STORE_UNAVAILABLE", "CIRCUIT_OPEN"}
-            assert _reason(errors[-1]) == "CIRCUIT_OPEN"  # the breaker spares Qdrant
+        await asyncio.sleep(1)
+        # Warm-up opened the store and waits for Qdrant: not ready, though alive.
         assert await _health(server.port, "") == health_pb2.HealthCheckResponse.SERVING
         assert await _health(server.port, "retrieval") == health_pb2.HealthCheckResponse.NOT_SERVING
         assert not starting.done()
@@ -247,6 +223,36 @@ async def test_a_qdrant_server_that_is_down_is_unavailable_and_readiness_follows
 
         await _until(not_ready)
         assert await _health(server.port, "") == health_pb2.HealthCheckResponse.SERVING
+        async with create_channel(
+            f"127.0.0.1:{server.port}", MeshSettings(), services=[SERVICE]
+        ) as channel:
+            stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+            search = retrieval_pb2.SearchRequest(collection="docs", query="x")
+            started = time.monotonic()
+            calls = [
+                lambda: stub.Upsert(_stream([retrieval_pb2.Document(text="t")]), timeout=30),
+                lambda: stub.CreateCollection(
+                    retrieval_pb2.CreateCollectionRequest(collection="docs"), timeout=30
+                ),
+                lambda: stub.Delete(
+                    retrieval_pb2.DeleteRequest(collection="docs", ids=["a"]), timeout=30
+                ),
+                *[lambda: stub.Search(search, timeout=30)] * 12,
+            ]
+            errors = [await _refusal(call()) for call in calls]  # one after another
+            assert time.monotonic() - started < 10  # refused, not hung to the deadline
+            assert {e.code() for e in errors} == {grpc.StatusCode.UNAVAILABLE}
+            assert {_reason(e) for e in errors} == {"VECTOR_STORE_UNAVAILABLE", "CIRCUIT_OPEN"}
+            assert _reason(errors[-1]) == "CIRCUIT_OPEN"  # the breaker spares Qdrant
+
+        fake = await _fake_qdrant(port)
+
+        async def ready() -> bool:
+            return await _health(server.port, "retrieval") == (
+                health_pb2.HealthCheckResponse.SERVING
+            )
+
+        await _until(ready)
     finally:
         if fake is not None:
             fake.close()
@@ -303,15 +309,18 @@ async def test_a_store_call_that_hangs_ends_at_its_timeout_or_the_callers_deadli
         calls.close()
 
 
-async def test_calls_before_the_store_opens_are_unavailable_not_internal(fake_embedder, tmp_path):
-    server = retrieval_server(fake_embedder, path=str(tmp_path))
-    servicer = RetrievalServicer(server, RetrievalSettings(path=tmp_path))
+async def test_calls_before_the_store_opens_are_unavailable_not_internal(tmp_path):
+    async def never(*args: Any) -> Any:
+        raise AssertionError("no call reaches a dependency before the store opens")
+
+    calls = StoreCalls("test", 5, BreakerSettings())
+    engine = KnowledgeBase(RetrievalSettings(path=tmp_path), calls, never, never)
+    servicer = RetrievalServicer(engine, max_message_bytes=4 * 1024 * 1024)
     with pytest.raises(NotReady):
         await servicer.Search(retrieval_pb2.SearchRequest(collection="docs", query="x"), None)
     with pytest.raises(NotReady):
         await servicer.Delete(retrieval_pb2.DeleteRequest(collection="docs", ids=["a"]), None)
-    servicer.calls.close()
-    await server.drain(0)
+    calls.close()
 
 
 # ---- malformed input is the caller's, and named ----
@@ -448,13 +457,10 @@ async def test_bad_deletes_name_the_field(stub, ids, field):
 async def test_a_stream_whose_ids_would_not_fit_its_response_is_cut_before_writing(
     fake_embedder, tmp_path
 ):
-    settings = MeshSettings(
-        transport=TransportSettings(max_message_bytes=64 * 1024),
-        engines={
-            "retrieval": {"embedder": f"127.0.0.1:{fake_embedder.port}", "path": str(tmp_path)}
-        },
+    settings = retrieval_settings(fake_embedder, path=str(tmp_path)).model_copy(
+        update={"transport": TransportSettings(max_message_bytes=64 * 1024)}
     )
-    server = MeshServer("retrieval", settings, port=0)
+    server = MeshServer.for_service("retrieval", settings, port=0)
     await retrieval_setup(server)
     await server.start()
     try:

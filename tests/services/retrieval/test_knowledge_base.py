@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import pytest
 import pytest_asyncio
 
-from aimesh.rerank.v1 import rerank_pb2_grpc
 from aimesh.retrieval.v1 import retrieval_pb2_grpc
 from loadtest.retrieval_eval import quality, questions, rankings
 from mesh.client import create_channel
@@ -31,22 +30,22 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)
 class KnowledgeMesh:
     env: dict[str, str]
     retrieval: str
-    rerank: str
     first_ingest: str = ""
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def mesh(tmp_path_factory) -> AsyncIterator[KnowledgeMesh]:
-    embedder, retrieval = await start_retrieval(tmp_path_factory.mktemp("kb"))
-    rerank = MeshServer("rerank", MeshSettings(), port=0)
+    rerank = MeshServer.for_service("rerank", MeshSettings(), port=0)
     await rerank_setup(rerank)
     await rerank.start()
+    embedder, retrieval = await start_retrieval(
+        tmp_path_factory.mktemp("kb"), rerank=f"127.0.0.1:{rerank.port}"
+    )
     env = subprocess_env(
         AIMESH_SERVICES__RETRIEVAL__TARGET=f"127.0.0.1:{retrieval.port}",
-        AIMESH_SERVICES__RERANK__TARGET=f"127.0.0.1:{rerank.port}",
         OTEL_TRACES_EXPORTER="none",
     )
-    mesh = KnowledgeMesh(env, f"127.0.0.1:{retrieval.port}", f"127.0.0.1:{rerank.port}")
+    mesh = KnowledgeMesh(env, f"127.0.0.1:{retrieval.port}")
     try:
         code, mesh.first_ingest, err = await aimesh(mesh, "ingest")
         assert code == 0, err
@@ -88,7 +87,7 @@ async def test_ingest_is_idempotent_and_search_answers(mesh):
     result = json.loads(out)
     assert len(result["hits"]) == 3 and {"id", "score", "text"} <= set(result["hits"][0])
     assert "subprocess.run" in {h["id"] for h in result["hits"]}
-    assert {"embed", "search", "rerank"} <= set(result["timing"])
+    assert {"embed", "search", "rerank"} <= set(result["timing"]) and "note" not in result
     assert len(result["trace_id"]) == 32
 
     # Candidates past the scorer's 512 tokens are cut, not refused (the demo's question
@@ -107,15 +106,9 @@ async def test_ingest_is_idempotent_and_search_answers(mesh):
 async def test_rerank_beats_retrieval_alone_on_the_labelled_questions(mesh):
     labelled = questions()
     settings = MeshSettings()
-    async with (
-        create_channel(mesh.retrieval, settings) as retrieval_channel,
-        create_channel(mesh.rerank, settings) as rerank_channel,
-    ):
+    async with create_channel(mesh.retrieval, settings) as channel:
         ranked, _ = await rankings(
-            retrieval_pb2_grpc.RetrievalServiceStub(retrieval_channel),
-            rerank_pb2_grpc.RerankServiceStub(rerank_channel),
-            "knowledge",
-            labelled,
+            retrieval_pb2_grpc.RetrievalServiceStub(channel), "knowledge", labelled
         )
     scores = {name: quality(labelled, runs)["ndcg@10"] for name, runs in ranked.items()}
     assert scores["hybrid + rerank"] > scores["hybrid"], scores

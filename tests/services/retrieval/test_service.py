@@ -15,7 +15,8 @@ from aimesh.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 from mesh.client import create_channel
 from mesh.config import MeshSettings
 from mesh.errors import field_violations
-from services.retrieval.servicer import SERVICE, derived_id
+from services.retrieval.engine import derived_id
+from services.retrieval.servicer import SERVICE
 from tests.services.retrieval.conftest import start_retrieval
 
 DOCS = {

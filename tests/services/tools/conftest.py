@@ -1,6 +1,6 @@
-"""A tools server wired to real retrieval (a small knowledge collection), rerank and
-diffusion servers, all on 127.0.0.1; and a bare one, whose backends are closed ports or
-small fakes, for tests that need no model."""
+"""A tools server wired to real retrieval (a small knowledge collection, reranked by a
+real rerank server) and diffusion servers, all on 127.0.0.1; and a bare one, whose
+dependencies are closed ports or small fakes, for tests that need no model."""
 
 from __future__ import annotations
 
@@ -15,12 +15,10 @@ from google.protobuf import struct_pb2
 from aimesh.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 from aimesh.tools.v1 import tools_pb2_grpc
 from mesh.client import create_channel
-from mesh.config import MeshSettings
+from mesh.config import MeshSettings, ServiceSettings
 from mesh.server import MeshServer
-from services.diffusion import SPEC as DIFFUSION
 from services.diffusion.servicer import setup as diffusion_setup
 from services.rerank.servicer import setup as rerank_setup
-from services.tools import SPEC as TOOLS
 from services.tools.servicer import SERVICE
 from services.tools.servicer import setup as tools_setup
 from tests.conftest import free_port
@@ -65,43 +63,47 @@ async def fill_knowledge(target: str) -> None:
         await stub.Upsert(documents())
 
 
+def tools_server(dependencies: dict[str, str], **tools_settings: object) -> MeshServer:
+    """A tools server (not set up) dialling `dependencies`, with [engines.tools] settings."""
+    settings = MeshSettings(
+        services={"tools": ServiceSettings(dependencies=dependencies)},
+        engines={"tools": tools_settings},
+    )
+    return MeshServer.for_service("tools", settings, port=0)
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def start_tools(tmp_path_factory) -> AsyncIterator[StartTools]:
-    embedder, retrieval = await start_retrieval(tmp_path_factory.mktemp("tools-kb"))
-    await fill_knowledge(f"127.0.0.1:{retrieval.port}")
-    rerank = MeshServer("rerank", MeshSettings(), port=0)
+    rerank = MeshServer.for_service("rerank", MeshSettings(), port=0)
     await rerank_setup(rerank)
     await rerank.start()
-    diffusion = MeshServer(
+    embedder, retrieval = await start_retrieval(
+        tmp_path_factory.mktemp("tools-kb"), rerank=f"127.0.0.1:{rerank.port}"
+    )
+    await fill_knowledge(f"127.0.0.1:{retrieval.port}")
+    diffusion = MeshServer.for_service(
         "diffusion",
         MeshSettings(engines={"diffusion": {"device": "cpu", "models": ["digits"]}}),
         port=0,
-        exempt_methods=DIFFUSION.exempt_methods,
-        default_max_concurrency=DIFFUSION.max_concurrency,
     )
     await diffusion_setup(diffusion)
     await diffusion.start()
-    servers = [embedder, retrieval, rerank, diffusion]
+    servers = [rerank, embedder, retrieval, diffusion]
     channels = []
 
-    async def start(**tools_settings: object) -> ToolsMesh:
+    async def start(
+        dependencies: dict[str, str] | None = None, **tools_settings: object
+    ) -> ToolsMesh:
         targets = {
             "retrieval": f"127.0.0.1:{retrieval.port}",
-            "rerank": f"127.0.0.1:{rerank.port}",
             "diffusion": f"127.0.0.1:{diffusion.port}",
+            **(dependencies or {}),
         }
-        settings = MeshSettings(engines={"tools": {**targets, **tools_settings}})
-        tools = MeshServer(
-            "tools",
-            settings,
-            port=0,
-            exempt_methods=TOOLS.exempt_methods,
-            default_max_concurrency=TOOLS.max_concurrency,
-        )
+        tools = tools_server(targets, **tools_settings)
         await tools_setup(tools)
         await tools.start()
         servers.append(tools)
-        channel = create_channel(f"127.0.0.1:{tools.port}", settings, services=[SERVICE])
+        channel = create_channel(f"127.0.0.1:{tools.port}", MeshSettings(), services=[SERVICE])
         channels.append(channel)
         return ToolsMesh(tools_pb2_grpc.ToolsServiceStub(channel), tools, targets["diffusion"])
 
@@ -136,27 +138,22 @@ async def start_fake() -> AsyncIterator[StartFake]:
 
 @pytest_asyncio.fixture
 async def bare_tools() -> AsyncIterator[StartTools]:
-    """Starts tools servers whose wrapped services are closed ports unless given."""
+    """Starts tools servers whose dependencies are closed ports unless given."""
     servers: list[MeshServer] = []
     channels = []
 
-    async def start(**tools_settings: object) -> ToolsMesh:
+    async def start(
+        dependencies: dict[str, str] | None = None, **tools_settings: object
+    ) -> ToolsMesh:
         dead = f"127.0.0.1:{free_port()}"
-        targets = {"retrieval": dead, "rerank": dead, "diffusion": dead}
-        settings = MeshSettings(engines={"tools": {**targets, **tools_settings}})
-        tools = MeshServer(
-            "tools",
-            settings,
-            port=0,
-            exempt_methods=TOOLS.exempt_methods,
-            default_max_concurrency=TOOLS.max_concurrency,
-        )
+        targets = {"retrieval": dead, "diffusion": dead, **(dependencies or {})}
+        tools = tools_server(targets, **tools_settings)
         await tools_setup(tools)
         await tools.start()
         servers.append(tools)
-        channel = create_channel(f"127.0.0.1:{tools.port}", settings, services=[SERVICE])
+        channel = create_channel(f"127.0.0.1:{tools.port}", MeshSettings(), services=[SERVICE])
         channels.append(channel)
-        return ToolsMesh(tools_pb2_grpc.ToolsServiceStub(channel), tools, dead)
+        return ToolsMesh(tools_pb2_grpc.ToolsServiceStub(channel), tools, targets["diffusion"])
 
     yield start
     for channel in channels:

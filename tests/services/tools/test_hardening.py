@@ -1,7 +1,7 @@
 """The tools service against hostile or unlucky calls: every bad request is
 INVALID_ARGUMENT naming its field (never INTERNAL, UNKNOWN or a hang), idempotency keys are
 scoped per client and bounded, the event loop never evaluates arithmetic, and
-knowledge_search still answers when rerank is down.
+knowledge_search passes on retrieval's note when rerank is down.
 
 Most tests call the servicer in process; those that need the wire or health start a bare
 tools server whose backends are closed ports or small fakes.
@@ -23,7 +23,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from aimesh.rerank.v1 import rerank_pb2_grpc
 from aimesh.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 from aimesh.tools.v1 import tools_pb2
 from mesh.client import ChannelPool, create_channel
@@ -50,20 +49,19 @@ class FakeContext:
         return self.metadata
 
 
-def servicer_with(*tools: ToolDefinition, **settings: Any) -> ToolsServicer:
-    """An in-process servicer whose wrapped services are closed ports."""
+def servicer_with(*tools: ToolDefinition, **settings: Any) -> tuple[ToolsServicer, ChannelPool]:
+    """An in-process servicer whose wrapped services are closed ports, and its channels."""
     dead = f"127.0.0.1:{free_port()}"
-    targets = {"retrieval": dead, "rerank": dead, "diffusion": dead}
-    tools_settings = ToolsSettings(**targets, **settings)
-    context = ToolContext(ChannelPool(MeshSettings()), tools_settings, targets)
-    return ToolsServicer(context, tools or BUILTIN)
+    channels = ChannelPool(MeshSettings())
+    context = ToolContext(ToolsSettings(**settings), lambda _, service: channels.get(dead, service))
+    return ToolsServicer(context, tools or BUILTIN), channels
 
 
 @pytest_asyncio.fixture
 async def servicer() -> AsyncIterator[ToolsServicer]:
-    servicer = servicer_with()
+    servicer, channels = servicer_with()
     yield servicer
-    await servicer.context.channels.close()
+    await channels.close()
 
 
 def call(tool: str, key: str = "", **arguments: Any) -> tools_pb2.CallToolRequest:
@@ -227,7 +225,7 @@ def gated_tool(gate: asyncio.Event, runs: list[int]) -> ToolDefinition:
 
 async def test_a_cancelled_duplicate_does_not_cancel_the_others():
     gate, runs = asyncio.Event(), []
-    servicer = servicer_with(gated_tool(gate, runs))
+    servicer, channels = servicer_with(gated_tool(gate, runs))
     first = asyncio.ensure_future(result_of(servicer, call("gated", "once")))
     await asyncio.sleep(0.05)
     waiters = [asyncio.ensure_future(result_of(servicer, call("gated", "once"))) for _ in range(2)]
@@ -236,7 +234,7 @@ async def test_a_cancelled_duplicate_does_not_cancel_the_others():
     gate.set()
     assert (await waiters[1]) == (await first) and len(runs) == 1
     assert waiters[0].cancelled()
-    await servicer.context.channels.close()
+    await channels.close()
 
 
 # ---- the calculator off the event loop ----
@@ -267,57 +265,42 @@ async def test_health_answers_while_an_expression_is_evaluated(bare_tools, monke
         await running
 
 
-# ---- knowledge_search without rerank ----
+# ---- knowledge_search passes on retrieval's note ----
 
 
 class FakeRetrieval(retrieval_pb2_grpc.RetrievalServiceServicer):
+    """Answers as retrieval does when rerank is down: retrieval order and a note."""
+
+    def __init__(self) -> None:
+        self.requests: list[retrieval_pb2.SearchRequest] = []
+
     async def Search(self, request, context):
-        hits = [retrieval_pb2.Hit(id=f"p{n}", text=f"passage {n}") for n in range(6)]
-        return retrieval_pb2.SearchResponse(hits=hits)
+        self.requests.append(request)
+        hits = [retrieval_pb2.Hit(id=f"p{n}", text=f"passage {n}") for n in range(request.top_k)]
+        return retrieval_pb2.SearchResponse(
+            hits=hits, note="reranking unavailable (UNAVAILABLE): hits are in retrieval order"
+        )
 
 
-class FakeRerank(rerank_pb2_grpc.RerankServiceServicer):
-    def __init__(self, code: grpc.StatusCode) -> None:
-        self.code = code
-
-    async def Rerank(self, request, context):
-        await context.abort(self.code, "fake rerank refuses")
-
-
-async def test_knowledge_search_answers_in_retrieval_order_when_rerank_is_down(
+async def test_knowledge_search_asks_retrieval_to_rerank_and_passes_on_its_note(
     bare_tools, start_fake
 ):
-    retrieval = await start_fake(
-        retrieval_pb2_grpc.add_RetrievalServiceServicer_to_server, FakeRetrieval()
-    )
-    mesh = await bare_tools(retrieval=retrieval)  # rerank: a closed port
+    fake = FakeRetrieval()
+    retrieval = await start_fake(retrieval_pb2_grpc.add_RetrievalServiceServicer_to_server, fake)
+    mesh = await bare_tools(dependencies={"retrieval": retrieval})
     result = await over_the_wire(mesh.stub, call("knowledge_search", query="copy a list", top_k=3))
     assert not result.is_error
+    (request,) = fake.requests
+    assert request.rerank and request.top_k == 3  # the candidate depth is retrieval's
     found = json_format.MessageToDict(result.structured_content)
     assert [p["id"] for p in found["passages"]] == ["p0", "p1", "p2"]
     assert found["note"].startswith("reranking unavailable (UNAVAILABLE)")
     assert result.content[0].text.startswith("reranking unavailable")
 
-
-@pytest.mark.parametrize(
-    ("code", "degrades"),
-    [
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, True),
-        (grpc.StatusCode.DEADLINE_EXCEEDED, True),
-        (grpc.StatusCode.INVALID_ARGUMENT, False),
-    ],
-)
-async def test_only_a_rerank_outage_degrades_knowledge_search(
-    bare_tools, start_fake, code, degrades
-):
-    retrieval = await start_fake(
-        retrieval_pb2_grpc.add_RetrievalServiceServicer_to_server, FakeRetrieval()
+    result = await over_the_wire(
+        mesh.stub, call("knowledge_search", query="copy a list", top_k=2, rerank=False)
     )
-    rerank = await start_fake(rerank_pb2_grpc.add_RerankServiceServicer_to_server, FakeRerank(code))
-    mesh = await bare_tools(retrieval=retrieval, rerank=rerank)
-    result = await over_the_wire(mesh.stub, call("knowledge_search", query="q"))
-    assert result.is_error is not degrades
-    assert code.name in result.content[0].text
+    assert not fake.requests[-1].rerank and fake.requests[-1].top_k == 2
 
 
 # ---- any request at all ----

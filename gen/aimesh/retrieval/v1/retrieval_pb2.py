@@ -28,7 +28,7 @@ from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior_
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#aimesh/retrieval/v1/retrieval.proto\x12\x13\x61imesh.retrieval.v1\x1a\x1d\x61imesh/common/v1/common.proto\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1cgoogle/protobuf/struct.proto\"\xb6\x01\n\x17\x43reateCollectionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\ncollection\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x13\n\x0bvector_size\x18\x03 \x01(\x05\x12/\n\x08\x64istance\x18\x04 \x01(\x0e\x32\x1d.aimesh.retrieval.v1.Distance\x12\x16\n\x0esparse_enabled\x18\x05 \x01(\x08\x12\x0f\n\x07on_disk\x18\x06 \x01(\x08\"j\n\x18\x43reateCollectionResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\x12\x13\n\x0bvector_size\x18\x02 \x01(\x05\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\"i\n\rUpsertRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ncollection\x18\x02 \x01(\t\x12\x30\n\tdocuments\x18\x03 \x03(\x0b\x32\x1d.aimesh.retrieval.v1.Document\"N\n\x08\x44ocument\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12(\n\x07payload\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"~\n\x0eUpsertResponse\x12\x10\n\x08received\x18\x01 \x01(\x05\x12\x10\n\x08upserted\x18\x02 \x01(\x05\x12\x11\n\tunchanged\x18\x03 \x01(\x05\x12\x0b\n\x03ids\x18\x04 \x03(\t\x12(\n\x06timing\x18\x05 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\"\x94\x02\n\rSearchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\ncollection\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x13\n\x05query\x18\x03 \x01(\tB\x04\xe2\x41\x01\x02\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12+\n\x06\x66ilter\x18\x05 \x01(\x0b\x32\x1b.aimesh.retrieval.v1.Filter\x12\x1c\n\x0fscore_threshold\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12-\n\x04mode\x18\x07 \x01(\x0e\x32\x1f.aimesh.retrieval.v1.SearchMode\x12\x14\n\x0cwith_payload\x18\x08 \x01(\x08\x42\x08\n\x06_top_kB\x12\n\x10_score_threshold\"b\n\x0eSearchResponse\x12&\n\x04hits\x18\x01 \x03(\x0b\x32\x18.aimesh.retrieval.v1.Hit\x12(\n\x06timing\x18\x02 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\"\x89\x01\n\x03Hit\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12(\n\x07payload\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12/\n\x07sources\x18\x05 \x03(\x0b\x32\x1e.aimesh.retrieval.v1.HitSource\"[\n\tHitSource\x12\x31\n\tretriever\x18\x01 \x01(\x0e\x32\x1e.aimesh.retrieval.v1.Retriever\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\r\n\x05score\x18\x03 \x01(\x02\"\x98\x01\n\x06\x46ilter\x12,\n\x04must\x18\x01 \x03(\x0b\x32\x1e.aimesh.retrieval.v1.Condition\x12.\n\x06should\x18\x02 \x03(\x0b\x32\x1e.aimesh.retrieval.v1.Condition\x12\x30\n\x08must_not\x18\x03 \x03(\x0b\x32\x1e.aimesh.retrieval.v1.Condition\"\x8d\x01\n\tCondition\x12\x11\n\x03key\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x11\n\x07keyword\x18\x02 \x01(\tH\x00\x12\x11\n\x07integer\x18\x03 \x01(\x03H\x00\x12\x11\n\x07\x62oolean\x18\x04 \x01(\x08H\x00\x12+\n\x05range\x18\x05 \x01(\x0b\x32\x1a.aimesh.retrieval.v1.RangeH\x00\x42\x07\n\x05match\"k\n\x05Range\x12\x0f\n\x02gt\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x03gte\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x0f\n\x02lt\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x10\n\x03lte\x18\x04 \x01(\x01H\x03\x88\x01\x01\x42\x05\n\x03_gtB\x06\n\x04_gteB\x05\n\x03_ltB\x06\n\x04_lte\"w\n\rDeleteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\ncollection\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x0b\n\x03ids\x18\x03 \x03(\t\x12+\n\x06\x66ilter\x18\x04 \x01(\x0b\x32\x1b.aimesh.retrieval.v1.Filter\"K\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x05\x12(\n\x06timing\x18\x02 \x01(\x0b\x32\x18.aimesh.common.v1.Timing*`\n\x08\x44istance\x12\x18\n\x14\x44ISTANCE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44ISTANCE_COSINE\x10\x01\x12\x10\n\x0c\x44ISTANCE_DOT\x10\x02\x12\x13\n\x0f\x44ISTANCE_EUCLID\x10\x03*p\n\nSearchMode\x12\x1b\n\x17SEARCH_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11SEARCH_MODE_DENSE\x10\x01\x12\x16\n\x12SEARCH_MODE_SPARSE\x10\x02\x12\x16\n\x12SEARCH_MODE_HYBRID\x10\x03*Q\n\tRetriever\x12\x19\n\x15RETRIEVER_UNSPECIFIED\x10\x00\x12\x13\n\x0fRETRIEVER_DENSE\x10\x01\x12\x14\n\x10RETRIEVER_SPARSE\x10\x02\x32\x90\x04\n\x10RetrievalService\x12\x8e\x01\n\x10\x43reateCollection\x12,.aimesh.retrieval.v1.CreateCollectionRequest\x1a-.aimesh.retrieval.v1.CreateCollectionResponse\"\x1d\x90\x02\x02\x82\xd3\xe4\x93\x02\x14\"\x0f/v1/collections:\x01*\x12S\n\x06Upsert\x12\".aimesh.retrieval.v1.UpsertRequest\x1a#.aimesh.retrieval.v1.UpsertResponse(\x01\x12\x84\x01\n\x06Search\x12\".aimesh.retrieval.v1.SearchRequest\x1a#.aimesh.retrieval.v1.SearchResponse\"1\x90\x02\x01\x82\xd3\xe4\x93\x02(\"#/v1/collections/{collection}/search:\x01*\x12\x8e\x01\n\x06\x44\x65lete\x12\".aimesh.retrieval.v1.DeleteRequest\x1a#.aimesh.retrieval.v1.DeleteResponse\";\x90\x02\x02\x82\xd3\xe4\x93\x02\x32\"-/v1/collections/{collection}/documents:delete:\x01*b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#aimesh/retrieval/v1/retrieval.proto\x12\x13\x61imesh.retrieval.v1\x1a\x1d\x61imesh/common/v1/common.proto\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1cgoogle/protobuf/struct.proto\"\xb6\x01\n\x17\x43reateCollectionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\ncollection\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x13\n\x0bvector_size\x18\x03 \x01(\x05\x12/\n\x08\x64istance\x18\x04 \x01(\x0e\x32\x1d.aimesh.retrieval.v1.Distance\x12\x16\n\x0esparse_enabled\x18\x05 \x01(\x08\x12\x0f\n\x07on_disk\x18\x06 \x01(\x08\"j\n\x18\x43reateCollectionResponse\x12\x0f\n\x07\x63reated\x18\x01 \x01(\x08\x12\x13\n\x0bvector_size\x18\x02 \x01(\x05\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\"i\n\rUpsertRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ncollection\x18\x02 \x01(\t\x12\x30\n\tdocuments\x18\x03 \x03(\x0b\x32\x1d.aimesh.retrieval.v1.Document\"N\n\x08\x44ocument\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12(\n\x07payload\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"~\n\x0eUpsertResponse\x12\x10\n\x08received\x18\x01 \x01(\x05\x12\x10\n\x08upserted\x18\x02 \x01(\x05\x12\x11\n\tunchanged\x18\x03 \x01(\x05\x12\x0b\n\x03ids\x18\x04 \x03(\t\x12(\n\x06timing\x18\x05 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\"\xa4\x02\n\rSearchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\ncollection\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x13\n\x05query\x18\x03 \x01(\tB\x04\xe2\x41\x01\x02\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12+\n\x06\x66ilter\x18\x05 \x01(\x0b\x32\x1b.aimesh.retrieval.v1.Filter\x12\x1c\n\x0fscore_threshold\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12-\n\x04mode\x18\x07 \x01(\x0e\x32\x1f.aimesh.retrieval.v1.SearchMode\x12\x14\n\x0cwith_payload\x18\x08 \x01(\x08\x12\x0e\n\x06rerank\x18\t \x01(\x08\x42\x08\n\x06_top_kB\x12\n\x10_score_threshold\"p\n\x0eSearchResponse\x12&\n\x04hits\x18\x01 \x03(\x0b\x32\x18.aimesh.retrieval.v1.Hit\x12(\n\x06timing\x18\x02 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\x12\x0c\n\x04note\x18\x03 \x01(\t\"\x89\x01\n\x03Hit\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12(\n\x07payload\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12/\n\x07sources\x18\x05 \x03(\x0b\x32\x1e.aimesh.retrieval.v1.HitSource\"[\n\tHitSource\x12\x31\n\tretriever\x18\x01 \x01(\x0e\x32\x1e.aimesh.retrieval.v1.Retriever\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\r\n\x05score\x18\x03 \x01(\x02\"\x98\x01\n\x06\x46ilter\x12,\n\x04must\x18\x01 \x03(\x0b\x32\x1e.aimesh.retrieval.v1.Condition\x12.\n\x06should\x18\x02 \x03(\x0b\x32\x1e.aimesh.retrieval.v1.Condition\x12\x30\n\x08must_not\x18\x03 \x03(\x0b\x32\x1e.aimesh.retrieval.v1.Condition\"\x8d\x01\n\tCondition\x12\x11\n\x03key\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x11\n\x07keyword\x18\x02 \x01(\tH\x00\x12\x11\n\x07integer\x18\x03 \x01(\x03H\x00\x12\x11\n\x07\x62oolean\x18\x04 \x01(\x08H\x00\x12+\n\x05range\x18\x05 \x01(\x0b\x32\x1a.aimesh.retrieval.v1.RangeH\x00\x42\x07\n\x05match\"k\n\x05Range\x12\x0f\n\x02gt\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x10\n\x03gte\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x0f\n\x02lt\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x10\n\x03lte\x18\x04 \x01(\x01H\x03\x88\x01\x01\x42\x05\n\x03_gtB\x06\n\x04_gteB\x05\n\x03_ltB\x06\n\x04_lte\"w\n\rDeleteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\ncollection\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x0b\n\x03ids\x18\x03 \x03(\t\x12+\n\x06\x66ilter\x18\x04 \x01(\x0b\x32\x1b.aimesh.retrieval.v1.Filter\"K\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x05\x12(\n\x06timing\x18\x02 \x01(\x0b\x32\x18.aimesh.common.v1.Timing*`\n\x08\x44istance\x12\x18\n\x14\x44ISTANCE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44ISTANCE_COSINE\x10\x01\x12\x10\n\x0c\x44ISTANCE_DOT\x10\x02\x12\x13\n\x0f\x44ISTANCE_EUCLID\x10\x03*p\n\nSearchMode\x12\x1b\n\x17SEARCH_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11SEARCH_MODE_DENSE\x10\x01\x12\x16\n\x12SEARCH_MODE_SPARSE\x10\x02\x12\x16\n\x12SEARCH_MODE_HYBRID\x10\x03*Q\n\tRetriever\x12\x19\n\x15RETRIEVER_UNSPECIFIED\x10\x00\x12\x13\n\x0fRETRIEVER_DENSE\x10\x01\x12\x14\n\x10RETRIEVER_SPARSE\x10\x02\x32\x90\x04\n\x10RetrievalService\x12\x8e\x01\n\x10\x43reateCollection\x12,.aimesh.retrieval.v1.CreateCollectionRequest\x1a-.aimesh.retrieval.v1.CreateCollectionResponse\"\x1d\x90\x02\x02\x82\xd3\xe4\x93\x02\x14\"\x0f/v1/collections:\x01*\x12S\n\x06Upsert\x12\".aimesh.retrieval.v1.UpsertRequest\x1a#.aimesh.retrieval.v1.UpsertResponse(\x01\x12\x84\x01\n\x06Search\x12\".aimesh.retrieval.v1.SearchRequest\x1a#.aimesh.retrieval.v1.SearchResponse\"1\x90\x02\x01\x82\xd3\xe4\x93\x02(\"#/v1/collections/{collection}/search:\x01*\x12\x8e\x01\n\x06\x44\x65lete\x12\".aimesh.retrieval.v1.DeleteRequest\x1a#.aimesh.retrieval.v1.DeleteResponse\";\x90\x02\x02\x82\xd3\xe4\x93\x02\x32\"-/v1/collections/{collection}/documents:delete:\x01*b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -51,12 +51,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RETRIEVALSERVICE'].methods_by_name['Search']._serialized_options = b'\220\002\001\202\323\344\223\002(\"#/v1/collections/{collection}/search:\001*'
   _globals['_RETRIEVALSERVICE'].methods_by_name['Delete']._loaded_options = None
   _globals['_RETRIEVALSERVICE'].methods_by_name['Delete']._serialized_options = b'\220\002\002\202\323\344\223\0022\"-/v1/collections/{collection}/documents:delete:\001*'
-  _globals['_DISTANCE']._serialized_start=2010
-  _globals['_DISTANCE']._serialized_end=2106
-  _globals['_SEARCHMODE']._serialized_start=2108
-  _globals['_SEARCHMODE']._serialized_end=2220
-  _globals['_RETRIEVER']._serialized_start=2222
-  _globals['_RETRIEVER']._serialized_end=2303
+  _globals['_DISTANCE']._serialized_start=2040
+  _globals['_DISTANCE']._serialized_end=2136
+  _globals['_SEARCHMODE']._serialized_start=2138
+  _globals['_SEARCHMODE']._serialized_end=2250
+  _globals['_RETRIEVER']._serialized_start=2252
+  _globals['_RETRIEVER']._serialized_end=2333
   _globals['_CREATECOLLECTIONREQUEST']._serialized_start=185
   _globals['_CREATECOLLECTIONREQUEST']._serialized_end=367
   _globals['_CREATECOLLECTIONRESPONSE']._serialized_start=369
@@ -68,23 +68,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UPSERTRESPONSE']._serialized_start=664
   _globals['_UPSERTRESPONSE']._serialized_end=790
   _globals['_SEARCHREQUEST']._serialized_start=793
-  _globals['_SEARCHREQUEST']._serialized_end=1069
-  _globals['_SEARCHRESPONSE']._serialized_start=1071
-  _globals['_SEARCHRESPONSE']._serialized_end=1169
-  _globals['_HIT']._serialized_start=1172
-  _globals['_HIT']._serialized_end=1309
-  _globals['_HITSOURCE']._serialized_start=1311
-  _globals['_HITSOURCE']._serialized_end=1402
-  _globals['_FILTER']._serialized_start=1405
-  _globals['_FILTER']._serialized_end=1557
-  _globals['_CONDITION']._serialized_start=1560
-  _globals['_CONDITION']._serialized_end=1701
-  _globals['_RANGE']._serialized_start=1703
-  _globals['_RANGE']._serialized_end=1810
-  _globals['_DELETEREQUEST']._serialized_start=1812
-  _globals['_DELETEREQUEST']._serialized_end=1931
-  _globals['_DELETERESPONSE']._serialized_start=1933
-  _globals['_DELETERESPONSE']._serialized_end=2008
-  _globals['_RETRIEVALSERVICE']._serialized_start=2306
-  _globals['_RETRIEVALSERVICE']._serialized_end=2834
+  _globals['_SEARCHREQUEST']._serialized_end=1085
+  _globals['_SEARCHRESPONSE']._serialized_start=1087
+  _globals['_SEARCHRESPONSE']._serialized_end=1199
+  _globals['_HIT']._serialized_start=1202
+  _globals['_HIT']._serialized_end=1339
+  _globals['_HITSOURCE']._serialized_start=1341
+  _globals['_HITSOURCE']._serialized_end=1432
+  _globals['_FILTER']._serialized_start=1435
+  _globals['_FILTER']._serialized_end=1587
+  _globals['_CONDITION']._serialized_start=1590
+  _globals['_CONDITION']._serialized_end=1731
+  _globals['_RANGE']._serialized_start=1733
+  _globals['_RANGE']._serialized_end=1840
+  _globals['_DELETEREQUEST']._serialized_start=1842
+  _globals['_DELETEREQUEST']._serialized_end=1961
+  _globals['_DELETERESPONSE']._serialized_start=1963
+  _globals['_DELETERESPONSE']._serialized_end=2038
+  _globals['_RETRIEVALSERVICE']._serialized_start=2336
+  _globals['_RETRIEVALSERVICE']._serialized_end=2864
 # @@protoc_insertion_point(module_scope)

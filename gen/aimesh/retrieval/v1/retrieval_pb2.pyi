@@ -103,7 +103,7 @@ class UpsertResponse(_message.Message):
     def __init__(self, received: _Optional[int] = ..., upserted: _Optional[int] = ..., unchanged: _Optional[int] = ..., ids: _Optional[_Iterable[str]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ...) -> None: ...
 
 class SearchRequest(_message.Message):
-    __slots__ = ("request_id", "collection", "query", "top_k", "filter", "score_threshold", "mode", "with_payload")
+    __slots__ = ("request_id", "collection", "query", "top_k", "filter", "score_threshold", "mode", "with_payload", "rerank")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     COLLECTION_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class SearchRequest(_message.Message):
     SCORE_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     WITH_PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    RERANK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     collection: str
     query: str
@@ -120,15 +121,18 @@ class SearchRequest(_message.Message):
     score_threshold: float
     mode: SearchMode
     with_payload: bool
-    def __init__(self, request_id: _Optional[str] = ..., collection: _Optional[str] = ..., query: _Optional[str] = ..., top_k: _Optional[int] = ..., filter: _Optional[_Union[Filter, _Mapping]] = ..., score_threshold: _Optional[float] = ..., mode: _Optional[_Union[SearchMode, str]] = ..., with_payload: _Optional[bool] = ...) -> None: ...
+    rerank: bool
+    def __init__(self, request_id: _Optional[str] = ..., collection: _Optional[str] = ..., query: _Optional[str] = ..., top_k: _Optional[int] = ..., filter: _Optional[_Union[Filter, _Mapping]] = ..., score_threshold: _Optional[float] = ..., mode: _Optional[_Union[SearchMode, str]] = ..., with_payload: _Optional[bool] = ..., rerank: _Optional[bool] = ...) -> None: ...
 
 class SearchResponse(_message.Message):
-    __slots__ = ("hits", "timing")
+    __slots__ = ("hits", "timing", "note")
     HITS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
     hits: _containers.RepeatedCompositeFieldContainer[Hit]
     timing: _common_pb2.Timing
-    def __init__(self, hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ...) -> None: ...
+    note: str
+    def __init__(self, hits: _Optional[_Iterable[_Union[Hit, _Mapping]]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., note: _Optional[str] = ...) -> None: ...
 
 class Hit(_message.Message):
     __slots__ = ("id", "score", "text", "payload", "sources")
