@@ -128,7 +128,7 @@ SIZING: dict[str, Sizing] = {
         scale_on=(PodsMetric(_IN_FLIGHT, "3"), PodsMetric(_QUEUED, "4")),
         cpu_utilization=None,
     ),
-    # Jobs wait in the service's own queue ([engines.diffusion] slots, max_queue).
+    # Jobs wait in the service's own queue ([services.diffusion] slots, max_queued_jobs).
     "diffusion": Sizing(
         "1",
         "2Gi",
@@ -173,7 +173,7 @@ def _env(spec: ServiceSpec, port: int, sizing: Sizing) -> list[dict[str, Any]]:
         env += [
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             {
-                "name": f"AIMESH_SERVICES__{spec.name.upper()}__OPTIONS__ADVERTISE_ADDRESS",
+                "name": f"AIMESH_SERVICES__{spec.name.upper()}__ADVERTISE_ADDRESS",
                 "value": f"$(POD_IP):{port}",
             },
         ]

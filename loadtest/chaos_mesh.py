@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -32,11 +33,6 @@ SERVICES = (
 SECOND_DECODE = "decode-b"
 # The edges a scenario can cut, as (caller, callee): the caller dials the proxy.
 EDGES = (("agent", "tools"), ("tools", "retrieval"))
-# How the callers learn the proxy's address (services/agent/settings.py, tools/settings.py).
-EDGE_SETTING = {
-    ("agent", "tools"): "AIMESH_SERVICES__AGENT__DEPENDENCIES__TOOLS",
-    ("tools", "retrieval"): "AIMESH_SERVICES__TOOLS__DEPENDENCIES__RETRIEVAL",
-}
 GRACE_S = 3  # each service's SIGTERM drain; keeps teardown short
 STOP_WAIT_S = 20
 
@@ -146,7 +142,10 @@ class Mesh:
 
 
 def _env(
-    ports: dict[str, int], proxies: dict[tuple[str, str], FaultProxy], config: Path
+    ports: dict[str, int],
+    proxies: dict[tuple[str, str], FaultProxy],
+    work_dir: Path,
+    decode_targets: list[str],
 ) -> dict[str, str]:
     bin_dir = Path(sys.executable).parent
     env = {
@@ -154,16 +153,18 @@ def _env(
         "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
         "GRPC_VERBOSITY": "ERROR",
         "AIMESH_LOG_LEVEL": "WARNING",
-        "AIMESH_CONFIG": str(config),
-        "AIMESH_ENGINES__RETRIEVAL__PATH": str(config.parent / "qdrant"),
-        "AIMESH_ENGINES__DIFFUSION__MODELS": "digits",
+        "AIMESH_SERVICES__RETRIEVAL__PATH": str(work_dir / "qdrant"),
+        "AIMESH_SERVICES__DIFFUSION__MODELS": "digits",
+        # The router's two decode replicas: a list, from the environment, as JSON.
+        "AIMESH_SERVICES__GENERATION__DECODE": json.dumps(decode_targets),
     }
     for name in SERVICES:
         prefix = f"AIMESH_SERVICES__{name.upper()}__"
         env |= {f"{prefix}PORT": str(ports[name]), f"{prefix}METRICS_PORT": "0"}
         env[f"{prefix}GRACE_S"] = str(GRACE_S)
-    for edge, proxy in proxies.items():
-        env[EDGE_SETTING[edge]] = proxy.address
+    # The caller dials the proxy: its override for that one dependency.
+    for (caller, callee), proxy in proxies.items():
+        env[f"AIMESH_SERVICES__{caller.upper()}__DEPENDENCIES__{callee.upper()}"] = proxy.address
     return env
 
 
@@ -198,13 +199,8 @@ async def start(work_dir: Path, timeout_s: float = 600) -> Mesh:
     ports = {name: free_port() for name in SERVICES}
     second_decode = free_port()
     proxies = {edge: await FaultProxy(ports[edge[1]]).start() for edge in EDGES}
-    # A list in the router's options only parses from TOML (env values stay strings there).
-    config = work_dir / "aimesh.toml"
-    config.write_text(
-        "[services.generation.options]\n"
-        f'decode = ["127.0.0.1:{ports["decode"]}", "127.0.0.1:{second_decode}"]\n'
-    )
-    env = _env(ports, proxies, config)
+    decode_targets = [f"127.0.0.1:{ports['decode']}", f"127.0.0.1:{second_decode}"]
+    env = _env(ports, proxies, work_dir, decode_targets)
     logs = work_dir / "logs"
     processes = {name: _supervise(name, name, ports[name], env, logs) for name in SERVICES}
     processes[SECOND_DECODE] = _supervise(SECOND_DECODE, "decode", second_decode, env, logs)

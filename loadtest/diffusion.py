@@ -150,7 +150,7 @@ def start_worker(port: int, log: Path) -> subprocess.Popen:
         **os.environ,
         "AIMESH_SERVICES__DIFFUSION__PORT": str(port),
         "AIMESH_SERVICES__DIFFUSION__METRICS_PORT": "0",
-        "AIMESH_ENGINES__DIFFUSION__THREADS": str(THREADS),
+        "AIMESH_SERVICES__DIFFUSION__THREADS": str(THREADS),
         "AIMESH_LOG_LEVEL": "WARNING",
         "GRPC_VERBOSITY": "ERROR",
     }

@@ -187,7 +187,7 @@ def embedder_env(backend: str, port: int) -> dict[str, str]:
         "AIMESH_SERVICES__EMBEDDER__PORT": str(port),
         "AIMESH_SERVICES__EMBEDDER__METRICS_PORT": "0",
         "AIMESH_SERVICES__EMBEDDER__MAX_CONCURRENCY": "64",
-        "AIMESH_ENGINES__EMBEDDER__BACKEND": backend,
+        "AIMESH_SERVICES__EMBEDDER__BACKEND": backend,
         "AIMESH_LOG_LEVEL": "WARNING",
         "GRPC_VERBOSITY": "ERROR",
         "HF_HUB_OFFLINE": "1",

@@ -539,8 +539,8 @@ async def started_mesh(log_dir: Path, ready_timeout_s: float = 300) -> AsyncIter
     env = {
         **os.environ,
         "GRPC_VERBOSITY": "ERROR",
-        "AIMESH_ENGINES__RETRIEVAL__PATH": str(store),
-        "AIMESH_ENGINES__DIFFUSION__MODELS": "digits",
+        "AIMESH_SERVICES__RETRIEVAL__PATH": str(store),
+        "AIMESH_SERVICES__DIFFUSION__MODELS": "digits",
         **{f"AIMESH_SERVICES__{name.upper()}__PORT": str(port) for name, port in ports.items()},
         **{f"AIMESH_SERVICES__{name.upper()}__METRICS_PORT": "0" for name in names},
     }

@@ -103,7 +103,7 @@ PORTS = {"embedder": 50870, "retrieval": 50871, "rerank": 50872}
 def _start(root: Path) -> list[subprocess.Popen]:
     config = root / "aimesh.toml"
     config.write_text(
-        f'[engines.retrieval]\npath = "{root / "qdrant"}"\n'
+        f'[services.retrieval]\npath = "{root / "qdrant"}"\n'
         + "".join(f"[services.{n}]\nport = {p}\nmetrics_port = 0\n" for n, p in PORTS.items())
     )
     env = {

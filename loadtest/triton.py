@@ -2,7 +2,7 @@
 Runtime, and Triton Inference Server, each behind its own `aimesh serve embedder`.
 
 What a client of the embedder gets is what differs, so the calls go through the service:
-three embedder processes, alike but for `[engines.embedder] backend`, on free ports, and
+three embedder processes, alike but for `[services.embedder] backend`, on free ports, and
 one real Triton (loadtest/triton_server.py) serving only the sentence_embedding model, the
 same exported ONNX graph the onnx backend runs, on ONNX Runtime inside Triton's Python
 backend. Tokenizing and micro-batching stay in the embedder for all three. Scenarios: one
@@ -130,8 +130,8 @@ async def triton_server(work: Path) -> AsyncIterator[TritonServer]:
 def triton_embedder_env(backend: str, port: int, triton_url: str) -> dict[str, str]:
     env = embedder_env(backend, port)
     if backend == "triton":
-        env["AIMESH_ENGINES__EMBEDDER__TRITON__URL"] = triton_url
-        env["AIMESH_ENGINES__EMBEDDER__TRITON__MODEL"] = MODEL
+        env["AIMESH_SERVICES__EMBEDDER__TRITON__URL"] = triton_url
+        env["AIMESH_SERVICES__EMBEDDER__TRITON__MODEL"] = MODEL
     return env
 
 

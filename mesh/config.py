@@ -13,7 +13,7 @@ import json
 import os
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import (
@@ -52,9 +52,6 @@ class ServiceSettings(BaseModel):
         description="service name -> the address this service dials for it, overriding that "
         "service's own target (e.g. a proxy on one edge)",
     )
-    options: dict[str, Any] = Field(
-        default_factory=dict, description="[services.<name>.options]: being folded into own()"
-    )
 
     def own(self) -> dict[str, Any]:
         """The service's own keys: everything this model does not define."""
@@ -78,6 +75,11 @@ class ServiceOptions(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid")
+
+    @classmethod
+    def of(cls, settings: MeshSettings, service: str) -> Self:
+        """`service`'s own keys of its [services.<name>] table, validated."""
+        return cls.model_validate(settings.service(service).own())
 
     @model_validator(mode="before")
     @classmethod

@@ -80,7 +80,6 @@ class MeshServer:
             max_queue=service.max_queue,
         )
         self.grace_s = service.grace_s
-        self.options = service.options
         self.channels = ChannelPool(settings)
         self.health = HealthServicer()
         self._proto_services: list[str] = []
@@ -165,17 +164,20 @@ class MeshServer:
 
     def options_as(self, model: type[OptionsT]) -> OptionsT:
         """This service's own keys of [services.<name>], validated by `model`."""
-        return model.model_validate(self.settings.service(self.name).own())
+        return model.of(self.settings, self.name)
 
-    def channel_to(self, name: str, *services: ServiceDescriptor) -> grpc.aio.Channel:
-        """The mesh channel (tracing, request id, deadline, breaker, retries for the
-        `services`' idempotent methods) to a declared dependency: this service's override
-        in `[services.<self>.dependencies]`, else that service's configured target."""
+    def dependency_target(self, name: str) -> str:
+        """The address a declared dependency is dialled at: this service's override in
+        `[services.<self>.dependencies]`, else that service's configured target."""
         if name not in self.dependencies:
             raise ValueError(f"{self.name} does not declare a dependency on {name!r}")
         override = self.settings.service(self.name).dependencies.get(name)
-        target = override or self.settings.target_of(name, discover()[name].default_port)
-        return self.channels.get(target, *services)
+        return override or self.settings.target_of(name, discover()[name].default_port)
+
+    def channel_to(self, name: str, *services: ServiceDescriptor) -> grpc.aio.Channel:
+        """The mesh channel (tracing, request id, deadline, breaker, retries for the
+        `services`' idempotent methods) to a declared dependency."""
+        return self.channels.get(self.dependency_target(name), *services)
 
     def describe(self, model: ModelInfo) -> None:
         """Says what this process serves (GetInfo): call it once the model is loaded."""

@@ -7,6 +7,7 @@ SPEC = ServiceSpec(
     default_port=50050,
     description="Agent: plan, call tools in parallel, answer with citations",
     setup="services.agent.servicer:setup",
+    options="services.agent.settings:AgentSettings",
     # A run mostly waits on tools and generation.
     max_concurrency=32,
     dependencies=("tools", "generation"),

@@ -1,13 +1,13 @@
-"""The agent's settings ([engines.agent] in the mesh config)."""
+"""The agent's settings ([services.agent] in the mesh config)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from mesh.config import MeshSettings
+from mesh.config import MeshSettings, ServiceOptions
 
 
-class AgentSettings(BaseModel, extra="forbid"):
+class AgentSettings(ServiceOptions):
     # The tools and generation the agent dials are its declared dependencies (services/
     # agent/__init__.py); a proxy on one edge goes in [services.agent.dependencies].
     # A run with no deadline of its own gets this one.
@@ -31,4 +31,4 @@ class AgentSettings(BaseModel, extra="forbid"):
 
 
 def agent_settings(settings: MeshSettings) -> AgentSettings:
-    return AgentSettings.model_validate(settings.engines.get("agent", {}))
+    return AgentSettings.of(settings, "agent")

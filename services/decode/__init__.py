@@ -7,6 +7,8 @@ SPEC = ServiceSpec(
     default_port=50063,
     description="Decode + GetLoad: the token-by-token half of disaggregated serving",
     setup="services.decode.servicer:setup",
+    options="services.decode.settings:DecodeOptions",
+    dependencies=("prefill",),
     # One slot per stream in the running batch (max_batch_size defaults to 16).
     max_concurrency=16,
     # The router polls load to pick a worker; that must answer while every slot is busy.

@@ -9,16 +9,15 @@ from collections.abc import AsyncIterator
 
 import grpc
 import torch
-from pydantic import BaseModel, Field
 
 from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import decode_pb2, decode_pb2_grpc, sampling_pb2
 from mesh.failures import FieldViolation, InvalidInput, NotReady
-from mesh.registry import discover
 from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
 from services.decode.engine import BLOCK_TOKENS, DecodeEngine, Sequence
+from services.decode.settings import DecodeOptions
 from services.decode.sources import PrefillSources
 from services.llm import kv_codec, kv_transfer
 from services.llm.artifacts import resolve_model
@@ -34,14 +33,6 @@ FINISH_REASONS = {
     Finish.LENGTH: sampling_pb2.FINISH_REASON_LENGTH,
     Finish.EOS: sampling_pb2.FINISH_REASON_EOS,
 }
-
-
-class DecodeOptions(BaseModel, extra="forbid"):
-    """[services.decode.options]"""
-
-    # The prefill workers' targets (host:port, dns:///name:port, ipv4:a:p,b:p); empty:
-    # the configured prefill service. KV handles naming any other address are refused.
-    prefill: list[str] = Field(default_factory=list)
 
 
 class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
@@ -219,11 +210,8 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
 
 async def setup(server: MeshServer) -> None:
     settings = llm_settings(server.settings)
-    options = DecodeOptions.model_validate(server.options)
-    prefill = discover()["prefill"]
-    sources = PrefillSources(
-        options.prefill or [server.settings.target_of("prefill", prefill.default_port)]
-    )
+    options = server.options_as(DecodeOptions)
+    sources = PrefillSources(options.prefill or [server.dependency_target("prefill")])
     worker = DecodeWorker(server, settings, sources)
     server.add_service(decode_pb2_grpc.add_DecodeServiceServicer_to_server, worker, DECODE)
 

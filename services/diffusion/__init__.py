@@ -7,8 +7,9 @@ SPEC = ServiceSpec(
     default_port=50080,
     description="Diffusion: per-job streams of queue position, steps, previews and images",
     setup="services.diffusion.servicer:setup",
+    options="services.diffusion.settings:DiffusionSettings",
     # Calls are admitted at once and wait in the job queue, which reports their position
-    # and holds compute slots and memory ([engines.diffusion] slots, max_queue).
+    # and holds compute slots and memory ([services.diffusion] slots, max_queued_jobs).
     max_concurrency=256,
     # Cancel must reach a job while every slot is busy; ListModels is a cheap lookup.
     exempt_methods=(

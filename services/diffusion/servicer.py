@@ -109,7 +109,7 @@ class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
         self.queue = JobQueue(
             slots=settings.slots,
             budget_bytes=memory_budget_bytes(settings),
-            max_queue=settings.max_queue,
+            max_queue=settings.max_queued_jobs,
         )
         self.workers = ThreadPoolExecutor(settings.slots, thread_name_prefix="diffusion")
         self.throttle = Throttle(settings.progress_min_interval_s, settings.preview_min_interval_s)

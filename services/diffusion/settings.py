@@ -1,16 +1,16 @@
-"""The diffusion service's settings ([engines.diffusion] in the mesh config)."""
+"""The diffusion service's settings ([services.diffusion] in the mesh config)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from mesh.config import MeshSettings
+from mesh.config import MeshSettings, ServiceOptions
 from mesh.triton import TritonSettings
 
 
-class DiffusionSettings(BaseModel, extra="forbid"):
+class DiffusionSettings(ServiceOptions):
     models: list[Literal["digits", "terrain"]] = Field(default=["digits", "terrain"], min_length=1)
 
     @field_validator("models", mode="before")
@@ -26,7 +26,7 @@ class DiffusionSettings(BaseModel, extra="forbid"):
     )
     # The compute semaphore: jobs that run at once on this worker's device.
     slots: int = Field(default=1, ge=1)
-    max_queue: int = Field(default=32, ge=0, description="jobs waiting beyond the slots")
+    max_queued_jobs: int = Field(default=32, ge=0, description="jobs waiting beyond the slots")
     memory_budget_mb: int | None = Field(
         default=None,
         ge=1,
@@ -38,7 +38,7 @@ class DiffusionSettings(BaseModel, extra="forbid"):
     preview_min_interval_s: float = Field(default=0.25, ge=0)
     # terrain_backend = "triton": the terrain UNet's forward passes run on Triton Inference
     # Server (k8s/triton-model-repository/terrain_denoiser serves the same ONNX file), as
-    # the [engines.diffusion.triton] section says; noise, tiles, blending and cancellation
+    # the [services.diffusion.triton] section says; noise, tiles, blending and cancellation
     # stay here. `device` and `threads` then concern the digits model alone.
     terrain_backend: Literal["onnx", "triton"] = "onnx"
     triton: TritonSettings | None = None
@@ -46,9 +46,9 @@ class DiffusionSettings(BaseModel, extra="forbid"):
     @model_validator(mode="after")
     def _triton_named(self) -> DiffusionSettings:
         if self.terrain_backend == "triton" and self.triton is None:
-            raise ValueError("terrain_backend 'triton' needs an [engines.diffusion.triton] section")
+            raise ValueError("terrain_backend 'triton' needs a [services.diffusion.triton] section")
         return self
 
 
 def diffusion_settings(settings: MeshSettings) -> DiffusionSettings:
-    return DiffusionSettings.model_validate(settings.engines.get("diffusion", {}))
+    return DiffusionSettings.of(settings, "diffusion")

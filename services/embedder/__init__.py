@@ -7,6 +7,7 @@ SPEC = ServiceSpec(
     default_port=50070,
     description="Embed: dense sentence embeddings, requests arriving together batched",
     setup="services.embedder.servicer:setup",
+    options="services.embedder.settings:EmbedderSettings",
     # Requests arriving together share a forward pass; slots let them arrive together.
     max_concurrency=32,
     edge_services=("aimesh.retrieval.v1.EmbedderService",),

@@ -1,16 +1,16 @@
-"""The embedder's settings ([engines.embedder] in the mesh config)."""
+"""The embedder's settings ([services.embedder] in the mesh config)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, model_validator
 
-from mesh.config import MeshSettings
+from mesh.config import MeshSettings, ServiceOptions
 from mesh.triton import TritonSettings
 
 
-class EmbedderSettings(BaseModel, extra="forbid"):
+class EmbedderSettings(ServiceOptions):
     # loadtest/embed.py, 2 cores, 1 thread: ONNX Runtime 182 texts/s, torch 104.
     backend: Literal["onnx", "torch", "triton"] = "onnx"
     # backend = "triton": the pooled model runs on Triton Inference Server (the model
@@ -37,9 +37,9 @@ class EmbedderSettings(BaseModel, extra="forbid"):
     @model_validator(mode="after")
     def _triton_named(self) -> EmbedderSettings:
         if self.backend == "triton" and self.triton is None:
-            raise ValueError("backend 'triton' needs an [engines.embedder.triton] section")
+            raise ValueError("backend 'triton' needs a [services.embedder.triton] section")
         return self
 
 
 def embedder_settings(settings: MeshSettings) -> EmbedderSettings:
-    return EmbedderSettings.model_validate(settings.engines.get("embedder", {}))
+    return EmbedderSettings.of(settings, "embedder")

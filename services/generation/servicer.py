@@ -9,10 +9,9 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Literal, Protocol
+from typing import Protocol
 
 import grpc
-from pydantic import BaseModel, Field, model_validator
 from tokenizers import Tokenizer
 
 from aimesh.common.v1 import common_pb2
@@ -20,13 +19,13 @@ from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 from mesh import request_id
 from mesh.failures import NotReady
 from mesh.health import probe
-from mesh.registry import discover
 from mesh.server import MeshServer
 from mesh.timing import stage
-from mesh.triton import TritonModel, TritonSettings
+from mesh.triton import TritonModel
 from mesh.validation import Violations
 from services.generation.on_triton import TritonGeneration
 from services.generation.pipeline import Outcome, Pipeline
+from services.generation.settings import RouterOptions
 from services.generation.text import TextStream
 from services.generation.tokenize import TOKENIZER, TokenizerClient
 from services.generation.workers import DecodePicker, PrefillPicker
@@ -43,30 +42,6 @@ MAX_CHOICE_BYTES = 256
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 # The router does not hold the vocabulary; prefill checks top_k against the real one.
 _ANY_VOCAB = 2**31 - 1
-
-
-class RouterOptions(BaseModel, extra="forbid"):
-    """[services.generation.options]. Tokenizer, prefill and decode are declared
-    dependencies: [services.generation.dependencies] overrides where each is dialled.
-    The lists name several workers of one kind (empty: the dependency's one target), and
-    `tokenizer` is the older spelling of its dependency override."""
-
-    tokenizer: str | None = None
-    # "triton": the model runs on Triton Inference Server as a decoupled model (the one
-    # k8s/triton-model-repository/text_generation serves); tokenizing stays in the mesh.
-    backend: Literal["disaggregated", "triton"] = "disaggregated"
-    triton: TritonSettings | None = None
-    prefill: list[str] = Field(default_factory=list)
-    decode: list[str] = Field(default_factory=list)
-    poll_interval_s: float = Field(default=0.25, gt=0)
-
-    @model_validator(mode="after")
-    def _triton_named(self) -> RouterOptions:
-        if (self.backend == "triton") != (self.triton is not None):
-            raise ValueError(
-                "backend 'triton' and a [services.generation.options.triton] section go together"
-            )
-        return self
 
 
 class Engine(Protocol):
@@ -93,21 +68,11 @@ class Engine(Protocol):
         ...
 
 
-def _dependency_target(server: MeshServer, name: str) -> str:
-    """The address channel_to(name) dials: this service's override in
-    [services.generation.dependencies], else that service's own target. Named here too
-    for what needs the address itself: the health probes, which go around the mesh
-    channel so that a dependency still starting trips no circuit breaker, and the
-    workers' lists, whose entries each get the pool's channel as channel_to would."""
-    override = server.settings.service(server.name).dependencies.get(name)
-    return override or server.settings.target_of(name, discover()[name].default_port)
-
-
 def _workers(server: MeshServer, options: RouterOptions) -> tuple[list[str], list[str]]:
     """Prefill and decode workers: the options' lists, else the declared dependency."""
     return (
-        options.prefill or [_dependency_target(server, "prefill")],
-        options.decode or [_dependency_target(server, "decode")],
+        options.prefill or [server.dependency_target("prefill")],
+        options.decode or [server.dependency_target("decode")],
     )
 
 
@@ -319,15 +284,12 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
 
 async def setup(server: MeshServer) -> None:
     settings = llm_settings(server.settings)
-    options = RouterOptions.model_validate(server.options)
+    options = server.options_as(RouterOptions)
     prefill, decode = _workers(server, options)
-    if options.tokenizer:
-        tokenizer_target = options.tokenizer
-        tokenizer_channel = server.channels.get(tokenizer_target, TOKENIZER)
-    else:
-        tokenizer_target = _dependency_target(server, "tokenizer")
-        tokenizer_channel = server.channel_to("tokenizer", TOKENIZER)
-    tokenizer = TokenizerClient(tokenizer_channel)
+    # The health probes go around the mesh channel, so that a dependency still starting
+    # trips no circuit breaker.
+    tokenizer_target = server.dependency_target("tokenizer")
+    tokenizer = TokenizerClient(server.channel_to("tokenizer", TOKENIZER))
     model_name = settings.model.name if settings.model else DEFAULT_NAME
     engine: Engine
     if options.triton is not None:

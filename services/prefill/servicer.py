@@ -26,6 +26,7 @@ from services.llm.llama import Llama, resolve_device, resolve_dtype
 from services.llm.requests import check_prompt, end_token, sampling_params
 from services.llm.settings import LlmSettings, llm_settings
 from services.prefill.engine import KvStore, PrefillEngine
+from services.prefill.settings import PrefillOptions
 
 DEFAULT_LEASE_S = 30.0
 MAX_LEASE_S = 300.0
@@ -47,6 +48,7 @@ class PrefillWorker(
     def __init__(self, server: MeshServer, settings: LlmSettings) -> None:
         self.server = server
         self.settings = settings
+        self.options = server.options_as(PrefillOptions)
         self.store = KvStore(settings.kv_store_bytes)
         self.engine: PrefillEngine | None = None
         # One model thread: a forward pass already uses every core torch is given.
@@ -54,7 +56,7 @@ class PrefillWorker(
 
     @property
     def address(self) -> str:
-        advertised = self.server.options.get("advertise_address")
+        advertised = self.options.advertise_address
         host = "127.0.0.1" if self.server.host in ("0.0.0.0", "::") else self.server.host
         return advertised or f"{host}:{self.server.port}"
 

@@ -7,5 +7,6 @@ SPEC = ServiceSpec(
     default_port=50072,
     description="Rerank: candidates scored against the query, best first",
     setup="services.rerank.servicer:setup",
+    options="services.rerank.settings:RerankSettings",
     edge_services=("aimesh.rerank.v1.RerankService",),
 )

@@ -1,4 +1,4 @@
-"""The rerank service's settings ([engines.rerank] in the mesh config), checked when they
+"""The rerank service's settings ([services.rerank] in the mesh config), checked when they
 load: a scorer that cannot run as configured is refused at startup, not at the first call."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, model_validator
 
-from mesh.config import MeshSettings
+from mesh.config import MeshSettings, ServiceOptions
 from mesh.triton import TritonSettings
 
 
-class RerankSettings(BaseModel, extra="forbid"):
+class RerankSettings(ServiceOptions):
     """The embedded late-interaction scorer (in process or on Triton), or a local
     cross-encoder."""
 
@@ -30,9 +30,9 @@ class RerankSettings(BaseModel, extra="forbid"):
     @model_validator(mode="after")
     def _triton_named(self) -> RerankSettings:
         if self.backend == "triton" and self.triton is None:
-            raise ValueError("backend 'triton' needs an [engines.rerank.triton] section")
+            raise ValueError("backend 'triton' needs a [services.rerank.triton] section")
         if self.backend != "triton" and self.triton is not None:
-            raise ValueError("[engines.rerank.triton] is read only with backend = 'triton'")
+            raise ValueError("[services.rerank.triton] is read only with backend = 'triton'")
         if self.backend == "triton" and self.cross_encoder is not None:
             raise ValueError(
                 "cross_encoder runs in process; backend 'triton' serves minilm-late-interaction"
@@ -41,4 +41,4 @@ class RerankSettings(BaseModel, extra="forbid"):
 
 
 def rerank_settings(settings: MeshSettings) -> RerankSettings:
-    return RerankSettings.model_validate(settings.engines.get("rerank", {}))
+    return RerankSettings.of(settings, "rerank")

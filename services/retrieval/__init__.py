@@ -8,6 +8,7 @@ SPEC = ServiceSpec(
     default_port=50071,
     description="CreateCollection, Upsert, Search (dense + BM25 fused by RRF), Delete",
     setup="services.retrieval.servicer:setup",
+    options="services.retrieval.settings:RetrievalSettings",
     # Calls mostly wait on the embedder and the store's own thread.
     max_concurrency=16,
     edge_services=("aimesh.retrieval.v1.RetrievalService",),

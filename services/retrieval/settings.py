@@ -1,15 +1,15 @@
-"""Retrieval settings ([engines.retrieval] in the mesh config)."""
+"""Retrieval settings ([services.retrieval] in the mesh config)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from mesh.config import MeshSettings
+from mesh.config import MeshSettings, ServiceOptions
 
 
-class RetrievalSettings(BaseModel, extra="forbid"):
+class RetrievalSettings(ServiceOptions):
     url: str | None = Field(
         default=None,
         description="A Qdrant server or cluster (http[s]://host:6333); None: embedded on disk",
@@ -29,4 +29,4 @@ class RetrievalSettings(BaseModel, extra="forbid"):
 
 
 def retrieval_settings(settings: MeshSettings) -> RetrievalSettings:
-    return RetrievalSettings.model_validate(settings.engines.get("retrieval", {}))
+    return RetrievalSettings.of(settings, "retrieval")

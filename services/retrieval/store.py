@@ -158,7 +158,7 @@ class Store:
             if total > LOCAL_MODE_POINTS_WARNING:
                 log.warning(
                     "embedded Qdrant is brute force and slows past %d points; configure "
-                    "[engines.retrieval] url for a server",
+                    "[services.retrieval] url for a server",
                     LOCAL_MODE_POINTS_WARNING,
                     extra={"collection": collection, "points": total},
                 )

@@ -7,6 +7,7 @@ SPEC = ServiceSpec(
     default_port=50090,
     description="Tools: JSON-Schema'd tools with progress and structured results",
     setup="services.tools.servicer:setup",
+    options="services.tools.settings:ToolsSettings",
     # A tool call mostly waits on the service it wraps; the agent runs several at once.
     max_concurrency=64,
     exempt_methods=("/aimesh.tools.v1.ToolsService/ListTools",),

@@ -1,13 +1,13 @@
-"""The tools service's settings ([engines.tools] in the mesh config)."""
+"""The tools service's settings ([services.tools] in the mesh config)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from mesh.config import MeshSettings
+from mesh.config import MeshSettings, ServiceOptions
 
 
-class ToolsSettings(BaseModel, extra="forbid"):
+class ToolsSettings(ServiceOptions):
     knowledge_collection: str = "knowledge"
     # How long a repeated idempotency key returns the first call's result.
     idempotency_window_s: float = Field(default=600, gt=0)
@@ -27,4 +27,4 @@ class ToolsSettings(BaseModel, extra="forbid"):
 
 
 def tools_settings(settings: MeshSettings) -> ToolsSettings:
-    return ToolsSettings.model_validate(settings.engines.get("tools", {}))
+    return ToolsSettings.of(settings, "tools")

@@ -10,7 +10,9 @@ from urllib.parse import urlsplit
 import pytest
 
 from mesh.config import MeshSettings
-from mesh.registry import discover
+from mesh.registry import discover, options_problems
+from services.llm.settings import llm_settings
+from services.retrieval.settings import retrieval_settings
 from tests.k8s.conftest import (
     GPU_SERVICES,
     K8S,
@@ -234,25 +236,11 @@ def test_mounted_config_is_valid_and_names_every_service(overlay, deployed, monk
         if name in deployed:
             assert services[name]["spec"]["ports"][0]["port"] == port
     assert settings.transport.max_connection_age_s
-    # Every engine section passes its engine's own settings model.
-    from services.agent.settings import agent_settings
-    from services.diffusion.settings import diffusion_settings
-    from services.embedder.settings import embedder_settings
-    from services.llm.settings import llm_settings
-    from services.retrieval.settings import retrieval_settings
-    from services.tools.settings import tools_settings
-
-    readers = {
-        "agent": agent_settings,
-        "diffusion": diffusion_settings,
-        "embedder": embedder_settings,
-        "llm": llm_settings,
-        "retrieval": retrieval_settings,
-        "tools": tools_settings,
-    }
-    assert set(settings.engines) <= set(readers)
-    for read in readers.values():
-        read(settings)
+    # Every service's table passes its own settings model; [engines] holds only the LLM
+    # engine the LLM services share.
+    assert options_problems(SPECS.values(), settings) == []
+    assert set(settings.engines) <= {"llm"}
+    llm_settings(settings)
     url = urlsplit(retrieval_settings(settings).url)
     qdrant, namespace = url.hostname.split(".")[:2]
     assert namespace == NAMESPACE
@@ -274,7 +262,7 @@ def test_prefill_advertises_its_pod_address(rendered, name):
     decoder's Pull to any prefill pod."""
     env = env_of(next(containers(of_kind(rendered[name], "Deployment")["prefill"])))
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-    advertise = "AIMESH_SERVICES__PREFILL__OPTIONS__ADVERTISE_ADDRESS"
+    advertise = "AIMESH_SERVICES__PREFILL__ADVERTISE_ADDRESS"
     assert env[advertise]["value"] == f"$(POD_IP):{SPECS['prefill'].default_port}"
     # $(POD_IP) expands only if defined earlier in the list.
     assert list(env).index("POD_IP") < list(env).index(advertise)

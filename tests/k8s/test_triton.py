@@ -27,7 +27,7 @@ from mesh.config import MeshSettings
 from mesh.triton import TritonSettings
 from services.diffusion.settings import DiffusionSettings, diffusion_settings
 from services.embedder.settings import EmbedderSettings, embedder_settings
-from services.generation.servicer import RouterOptions
+from services.generation.settings import RouterOptions
 from services.rerank.settings import RerankSettings, rerank_settings
 from tests.conftest import ROOT
 from tests.k8s.conftest import (
@@ -62,8 +62,8 @@ TRACE_CONFIG = "--trace-config="
 
 
 def router_options(settings: MeshSettings) -> RouterOptions:
-    """[services.generation.options] as MeshServer hands them to the router's setup()."""
-    return RouterOptions.model_validate(settings.service("generation").options)
+    """[services.generation] as MeshServer hands them to the router's setup()."""
+    return RouterOptions.of(settings, "generation")
 
 
 def embedder_on_triton(engine: EmbedderSettings) -> TritonSettings | None:
@@ -107,18 +107,18 @@ RESOURCES = frozenset({"container.env", "container.resources"})
 ON_TRITON = {
     "embedder": OnTriton(
         "sentence_embedding",
-        "AIMESH_ENGINES__EMBEDDER__",
+        "AIMESH_SERVICES__EMBEDDER__",
         embedder_settings,
         embedder_on_triton,
         RESOURCES,
     ),
     "rerank": OnTriton(
-        "token_embedding", "AIMESH_ENGINES__RERANK__", rerank_settings, rerank_on_triton, RESOURCES
+        "token_embedding", "AIMESH_SERVICES__RERANK__", rerank_settings, rerank_on_triton, RESOURCES
     ),
     # Off the GPU nodes: digits runs on the CPU (test_diffusion_leaves_the_gpu_nodes...).
     "diffusion": OnTriton(
         "terrain_denoiser",
-        "AIMESH_ENGINES__DIFFUSION__",
+        "AIMESH_SERVICES__DIFFUSION__",
         diffusion_settings,
         diffusion_on_triton,
         RESOURCES | {"pod.tolerations", "pod.nodeSelector", "spec.strategy"},
@@ -126,7 +126,7 @@ ON_TRITON = {
     # Same resources and startup probe (the base's already waits as long as Triton's).
     "generation": OnTriton(
         "text_generation",
-        "AIMESH_SERVICES__GENERATION__OPTIONS__",
+        "AIMESH_SERVICES__GENERATION__",
         router_options,
         generation_on_triton,
         frozenset({"container.env"}),

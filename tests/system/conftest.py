@@ -42,8 +42,8 @@ async def mesh(tmp_path_factory) -> AsyncIterator[Mesh]:
     spans = tmp_path_factory.mktemp("otlp") / "spans.log"
     collector, otlp_port = await start_collector(spans)
     env = subprocess_env(
-        AIMESH_ENGINES__RETRIEVAL__PATH=str(tmp_path_factory.mktemp("agent-kb")),
-        AIMESH_ENGINES__DIFFUSION__MODELS="digits",
+        AIMESH_SERVICES__RETRIEVAL__PATH=str(tmp_path_factory.mktemp("agent-kb")),
+        AIMESH_SERVICES__DIFFUSION__MODELS="digits",
         OTEL_TRACES_EXPORTER="otlp",
         OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp_port}",
         OTEL_BSP_SCHEDULE_DELAY="200",

@@ -32,9 +32,9 @@ async def embedder(triton, tmp_path) -> AsyncIterator[str]:
         env=subprocess_env(
             AIMESH_SERVICES__EMBEDDER__PORT=str(port),
             AIMESH_SERVICES__EMBEDDER__METRICS_PORT="0",
-            AIMESH_ENGINES__EMBEDDER__BACKEND="triton",
-            AIMESH_ENGINES__EMBEDDER__TRITON__URL=triton.url,
-            AIMESH_ENGINES__EMBEDDER__TRITON__MODEL="sentence_embedding",
+            AIMESH_SERVICES__EMBEDDER__BACKEND="triton",
+            AIMESH_SERVICES__EMBEDDER__TRITON__URL=triton.url,
+            AIMESH_SERVICES__EMBEDDER__TRITON__MODEL="sentence_embedding",
             AIMESH_CLIENT__BREAKER__WINDOW_SIZE=str(BREAKER_CALLS),
             AIMESH_CLIENT__BREAKER__MINIMUM_CALLS=str(BREAKER_CALLS),
             AIMESH_CLIENT__BREAKER__OPEN_WAIT_S="1",

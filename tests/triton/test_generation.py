@@ -42,10 +42,8 @@ async def mesh(triton, tmp_path_factory) -> AsyncIterator[TritonMesh]:
     config.write_text(
         f"[services.tokenizer]\nport = {ports['tokenizer']}\nmetrics_port = 0\n"
         f"[services.generation]\nport = {ports['generation']}\nmetrics_port = 0\n"
-        "[services.generation.options]\n"
-        f'tokenizer = "127.0.0.1:{ports["tokenizer"]}"\n'
         'backend = "triton"\n'
-        "[services.generation.options.triton]\n"
+        "[services.generation.triton]\n"
         f'url = "{triton.url}"\nmodel = "text_generation"\ntimeout_s = 120\n'
     )
     env = subprocess_env(AIMESH_CONFIG=str(config), OTEL_TRACES_EXPORTER="none")

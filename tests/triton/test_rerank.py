@@ -67,9 +67,9 @@ async def rerank(triton, tmp_path_factory) -> AsyncIterator[str]:
         env=subprocess_env(
             AIMESH_SERVICES__RERANK__PORT=str(port),
             AIMESH_SERVICES__RERANK__METRICS_PORT="0",
-            AIMESH_ENGINES__RERANK__BACKEND="triton",
-            AIMESH_ENGINES__RERANK__TRITON__URL=triton.url,
-            AIMESH_ENGINES__RERANK__TRITON__MODEL=MODEL,
+            AIMESH_SERVICES__RERANK__BACKEND="triton",
+            AIMESH_SERVICES__RERANK__TRITON__URL=triton.url,
+            AIMESH_SERVICES__RERANK__TRITON__MODEL=MODEL,
             AIMESH_CLIENT__BREAKER__WINDOW_SIZE=str(BREAKER_CALLS),
             AIMESH_CLIENT__BREAKER__MINIMUM_CALLS=str(BREAKER_CALLS),
             AIMESH_CLIENT__BREAKER__OPEN_WAIT_S="1",

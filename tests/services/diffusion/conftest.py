@@ -41,7 +41,7 @@ async def start_diffusion() -> AsyncIterator[StartDiffusion]:
     started = []
 
     async def start(**engine_settings: object) -> Diffusion:
-        settings = MeshSettings(engines={"diffusion": {"device": "cpu", **engine_settings}})
+        settings = MeshSettings(services={"diffusion": {"device": "cpu", **engine_settings}})
         server = MeshServer.for_service("diffusion", settings, port=0)
         servicer = await setup(server)
         await server.start()

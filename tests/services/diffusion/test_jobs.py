@@ -31,7 +31,7 @@ def _fields(request: Request) -> dict:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def diffusion(start_diffusion):
-    return await start_diffusion(slots=1, max_queue=2)
+    return await start_diffusion(slots=1, max_queued_jobs=2)
 
 
 async def until(call, kind: str) -> diffusion_pb2.GenerateResponse:

@@ -21,7 +21,7 @@ def test_models_may_come_as_a_list_or_as_comma_separated_text():
 
 
 def test_terrain_on_triton_needs_to_know_where_triton_is():
-    with pytest.raises(ValidationError, match=r"engines\.diffusion\.triton"):
+    with pytest.raises(ValidationError, match=r"services\.diffusion\.triton"):
         DiffusionSettings(terrain_backend="triton")
     settings = DiffusionSettings.model_validate(
         {"terrain_backend": "triton", "triton": {"url": "triton:8001", "model": "terrain_denoiser"}}
@@ -45,11 +45,11 @@ def test_a_triton_section_without_a_model_or_with_a_zero_timeout_is_refused():
 
 
 def test_terrain_on_triton_can_be_configured_from_the_environment(monkeypatch):
-    monkeypatch.setenv("AIMESH_ENGINES__DIFFUSION__TERRAIN_BACKEND", "triton")
-    with pytest.raises(ValidationError, match=r"engines\.diffusion\.triton"):
+    monkeypatch.setenv("AIMESH_SERVICES__DIFFUSION__TERRAIN_BACKEND", "triton")
+    with pytest.raises(ValidationError, match=r"services\.diffusion\.triton"):
         diffusion_settings(MeshSettings())
-    monkeypatch.setenv("AIMESH_ENGINES__DIFFUSION__TRITON__URL", "triton:8001")
-    monkeypatch.setenv("AIMESH_ENGINES__DIFFUSION__TRITON__MODEL", "terrain_denoiser")
+    monkeypatch.setenv("AIMESH_SERVICES__DIFFUSION__TRITON__URL", "triton:8001")
+    monkeypatch.setenv("AIMESH_SERVICES__DIFFUSION__TRITON__MODEL", "terrain_denoiser")
     settings = diffusion_settings(MeshSettings())
     assert settings.triton is not None
     assert (settings.triton.url, settings.triton.model) == ("triton:8001", "terrain_denoiser")

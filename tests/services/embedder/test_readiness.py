@@ -54,7 +54,7 @@ async def test_aimesh_serve_embedder_on_each_backend(serve_process, monkeypatch)
     monkeypatch.setenv("AIMESH_CACHE_DIR", str(CACHE_DIR))
     vectors = {}
     for backend in ("onnx", "torch"):
-        monkeypatch.setenv("AIMESH_ENGINES__EMBEDDER__BACKEND", backend)
+        monkeypatch.setenv("AIMESH_SERVICES__EMBEDDER__BACKEND", backend)
         child = await serve_process("embedder")
         async with create_channel(child.target, MeshSettings(), services=[SERVICE]) as channel:
             stub = embedder_pb2_grpc.EmbedderServiceStub(channel)

@@ -9,7 +9,7 @@ from services.embedder.settings import EmbedderSettings
 
 
 def test_the_triton_backend_needs_to_know_where_triton_is():
-    with pytest.raises(ValidationError, match=r"engines\.embedder\.triton"):
+    with pytest.raises(ValidationError, match=r"services\.embedder\.triton"):
         EmbedderSettings(backend="triton")
     settings = EmbedderSettings.model_validate(
         {"backend": "triton", "triton": {"url": "triton:8001", "model": "sentence_embedding"}}

@@ -144,11 +144,10 @@ def running_llm_mesh(root: Path, dtype: str = "float32") -> Iterator[LlmMesh]:
         f"metrics_port = {ports['prefill_metrics']}\n"
         f"[services.generation]\nport = {ports['generation']}\n"
         f"metrics_port = {ports['generation_metrics']}\n"
-        "[services.generation.dependencies]\n"
-        f'tokenizer = "127.0.0.1:{ports["tokenizer"]}"\n'
-        "[services.generation.options]\n"
         f'prefill = ["127.0.0.1:{ports["prefill"]}"]\n'
         f"decode = [{decode_targets}]\n"
+        "[services.generation.dependencies]\n"
+        f'tokenizer = "127.0.0.1:{ports["tokenizer"]}"\n'
     )
     env = subprocess_env(AIMESH_CONFIG=str(config), OTEL_TRACES_EXPORTER="none")
     mesh = LlmMesh(root, env, ports, decode_ports)

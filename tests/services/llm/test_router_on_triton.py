@@ -13,7 +13,8 @@ from pydantic import ValidationError
 from aimesh.llm.v1 import generation_pb2, sampling_pb2
 from mesh.config import MeshSettings
 from services.generation.on_triton import TritonGeneration
-from services.generation.servicer import GenerationRouter, RouterOptions
+from services.generation.servicer import GenerationRouter
+from services.generation.settings import RouterOptions
 from services.llm.artifacts import load_tokenizer
 from services.llm.settings import LlmSettings
 
@@ -27,12 +28,12 @@ def test_triton_and_its_section_go_together():
 
 
 def test_the_option_arrives_from_the_environment(monkeypatch):
-    prefix = "AIMESH_SERVICES__GENERATION__OPTIONS__"
+    prefix = "AIMESH_SERVICES__GENERATION__"
     monkeypatch.setenv(prefix + "BACKEND", "triton")
     monkeypatch.setenv(prefix + "TRITON__URL", "triton.aimesh.svc:8001")
     monkeypatch.setenv(prefix + "TRITON__MODEL", "text_generation")
     monkeypatch.setenv(prefix + "TRITON__TIMEOUT_S", "300")
-    options = RouterOptions.model_validate(MeshSettings().service("generation").options)
+    options = RouterOptions.of(MeshSettings(), "generation")
     assert options.triton is not None
     assert (options.triton.url, options.triton.model, options.triton.timeout_s) == (
         "triton.aimesh.svc:8001",

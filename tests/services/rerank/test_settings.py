@@ -20,7 +20,7 @@ def test_the_default_scores_in_process():
 
 
 def test_the_triton_backend_reads_its_section_from_the_mesh_config():
-    mesh = MeshSettings(engines={"rerank": {"backend": "triton", "triton": TRITON}})
+    mesh = MeshSettings(services={"rerank": {"backend": "triton", "triton": TRITON}})
     settings = rerank_settings(mesh)
     assert settings.triton is not None
     assert (settings.triton.url, settings.triton.model) == ("triton:8001", "token_embedding")
@@ -30,8 +30,8 @@ def test_the_triton_backend_reads_its_section_from_the_mesh_config():
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"backend": "triton"}, r"needs an \[engines\.rerank\.triton\] section"),
-        ({"triton": TRITON}, r"\[engines\.rerank\.triton\] is read only with backend"),
+        ({"backend": "triton"}, r"needs a \[services\.rerank\.triton\] section"),
+        ({"triton": TRITON}, r"\[services\.rerank\.triton\] is read only with backend"),
         (
             {"backend": "triton", "triton": TRITON, "cross_encoder": "/models/ce"},
             "cross_encoder runs in process",

@@ -24,7 +24,7 @@ async def start_retrieval(store: Path, rerank: str | None = None) -> tuple[MeshS
     cache = MeshSettings().cache_dir
     # Two threads: while these tests ingest, the embedder has the machine's cores to itself
     # (1000 stdlib passages embedded in 15 s instead of 26 with the default one thread).
-    embedder_settings = MeshSettings(cache_dir=cache, engines={"embedder": {"threads": 2}})
+    embedder_settings = MeshSettings(cache_dir=cache, services={"embedder": {"threads": 2}})
     embedder = MeshServer("embedder", embedder_settings, port=0, default_max_concurrency=32)
     await embedder_setup(embedder)
     await embedder.start()
@@ -33,8 +33,7 @@ async def start_retrieval(store: Path, rerank: str | None = None) -> tuple[MeshS
         dependencies["rerank"] = rerank
     settings = MeshSettings(
         cache_dir=cache,
-        services={"retrieval": ServiceSettings(dependencies=dependencies)},
-        engines={"retrieval": {"path": str(store)}},
+        services={"retrieval": ServiceSettings(dependencies=dependencies, path=str(store))},
     )
     retrieval = MeshServer.for_service("retrieval", settings, port=0)
     await retrieval_setup(retrieval)
@@ -76,13 +75,12 @@ def retrieval_settings(
     embedder: MeshServer, rerank: str | None = None, **engine: Any
 ) -> MeshSettings:
     """Settings of a retrieval server whose embedder is `embedder` (and rerank `rerank`, if
-    given), with [engines.retrieval] `engine` (a path or a url)."""
+    given), with [services.retrieval] `engine` (a path or a url)."""
     dependencies = {"embedder": f"127.0.0.1:{embedder.port}"}
     if rerank is not None:
         dependencies["rerank"] = rerank
     return MeshSettings(
-        services={"retrieval": ServiceSettings(dependencies=dependencies)},
-        engines={"retrieval": engine},
+        services={"retrieval": ServiceSettings(dependencies=dependencies, **engine)},
     )
 
 

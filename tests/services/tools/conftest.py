@@ -64,10 +64,9 @@ async def fill_knowledge(target: str) -> None:
 
 
 def tools_server(dependencies: dict[str, str], **tools_settings: object) -> MeshServer:
-    """A tools server (not set up) dialling `dependencies`, with [engines.tools] settings."""
+    """A tools server (not set up) dialling `dependencies`, with [services.tools] settings."""
     settings = MeshSettings(
-        services={"tools": ServiceSettings(dependencies=dependencies)},
-        engines={"tools": tools_settings},
+        services={"tools": ServiceSettings(dependencies=dependencies, **tools_settings)},
     )
     return MeshServer.for_service("tools", settings, port=0)
 
@@ -83,7 +82,7 @@ async def start_tools(tmp_path_factory) -> AsyncIterator[StartTools]:
     await fill_knowledge(f"127.0.0.1:{retrieval.port}")
     diffusion = MeshServer.for_service(
         "diffusion",
-        MeshSettings(engines={"diffusion": {"device": "cpu", "models": ["digits"]}}),
+        MeshSettings(services={"diffusion": {"device": "cpu", "models": ["digits"]}}),
         port=0,
     )
     await diffusion_setup(diffusion)

@@ -1,0 +1,32 @@
+"""The router's own settings ([services.generation] in the mesh config)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from mesh.config import ServiceOptions
+from mesh.triton import TritonSettings
+
+
+class RouterOptions(ServiceOptions):
+    """[services.generation]. Tokenizer, prefill and decode are declared dependencies:
+    [services.generation.dependencies] overrides where each is dialled. The lists name
+    several workers of one kind (empty: the dependency's one target)."""
+
+    # "triton": the model runs on Triton Inference Server as a decoupled model (the one
+    # k8s/triton-model-repository/text_generation serves); tokenizing stays in the mesh.
+    backend: Literal["disaggregated", "triton"] = "disaggregated"
+    triton: TritonSettings | None = None
+    prefill: list[str] = Field(default_factory=list)
+    decode: list[str] = Field(default_factory=list)
+    poll_interval_s: float = Field(default=0.25, gt=0)
+
+    @model_validator(mode="after")
+    def _triton_named(self) -> RouterOptions:
+        if (self.backend == "triton") != (self.triton is not None):
+            raise ValueError(
+                "backend 'triton' and a [services.generation.triton] section go together"
+            )
+        return self
