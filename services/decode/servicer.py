@@ -21,6 +21,7 @@ from services.decode.settings import DecodeOptions
 from services.decode.sources import PrefillSources
 from services.llm import kv_codec, kv_transfer
 from services.llm.artifacts import resolve_model
+from services.llm.described import described
 from services.llm.kv_transfer import HANDLE_ID, HANDLE_ID_RULE, KvReleaser
 from services.llm.llama import Llama, resolve_device, resolve_dtype
 from services.llm.requests import check_prompt, decode_length, end_token, sampling_params
@@ -219,7 +220,9 @@ async def setup(server: MeshServer) -> None:
         torch.set_num_threads(settings.threads)
         directory = resolve_model(settings.model, server.settings.cache_dir)
         device = resolve_device(settings.device)
-        model = Llama.load(directory, resolve_dtype(settings.dtype, device), device)
+        dtype = resolve_dtype(settings.dtype, device)
+        model = Llama.load(directory, dtype, device)
+        server.describe(described(directory, settings, engine="torch", dtype=dtype, device=device))
         return DecodeEngine(model, settings.max_batch_size, settings.max_seq_len)
 
     async def warm_up() -> None:

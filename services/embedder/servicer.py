@@ -23,7 +23,9 @@ import grpc
 from aimesh.common.v1 import common_pb2
 from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
 from mesh import request_id
+from mesh.artifacts import artifact_digest
 from mesh.failures import NotReady
+from mesh.info import ModelInfo
 from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
@@ -159,6 +161,17 @@ async def setup(server: MeshServer) -> None:
         (warmup,) = encoder.tokenizer.tokenize([WARMUP_TEXT], "right")
         await engine.embed([warmup.ids], normalize=True)
         servicer.engine = engine
+        model = encoder.model
+        server.describe(
+            ModelInfo(
+                name=model.name,
+                revision=str(model.path),
+                sha256=artifact_digest(model.path),
+                dtype="float32",
+                engine=settings.backend,
+                limits={"dimensions": str(model.dimensions), "max_tokens": str(model.max_tokens)},
+            )
+        )
 
     async def close() -> None:
         if servicer.engine is not None:

@@ -31,6 +31,7 @@ from services.generation.tokenize import TOKENIZER, TokenizerClient
 from services.generation.workers import DecodePicker, PrefillPicker
 from services.llm import metrics
 from services.llm.artifacts import DEFAULT_NAME, load_tokenizer, resolve_model
+from services.llm.described import described
 from services.llm.requests import Stopping, sampling_params, stopping
 from services.llm.settings import LlmSettings, llm_settings
 
@@ -313,6 +314,8 @@ async def setup(server: MeshServer) -> None:
             resolve_model, settings.model, server.settings.cache_dir
         )
         router.text_tokenizer = await asyncio.to_thread(load_tokenizer, directory)
+        runs_on = "triton" if options.triton is not None else "prefill+decode"
+        server.describe(described(directory, settings, engine=runs_on))
 
     server.add_warmup(load_tokenizer_json)
     server.add_service(

@@ -21,6 +21,7 @@ from mesh.timing import stage
 from mesh.validation import Violations
 from services.llm import kv_codec
 from services.llm.artifacts import resolve_model
+from services.llm.described import described
 from services.llm.kv_transfer import HANDLE_ID, HANDLE_ID_RULE
 from services.llm.llama import Llama, resolve_device, resolve_dtype
 from services.llm.requests import check_prompt, end_token, sampling_params
@@ -173,8 +174,10 @@ async def setup(server: MeshServer) -> None:
         torch.set_num_threads(settings.threads)
         directory = resolve_model(settings.model, server.settings.cache_dir)
         device = resolve_device(settings.device)
-        engine = PrefillEngine(Llama.load(directory, resolve_dtype(settings.dtype, device), device))
+        dtype = resolve_dtype(settings.dtype, device)
+        engine = PrefillEngine(Llama.load(directory, dtype, device))
         engine.warm_up()
+        server.describe(described(directory, settings, engine="torch", dtype=dtype, device=device))
         return engine
 
     async def warm_up() -> None:

@@ -28,6 +28,7 @@ from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 from mesh import request_id
 from mesh.config import BreakerSettings
 from mesh.failures import InvalidInput, NotReady
+from mesh.info import ModelInfo
 from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
@@ -213,6 +214,7 @@ async def setup(server: MeshServer) -> None:
             server.add_readiness_probe(scorer.model.ready)
             await scorer.score(WARMUP_QUERY, WARMUP_DOCUMENTS, servicer.model_thread)
             servicer.scorer = scorer
+            server.describe(ModelInfo(name=scorer.name, engine="triton"))
             return
         loop = asyncio.get_running_loop()
         local = await loop.run_in_executor(servicer.model_thread, load_scorer, settings)
@@ -220,6 +222,7 @@ async def setup(server: MeshServer) -> None:
             servicer.model_thread, local.score, WARMUP_QUERY, WARMUP_DOCUMENTS
         )
         servicer.scorer = local
+        server.describe(ModelInfo(name=local.name, engine="torch"))
 
     async def shut_down() -> None:
         servicer.model_thread.shutdown(wait=False, cancel_futures=True)

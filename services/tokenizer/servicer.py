@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from itertools import islice
-from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -29,7 +28,8 @@ from mesh.failures import NotReady
 from mesh.server import MeshServer
 from mesh.validation import Violations
 from services.llm.artifacts import resolve_model
-from services.llm.settings import llm_settings
+from services.llm.described import described
+from services.llm.settings import LlmSettings, llm_settings
 from services.tokenizer.engine import IncrementalDetokenizer, Tokenized, TokenizerEngine
 
 SERVICE = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"]
@@ -218,9 +218,11 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         return tokenizer_pb2.ApplyChatTemplateResponse(text=prompt.text, token_ids=prompt.ids)
 
 
-def _load_engine(model: Path | None, cache_dir: Path) -> TokenizerEngine:
-    engine = TokenizerEngine.load(resolve_model(model, cache_dir))
+def _load_engine(server: MeshServer, settings: LlmSettings) -> TokenizerEngine:
+    directory = resolve_model(settings.model, server.settings.cache_dir)
+    engine = TokenizerEngine.load(directory)
     engine.tokenize(WARMUP_TEXT, add_special_tokens=True, return_details=True)
+    server.describe(described(directory, settings, engine="tokenizers"))
     return engine
 
 
@@ -233,8 +235,6 @@ async def setup(server: MeshServer) -> None:
     server.add_service(tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server, servicer, SERVICE)
 
     async def load() -> None:
-        servicer.engine = await asyncio.to_thread(
-            _load_engine, llm.model, server.settings.cache_dir
-        )
+        servicer.engine = await asyncio.to_thread(_load_engine, server, llm)
 
     server.add_warmup(load)

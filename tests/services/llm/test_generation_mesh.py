@@ -26,6 +26,7 @@ from aimesh.llm.v1 import (
 from mesh.client import create_channel
 from mesh.config import MeshSettings
 from mesh.errors import field_violations
+from mesh.info import get_info
 from services.llm.artifacts import load_tokenizer, resolve_model
 from services.llm.kv_transfer import new_handle_id
 from tests.conftest import VENV_BIN
@@ -66,6 +67,25 @@ async def _long_stream_under_way(stub, prompt: str):
         if chunks == 3:
             return call
     raise AssertionError("the stream ended before three chunks")
+
+
+async def test_every_llm_service_says_which_model_it_serves(llm_mesh):
+    """GetInfo: one model, one artifact digest, on every LLM hop; the workers say their
+    dtype (this mesh pins float32) and where it runs."""
+    infos = {
+        name: await get_info(llm_mesh.target(name), timeout_s=5)
+        for name in ("tokenizer", "prefill", "generation")
+    }
+    infos["decode"] = await get_info(f"127.0.0.1:{llm_mesh.decode_ports[0]}", timeout_s=5)
+    models = {name: info.models[0] for name, info in infos.items()}
+    assert all(info.loaded and len(info.models) == 1 for info in infos.values())
+    assert {model.name for model in models.values()} == {"SmolLM2-135M-Instruct"}
+    (digest,) = {model.sha256 for model in models.values()}
+    assert len(digest) == 64
+    assert (models["prefill"].dtype, models["decode"].dtype) == ("float32", "float32")
+    assert (models["decode"].device, models["decode"].engine) == ("cpu", "torch")
+    assert models["generation"].engine == "prefill+decode"
+    assert models["decode"].limits["max_seq_len"] == str(MAX_SEQ_LEN)
 
 
 async def test_greedy_output_equals_transformers_token_for_token(llm_mesh, reference, prompts):
