@@ -24,6 +24,7 @@ from services.llm import metrics
 from services.llm.llama import LayerKV, Llama, SlotCache
 from services.llm.sampling import SamplingParams, sample
 from services.llm.stopping import Finish, StopChecker
+from services.shared.memory import is_out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -82,16 +83,6 @@ class _Plan:
     joins: list[Sequence]
     stepped: list[tuple[Sequence, int, float]] = field(default_factory=list)
     failed: list[tuple[Sequence, BaseException]] = field(default_factory=list)
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """torch raises OutOfMemoryError on a GPU, RuntimeError from the CPU allocator."""
-    if isinstance(error, MemoryError | torch.OutOfMemoryError):
-        return True
-    message = str(error).lower()
-    return isinstance(error, RuntimeError) and (
-        "out of memory" in message or "can't allocate memory" in message
-    )
 
 
 class DecodeEngine:
