@@ -45,7 +45,7 @@ _PASSED_THROUGH = {
 
 
 class TritonSettings(BaseModel, extra="forbid"):
-    """Where a model lives on Triton: a service's `[engines.<name>.triton]` section."""
+    """Where a model lives on Triton: a service's `[services.<name>.triton]` section."""
 
     url: str = Field(default="127.0.0.1:8001", description="Triton's gRPC endpoint, host:port")
     model: str = Field(min_length=1, description="the model's name in Triton's repository")
