@@ -25,7 +25,7 @@ for _ in $(seq 1 120); do
   sleep 0.5
 done
 
-echo; echo "== aimesh generate --chat: tokenizer -> prefill -> KV pull -> decode -> detokenizer"
+echo; echo "== aimesh generate --chat: tokenizer -> prefill -> KV pull -> decode -> text in the router"
 aimesh generate --chat --max-new-tokens 80 "How do I copy a nested list in Python?"
 
 echo; echo "== the same mesh as JSON, with per-stage timing and the trace id"
