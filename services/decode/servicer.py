@@ -12,7 +12,7 @@ import torch
 
 from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import decode_pb2, decode_pb2_grpc, sampling_pb2
-from mesh.failures import FieldViolation, InvalidInput, NotReady
+from mesh.failures import FieldViolation, InvalidInput
 from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
@@ -41,13 +41,9 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
         self.server = server
         self.settings = settings
         self.sources = sources
-        self.engine: DecodeEngine | None = None
+        # Set by the warm-up; MeshServer answers every call NOT_READY until it has run.
+        self.engine: DecodeEngine
         self.releaser = KvReleaser(server.channels)
-
-    def _engine(self) -> DecodeEngine:
-        if self.engine is None:
-            raise NotReady("decode model is still loading")
-        return self.engine
 
     def _validate(self, request: decode_pb2.DecodeRequest, engine: DecodeEngine):
         """The router validated the request; this guards the engine (ids, the KV's shape,
@@ -98,7 +94,7 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
         self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decode_pb2.DecodeResponse]:
         received = time.perf_counter()
-        engine = self._engine()
+        engine = self.engine
         prompt, params = self._validate(request, engine)
         handle = request.kv_handle
         if not await self.sources.allows(handle.address):
@@ -196,7 +192,7 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
     async def GetLoad(
         self, request: decode_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> decode_pb2.GetLoadResponse:
-        engine = self._engine()
+        engine = self.engine
         total_blocks = engine.max_batch_size * engine.max_seq_len // BLOCK_TOKENS
         used_blocks = sum(-(-(s.position + 1) // BLOCK_TOKENS) for s in engine.running)
         return decode_pb2.GetLoadResponse(
@@ -232,7 +228,7 @@ async def setup(server: MeshServer) -> None:
         worker.engine = engine
 
     async def shut_down() -> None:
-        if worker.engine is not None:
+        if hasattr(worker, "engine"):  # not when a signal ended the warm-up
             await worker.engine.stop()
 
     server.add_warmup(warm_up)

@@ -24,7 +24,6 @@ from aimesh.common.v1 import common_pb2
 from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
 from mesh import request_id
 from mesh.artifacts import artifact_digest
-from mesh.failures import NotReady
 from mesh.info import ModelInfo
 from mesh.server import MeshServer
 from mesh.timing import stage
@@ -89,21 +88,17 @@ def _check_lengths(violations: Violations, tokenized: Sequence[Tokenized], limit
 
 
 class EmbedderServicer(embedder_pb2_grpc.EmbedderServiceServicer):
-    """Answers NotReady until the warm-up hands it a loaded engine."""
+    """Serves the engine the warm-up hands it (MeshServer refuses calls before that)."""
 
     def __init__(self) -> None:
-        self.engine: EmbedEngine | None = None
-
-    def _loaded(self) -> EmbedEngine:
-        if self.engine is None:
-            raise NotReady("the embedding model is still loading")
-        return self.engine
+        # Set by the warm-up; MeshServer answers every call NOT_READY until it has run.
+        self.engine: EmbedEngine
 
     async def Embed(
         self, request: embedder_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> embedder_pb2.EmbedResponse:
         received = time.perf_counter()
-        engine = self._loaded()
+        engine = self.engine
         violations = Violations()
         _check_request(violations, request)
         violations.raise_if_any()
@@ -174,7 +169,7 @@ async def setup(server: MeshServer) -> None:
         )
 
     async def close() -> None:
-        if servicer.engine is not None:
+        if hasattr(servicer, "engine"):  # not when a signal ended the warm-up
             await servicer.engine.close()
             if isinstance(servicer.engine.encoder.backend, TritonBackend):
                 await servicer.engine.encoder.backend.model.close()

@@ -17,7 +17,6 @@ from tokenizers import Tokenizer
 from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 from mesh import request_id
-from mesh.failures import NotReady
 from mesh.health import probe
 from mesh.server import MeshServer
 from mesh.timing import stage
@@ -95,12 +94,11 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         self.engine = engine
         self.settings = settings
         self.model_name = model_name
-        # The model's tokenizer.json, loaded in the warm-up: what ids become text with.
-        self.text_tokenizer: Tokenizer | None = None
+        # The model's tokenizer.json, set by the warm-up (MeshServer answers every call
+        # NOT_READY until it has run): what ids become text with.
+        self.text_tokenizer: Tokenizer
 
     def _text(self, limits: Stopping) -> TextStream:
-        if self.text_tokenizer is None:
-            raise NotReady("the router is still loading the model's tokenizer")
         return TextStream(self.text_tokenizer, limits.stop_sequences)
 
     def _check_common(self, request, violations: Violations) -> None:

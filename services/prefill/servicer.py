@@ -15,7 +15,6 @@ from opentelemetry import propagate
 
 from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import kv_cache_pb2, kv_cache_pb2_grpc, prefill_pb2, prefill_pb2_grpc
-from mesh.failures import NotReady
 from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
@@ -51,7 +50,8 @@ class PrefillWorker(
         self.settings = settings
         self.options = server.options_as(PrefillOptions)
         self.store = KvStore(settings.kv_store_bytes)
-        self.engine: PrefillEngine | None = None
+        # Set by the warm-up; MeshServer answers every call NOT_READY until it has run.
+        self.engine: PrefillEngine
         # One model thread: a forward pass already uses every core torch is given.
         self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="prefill-model")
 
@@ -61,16 +61,11 @@ class PrefillWorker(
         host = "127.0.0.1" if self.server.host in ("0.0.0.0", "::") else self.server.host
         return advertised or f"{host}:{self.server.port}"
 
-    def _engine(self) -> PrefillEngine:
-        if self.engine is None:
-            raise NotReady("prefill model is still loading")
-        return self.engine
-
     async def Prefill(
         self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> prefill_pb2.PrefillResponse:
         received = time.perf_counter()
-        engine = self._engine()
+        engine = self.engine
         config = engine.model.config
         violations = Violations()
         token_ids = list(request.token_ids)

@@ -27,7 +27,7 @@ from aimesh.common.v1 import common_pb2
 from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 from mesh import request_id
 from mesh.config import BreakerSettings
-from mesh.failures import InvalidInput, NotReady
+from mesh.failures import InvalidInput
 from mesh.info import ModelInfo
 from mesh.server import MeshServer
 from mesh.timing import stage
@@ -120,7 +120,8 @@ def _document_problems(documents: Sequence[rerank_pb2.Document]) -> Iterator[tup
 
 class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
     def __init__(self) -> None:
-        self.scorer: Scorer | TritonScorer | None = None
+        # Set by the warm-up; MeshServer answers every call NOT_READY until it has run.
+        self.scorer: Scorer | TritonScorer
         self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="rerank-model")
 
     async def Rerank(
@@ -128,8 +129,6 @@ class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
     ) -> rerank_pb2.RerankResponse:
         received = time.perf_counter()
         scorer = self.scorer
-        if scorer is None:
-            raise NotReady("the rerank model is still loading")
         violations = Violations()
         _check_request(violations, request)
         violations.raise_if_any()

@@ -24,7 +24,6 @@ import grpc
 from aimesh.common.v1 import common_pb2
 from aimesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mesh import request_id
-from mesh.failures import NotReady
 from mesh.server import MeshServer
 from mesh.validation import Violations
 from services.llm.artifacts import resolve_model
@@ -124,21 +123,17 @@ def tokenize_response(tokenized: Tokenized) -> tokenizer_pb2.TokenizeResponse:
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
-    """Answers NotReady until the warm-up hands it a loaded engine."""
+    """Serves the engine the warm-up hands it (MeshServer refuses calls before that)."""
 
     def __init__(self, max_seq_len: int) -> None:
         self.max_seq_len = max_seq_len
-        self.engine: TokenizerEngine | None = None
-
-    def _loaded(self) -> TokenizerEngine:
-        if self.engine is None:
-            raise NotReady("the tokenizer is still loading")
-        return self.engine
+        # Set by the warm-up; MeshServer answers every call NOT_READY until it has run.
+        self.engine: TokenizerEngine
 
     async def Tokenize(
         self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.TokenizeResponse:
-        engine = self._loaded()
+        engine = self.engine
         violations = Violations()
         _check_request_id(violations, request.request_id)
         size = len(request.text.encode())
@@ -156,7 +151,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     async def Detokenize(
         self, request: tokenizer_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.DetokenizeResponse:
-        engine = self._loaded()
+        engine = self.engine
         ids = request.token_ids
         violations = Violations()
         _check_request_id(violations, request.request_id)
@@ -177,7 +172,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     ) -> AsyncIterator[tokenizer_pb2.DetokenizeStreamResponse]:
         """Inline: the ids held back are at most the context, so a message costs at most
         two decodes of that many ids (~3 ms)."""
-        engine = self._loaded()
+        engine = self.engine
         detokenizer: IncrementalDetokenizer | None = None
         received = 0
         async for request in request_iterator:
@@ -203,7 +198,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     async def ApplyChatTemplate(
         self, request: tokenizer_pb2.ApplyChatTemplateRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.ApplyChatTemplateResponse:
-        engine = self._loaded()
+        engine = self.engine
         violations = Violations()
         _check_request_id(violations, request.request_id)
         _check_messages(violations, request.messages, engine.roles, self.max_seq_len)
