@@ -39,10 +39,9 @@ class LlmSettings(BaseModel, extra="forbid"):
         default=512 * 1024 * 1024, ge=1024 * 1024, description="prefill's leased KV budget"
     )
     # One thread per model process suits a machine whose cores prefill, decode and the
-    # router share: measured on 2 cores, decode at 8 streams went from 3.2x to 4.2x its
-    # single-stream throughput with 1 thread instead of torch's default 2, and single-stream
-    # speed did not change (a decode step is bound by memory, not cores). Raise it for a
-    # worker with cores of its own.
+    # router share: batched decode scales better, and a single stream loses nothing (a
+    # decode step is bound by memory, not cores; docs/benchmarks.md, "LLM serving:
+    # in-process transformers vs the aimesh LLM mesh"). Raise it for a worker with cores of its own.
     threads: int = Field(default=1, ge=1, description="torch intra-op threads per process")
 
 

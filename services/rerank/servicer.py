@@ -45,8 +45,9 @@ SERVICE = rerank_pb2.DESCRIPTOR.services_by_name["RerankService"]
 MAX_DOCUMENTS = 1000
 MAX_QUERY_BYTES = 8 * 1024
 MAX_DOCUMENT_BYTES = 64 * 1024
-# Two forward passes at the default 128 document tokens and 2048 pass tokens (~1-2 s here);
-# their token states at 512 document tokens, the most, are ~50 MB.
+# Two forward passes at the default 128 document tokens and 2048 pass tokens, so a
+# cancelled request stops within a couple of passes; their token states at 512 document
+# tokens, the most, stay in the tens of MB.
 GROUP_DOCUMENTS = 32
 # BadRequest travels in trailing metadata (8 KiB by default): report the first few.
 MAX_ELEMENT_VIOLATIONS = 16
