@@ -41,7 +41,8 @@ class LlmSettings(BaseModel, extra="forbid"):
     # One thread per model process suits a machine whose cores prefill, decode and the
     # router share: batched decode scales better, and a single stream loses nothing (a
     # decode step is bound by memory, not cores; docs/benchmarks.md, "LLM serving:
-    # in-process transformers vs the aimesh LLM mesh"). Raise it for a worker with cores of its own.
+    # in-process transformers vs the aimesh LLM mesh"). Raise it for a worker with cores
+    # of its own.
     threads: int = Field(default=1, ge=1, description="torch intra-op threads per process")
 
 
