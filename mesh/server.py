@@ -22,6 +22,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -85,6 +86,7 @@ class MeshServer:
         self._proto_services: list[str] = []
         self._warmups: list[Hook] = []
         self._shutdown_hooks: list[Hook] = []
+        self._executors: list[ThreadPoolExecutor] = []
         self._probes: list[Probe] = []
         self._following: asyncio.Task[None] | None = None
         self._watched: set[asyncio.Task[Any]] = set()
@@ -182,6 +184,13 @@ class MeshServer:
     def describe(self, model: ModelInfo) -> None:
         """Says what this process serves (GetInfo): call it once the model is loaded."""
         self.info.models.append(model)
+
+    def executor(self, name: str, threads: int = 1) -> ThreadPoolExecutor:
+        """Threads for an engine's blocking work (a model's forward passes), owned here:
+        work still queued is dropped when the server has drained."""
+        executor = ThreadPoolExecutor(threads, thread_name_prefix=f"{self.name}-{name}")
+        self._executors.append(executor)
+        return executor
 
     def add_warmup(self, hook: Hook) -> None:
         """Runs after the server listens and before readiness (model load, first forward)."""
@@ -289,6 +298,8 @@ class MeshServer:
         await self.grpc_server.stop(grace)
         for hook in self._shutdown_hooks:
             await hook()
+        for executor in self._executors:
+            executor.shutdown(wait=False, cancel_futures=True)
         await self.channels.close()
         log.info("stopped")
 

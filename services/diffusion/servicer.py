@@ -103,7 +103,7 @@ def described(model: DiffusionModel) -> ModelInfo:
 
 
 class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
-    def __init__(self, settings: DiffusionSettings) -> None:
+    def __init__(self, settings: DiffusionSettings, workers: ThreadPoolExecutor) -> None:
         self.settings = settings
         self.models: dict[str, DiffusionModel] = {}
         self.queue = JobQueue(
@@ -111,7 +111,7 @@ class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
             budget_bytes=memory_budget_bytes(settings),
             max_queue=settings.max_queued_jobs,
         )
-        self.workers = ThreadPoolExecutor(settings.slots, thread_name_prefix="diffusion")
+        self.workers = workers
         self.throttle = Throttle(settings.progress_min_interval_s, settings.preview_min_interval_s)
 
     async def Generate(
@@ -246,7 +246,7 @@ def warm_up(model: DiffusionModel) -> None:
 async def setup(server: MeshServer) -> DiffusionServicer:
     """Registers the service; returns the servicer so tests can watch its job queue."""
     settings = diffusion_settings(server.settings)
-    servicer = DiffusionServicer(settings)
+    servicer = DiffusionServicer(settings, server.executor("jobs", settings.slots))
     server.add_service(diffusion_pb2_grpc.add_DiffusionServiceServicer_to_server, servicer, SERVICE)
 
     triton: TritonDenoiser | None = None
@@ -268,7 +268,6 @@ async def setup(server: MeshServer) -> DiffusionServicer:
     async def shut_down() -> None:
         for job_id in servicer.queue.job_ids():
             servicer.queue.cancel(job_id)
-        servicer.workers.shutdown(wait=False, cancel_futures=True)
         if triton is not None:
             await triton.model.close()
 

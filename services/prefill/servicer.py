@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
@@ -53,7 +52,7 @@ class PrefillWorker(
         # Set by the warm-up; MeshServer answers every call NOT_READY until it has run.
         self.engine: PrefillEngine
         # One model thread: a forward pass already uses every core torch is given.
-        self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="prefill-model")
+        self.model_thread = server.executor("model")
 
     @property
     def address(self) -> str:
@@ -185,7 +184,6 @@ async def setup(server: MeshServer) -> None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        worker.model_thread.shutdown(wait=False, cancel_futures=True)
 
     server.add_warmup(warm_up)
     server.add_shutdown(shut_down)

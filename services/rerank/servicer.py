@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from itertools import islice
 from pathlib import Path
 
@@ -120,10 +120,10 @@ def _document_problems(documents: Sequence[rerank_pb2.Document]) -> Iterator[tup
 
 
 class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
-    def __init__(self) -> None:
+    def __init__(self, model_thread: Executor) -> None:
         # Set by the warm-up; MeshServer answers every call NOT_READY until it has run.
         self.scorer: Scorer | TritonScorer
-        self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="rerank-model")
+        self.model_thread = model_thread
 
     async def Rerank(
         self, request: rerank_pb2.RerankRequest, context: grpc.aio.ServicerContext
@@ -202,7 +202,7 @@ async def setup(server: MeshServer) -> None:
     """Registers the servicer now; loads and warms the scorer before readiness. On Triton,
     readiness waits for the model there and then follows Triton's ModelReady."""
     settings = rerank_settings(server.settings)
-    servicer = RerankServicer()
+    servicer = RerankServicer(server.executor("model"))
     server.add_service(rerank_pb2_grpc.add_RerankServiceServicer_to_server, servicer, SERVICE)
     remote: list[TritonScorer] = []
 
@@ -225,7 +225,6 @@ async def setup(server: MeshServer) -> None:
         server.describe(ModelInfo(name=local.name, engine="torch"))
 
     async def shut_down() -> None:
-        servicer.model_thread.shutdown(wait=False, cancel_futures=True)
         for scorer in remote:
             await scorer.model.close()
 

@@ -94,3 +94,14 @@ async def test_serving_ends_with_a_failure_status_after_a_watched_task_died():
     assert not serving.done()
     trigger.set()
     assert await asyncio.wait_for(serving, 30) == BROKEN_EXIT_STATUS
+
+
+async def test_the_runtime_owns_an_engines_threads_and_stops_them_after_the_drain():
+    server = MeshServer("echo", MeshSettings(), port=0)
+    await echo_setup(server)
+    threads = server.executor("model", 2)
+    await server.start()
+    assert await asyncio.get_running_loop().run_in_executor(threads, lambda: 42) == 42
+    await server.drain(0)
+    with pytest.raises(RuntimeError, match="shutdown"):
+        threads.submit(lambda: None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -62,13 +63,12 @@ class Counted:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def servicer() -> AsyncIterator[RerankServicer]:
-    servicer = RerankServicer()
+    model_thread = ThreadPoolExecutor(1)
+    servicer = RerankServicer(model_thread)
     loop = asyncio.get_running_loop()
-    servicer.scorer = await loop.run_in_executor(
-        servicer.model_thread, load_scorer, RerankSettings()
-    )
+    servicer.scorer = await loop.run_in_executor(model_thread, load_scorer, RerankSettings())
     yield servicer
-    await asyncio.to_thread(servicer.model_thread.shutdown)
+    await asyncio.to_thread(model_thread.shutdown)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
