@@ -10,9 +10,10 @@ belong to the anonymous client "".
 from __future__ import annotations
 
 from contextvars import ContextVar
-from typing import Any
 
 import grpc
+
+from mesh.rpc import incoming
 
 METADATA_KEY = "x-aimesh-client"
 _MAX_LENGTH = 128
@@ -25,20 +26,6 @@ def current() -> str:
 
 
 def adopt(context: grpc.aio.ServicerContext) -> None:
-    """Takes the client from the call's metadata for this call's task."""
-    for key, value in context.invocation_metadata() or ():
-        if key == METADATA_KEY and isinstance(value, str):
-            _client.set(value[:_MAX_LENGTH])
-            return
-    _client.set("")
-
-
-def with_client(metadata: Any) -> grpc.aio.Metadata | Any:
-    """Outgoing metadata carrying the current client, unless the caller set one."""
-    client = _client.get()
-    if not client:
-        return metadata
-    outgoing = grpc.aio.Metadata(*(metadata or ()))
-    if METADATA_KEY not in outgoing:
-        outgoing.add(METADATA_KEY, client)
-    return outgoing
+    """Takes the client from the call's metadata for this call's task; the interceptors
+    send it on (mesh.rpc.carried)."""
+    _client.set(incoming(context, METADATA_KEY, _MAX_LENGTH) or "")

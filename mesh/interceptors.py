@@ -31,6 +31,7 @@ from mesh.rpc import (
     ClientInterceptor,
     StreamBehavior,
     UnaryBehavior,
+    carried,
     checked_stream,
     is_infrastructure,
     method_name,
@@ -188,7 +189,10 @@ class MeshClientInterceptor(ClientInterceptor):
         refusal = self.breaker.before_call(method_name(details))
         if refusal is not None:
             raise local_error(refusal)
-        metadata = caller.with_client(request_id.with_request_id(details.metadata))
+        metadata = carried(
+            details.metadata,
+            {request_id.METADATA_KEY: request_id.current(), caller.METADATA_KEY: caller.current()},
+        )
         return details._replace(timeout=timeout, metadata=metadata)
 
     async def _unary(self, continuation: Any, details: Any, request: Any) -> Any:

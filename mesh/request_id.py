@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 import re
 from contextvars import ContextVar
-from typing import Any
 
 import grpc
 
 from mesh.failures import FieldViolation, InvalidInput
+from mesh.rpc import incoming
 
 METADATA_KEY = "x-request-id"
 _MAX_LENGTH = 128
@@ -60,21 +60,6 @@ def ensure(request_id: str = "") -> str:
 
 def adopt(context: grpc.aio.ServicerContext) -> None:
     """Takes the caller's id from metadata, or starts a new one, for this call's task."""
-    for key, value in context.invocation_metadata() or ():
-        if key == METADATA_KEY and isinstance(value, str):
-            _request_id.set(value[:_MAX_LENGTH])
-            _generated.set(False)
-            return
-    _request_id.set(os.urandom(16).hex())
-    _generated.set(True)
-
-
-def with_request_id(metadata: Any) -> grpc.aio.Metadata | Any:
-    """Outgoing metadata carrying the current request id, unless the caller set one."""
-    request_id = _request_id.get()
-    if not request_id:
-        return metadata
-    outgoing = grpc.aio.Metadata(*(metadata or ()))
-    if METADATA_KEY not in outgoing:
-        outgoing.add(METADATA_KEY, request_id)
-    return outgoing
+    given = incoming(context, METADATA_KEY, _MAX_LENGTH)
+    _request_id.set(os.urandom(16).hex() if given is None else given)
+    _generated.set(given is None)

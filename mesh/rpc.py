@@ -7,7 +7,7 @@ These helpers do that once, for all four RPC arities.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -177,6 +177,27 @@ class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
 
     async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await self.intercept(continuation, details, requests)
+
+
+def incoming(context: grpc.aio.ServicerContext, key: str, max_length: int) -> str | None:
+    """The first text value of `key` in a call's metadata, cut to `max_length`."""
+    for name, value in context.invocation_metadata() or ():
+        if name == key and isinstance(value, str):
+            return value[:max_length]
+    return None
+
+
+def carried(metadata: Any, values: Mapping[str, str]) -> grpc.aio.Metadata | Any:
+    """Outgoing metadata with each non-empty value of `values` added under its key,
+    unless the caller set that key itself; built once for all of them."""
+    missing = [(key, value) for key, value in values.items() if value]
+    if not missing:
+        return metadata
+    outgoing = grpc.aio.Metadata(*(metadata or ()))
+    for key, value in missing:
+        if key not in outgoing:
+            outgoing.add(key, value)
+    return outgoing
 
 
 def method_name(details: grpc.aio.ClientCallDetails) -> str:
