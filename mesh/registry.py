@@ -67,7 +67,7 @@ def options_problems(specs: Iterable[ServiceSpec], settings: MeshSettings) -> li
     problems = []
     for spec in specs:
         try:
-            spec.load_options().model_validate(settings.service(spec.name).own())
+            spec.load_options().of(settings, spec.name)
         except ValidationError as error:
             for problem in error.errors():
                 key = ".".join(str(part) for part in problem["loc"])

@@ -70,6 +70,7 @@ class MeshServer:
     ) -> None:
         self.name = name
         self.dependencies = frozenset(dependencies)
+        self._dependency_targets: dict[str, str] = {}
         self.settings = settings
         self.host = host
         self.requested_port = port
@@ -171,10 +172,14 @@ class MeshServer:
     def dependency_target(self, name: str) -> str:
         """The address a declared dependency is dialled at: this service's override in
         `[services.<self>.dependencies]`, else that service's configured target."""
-        if name not in self.dependencies:
-            raise ValueError(f"{self.name} does not declare a dependency on {name!r}")
-        override = self.settings.service(self.name).dependencies.get(name)
-        return override or self.settings.target_of(name, discover()[name].default_port)
+        target = self._dependency_targets.get(name)
+        if target is None:  # once per name: discover() reads entry points (~3 ms)
+            if name not in self.dependencies:
+                raise ValueError(f"{self.name} does not declare a dependency on {name!r}")
+            override = self.settings.service(self.name).dependencies.get(name)
+            target = override or self.settings.target_of(name, discover()[name].default_port)
+            self._dependency_targets[name] = target
+        return target
 
     def channel_to(self, name: str, *services: ServiceDescriptor) -> grpc.aio.Channel:
         """The mesh channel (tracing, request id, deadline, breaker, retries for the
