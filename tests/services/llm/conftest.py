@@ -198,18 +198,25 @@ def stopping(max_new_tokens: int, **extra) -> sampling_pb2.StoppingCriteria:
     return sampling_pb2.StoppingCriteria(max_new_tokens=max_new_tokens, **extra)
 
 
-async def generate(stub, **request) -> tuple[list[int], str, generation_pb2.GenerationComplete]:
-    """One Generate call, collected: token ids, text, and the final message."""
+async def collected(
+    messages: AsyncIterator[generation_pb2.GenerateResponse],
+) -> tuple[list[int], str, generation_pb2.GenerationComplete]:
+    """A Generate stream, collected: token ids, text, and the final message."""
     ids: list[int] = []
     text = ""
     complete = None
-    async for message in stub.Generate(generation_pb2.GenerateRequest(**request), timeout=120):
+    async for message in messages:
         if message.HasField("chunk"):
             ids += message.chunk.token_ids
             text += message.chunk.text
         else:
             complete = message.complete
     return ids, text, complete
+
+
+async def generate(stub, **request) -> tuple[list[int], str, generation_pb2.GenerationComplete]:
+    """One Generate call, collected."""
+    return await collected(stub.Generate(generation_pb2.GenerateRequest(**request), timeout=120))
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from services.generation.servicer import GenerationRouter
 from services.generation.settings import RouterOptions
 from services.llm.artifacts import load_tokenizer
 from services.llm.settings import LlmSettings
+from tests.services.llm.conftest import collected
 
 
 def test_triton_and_its_section_go_together():
@@ -87,13 +88,7 @@ async def _generate_on(triton: FakeTriton, tokenizer, **stopping) -> tuple[str, 
     request = generation_pb2.GenerateRequest(
         prompt="Hello", stopping=sampling_pb2.StoppingCriteria(max_new_tokens=64, **stopping)
     )
-    text, ids, complete = "", [], None
-    async for message in router.Generate(request, None):
-        if message.HasField("chunk"):
-            text += message.chunk.text
-            ids += message.chunk.token_ids
-        else:
-            complete = message.complete
+    ids, text, complete = await collected(router.Generate(request, None))
     return text, ids, complete
 
 
