@@ -21,7 +21,7 @@ from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from mesh.failures import Conflict, FieldViolation, InvalidInput, NotReady
-from services.llm.detokenize import IncrementalDetokenizer
+from services.tokenizer.detokenize import IncrementalDetokenizer
 
 # Accepted when the template does not say which roles it knows (it renders any role).
 DEFAULT_ROLES = frozenset({"system", "user", "assistant", "tool"})

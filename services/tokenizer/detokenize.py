@@ -1,8 +1,8 @@
 """Incremental detokenization: token ids in, text deltas out, never half a character.
 
-The tokenizer service's DetokenizeStream, public API for callers with ids of their own.
-Generation does not use it: the router makes a generation's text itself
-(services/generation/text.py).
+What the tokenizer service's DetokenizeStream runs, public API for callers with ids of
+their own; it lives here because nothing else uses it (the router makes a generation's
+text itself, services/generation/text.py).
 """
 
 from __future__ import annotations
