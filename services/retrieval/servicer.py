@@ -18,13 +18,13 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from aimesh.common.v1 import common_pb2
 from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
 from mesh import request_id
 from mesh.failures import FieldViolation, InvalidInput
+from mesh.health import probe as probe_health
 from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
@@ -124,17 +124,6 @@ class Dependencies:
                 raise RerankUnavailable(error.code().name) from error
             raise
         return [(result.index, result.score) for result in ranked.results]
-
-    async def embedder_serving(self) -> bool:
-        """Whether the embedder, as this service dials it, is ready."""
-        health = health_pb2_grpc.HealthStub(self.server.channel_to("embedder", EMBEDDER))
-        try:
-            answer = await health.Check(
-                health_pb2.HealthCheckRequest(service="embedder"), timeout=1
-            )
-        except grpc.aio.AioRpcError:
-            return False
-        return answer.status == health_pb2.HealthCheckResponse.SERVING
 
 
 class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
@@ -373,7 +362,9 @@ async def setup(server: MeshServer) -> None:
         # Ready only once documents can be embedded: the collection's vector size is the
         # embedder's, learnt from one real call when the store opens.
         waiting_since = time.monotonic()
-        while not await dependencies.embedder_serving():
+        # Around the mesh channel: an embedder still starting must not open its breaker.
+        embedder = server.dependency_target("embedder")
+        while await probe_health(embedder, "embedder") != "SERVING":
             if time.monotonic() - waiting_since >= 60:
                 log.warning("waiting for the embedder")
                 waiting_since = time.monotonic()
