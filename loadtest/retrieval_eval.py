@@ -103,12 +103,12 @@ PORTS = {"embedder": 50870, "retrieval": 50871, "rerank": 50872}
 def _start(root: Path) -> list[subprocess.Popen]:
     config = root / "aimesh.toml"
     config.write_text(
-        f'[services.retrieval]\npath = "{root / "qdrant"}"\n'
-        + "".join(f"[services.{n}]\nport = {p}\nmetrics_port = 0\n" for n, p in PORTS.items())
+        "".join(f"[services.{n}]\nport = {p}\nmetrics_port = 0\n" for n, p in PORTS.items())
     )
     env = {
         **os.environ,
         "AIMESH_CONFIG": str(config),
+        "AIMESH_SERVICES__RETRIEVAL__PATH": str(root / "qdrant"),
         "GRPC_VERBOSITY": "ERROR",
         "AIMESH_LOG_LEVEL": "WARNING",
     }
