@@ -91,7 +91,9 @@ def create_channel(
     *,
     services: Iterable[ServiceDescriptor] = (),
     breaker: CircuitBreaker | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> grpc.aio.Channel:
+    """A channel with the mesh's interceptors; TLS when `credentials` are given."""
     client = settings.client
     breaker = breaker or CircuitBreaker(target, client.breaker)
     deadlines = DeadlinePolicy(
@@ -105,9 +107,12 @@ def create_channel(
         *tracing.client_interceptors(),
         *MeshClientInterceptor(deadlines, breaker).client_interceptors(),
     ]
-    return grpc.aio.insecure_channel(
-        target, options=channel_options(settings, services), interceptors=interceptors
-    )
+    options = channel_options(settings, services)
+    if credentials is not None:
+        return grpc.aio.secure_channel(
+            target, credentials, options=options, interceptors=interceptors
+        )
+    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
 
 
 class ChannelPool:

@@ -21,7 +21,7 @@ import numpy as np
 import onnxruntime as ort
 
 from mesh import deadline
-from mesh.config import BreakerSettings
+from mesh.config import MeshSettings
 from mesh.errors import local_error, status
 from mesh.failures import NotReady
 from mesh.triton import TritonModel, TritonSettings
@@ -118,11 +118,11 @@ class TritonDenoiser:
             ) from None
 
 
-async def connect_triton(settings: TritonSettings, breaker: BreakerSettings) -> TritonDenoiser:
+async def connect_triton(settings: TritonSettings, mesh: MeshSettings) -> TritonDenoiser:
     """A denoiser on Triton once Triton reports the model ready; call it on the event loop
     that will carry its passes. Waits as long as it takes: the service is alive meanwhile,
     just not ready."""
-    model = TritonModel(settings, breaker)
+    model = TritonModel(settings, mesh)
     await model.wait_until_ready()
     return TritonDenoiser(model, asyncio.get_running_loop())
 

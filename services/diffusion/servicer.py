@@ -257,7 +257,7 @@ async def setup(server: MeshServer) -> DiffusionServicer:
         if "terrain" in settings.models and settings.terrain_backend == "triton":
             assert settings.triton is not None  # the settings' validator requires it
             # Not ready until Triton has the model, and only while it has; alive all along.
-            triton = await connect_triton(settings.triton, server.settings.client.breaker)
+            triton = await connect_triton(settings.triton, server.settings)
             server.add_readiness_probe(triton.model.ready)
         models = await loop.run_in_executor(servicer.workers, load_models, settings, triton)
         for model in models.values():

@@ -16,7 +16,7 @@ import numpy as np
 import onnxruntime
 
 from mesh.artifacts import build_once
-from mesh.config import BreakerSettings
+from mesh.config import MeshSettings
 from mesh.triton import TritonModel, TritonSettings
 from services.embedder.model import SentenceModel
 from services.shared.minilm import export_onnx
@@ -89,8 +89,8 @@ class TritonBackend:
 
     OUTPUT = "sentence_embedding"
 
-    def __init__(self, settings: TritonSettings, breaker: BreakerSettings) -> None:
-        self.model = TritonModel(settings, breaker)
+    def __init__(self, settings: TritonSettings, mesh: MeshSettings) -> None:
+        self.model = TritonModel(settings, mesh)
 
     async def pool(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         outputs = await self.model.infer(

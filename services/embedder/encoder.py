@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mesh.config import BreakerSettings
+from mesh.config import MeshSettings
 from services.embedder.backends import Backend, TritonBackend, load_backend
 from services.embedder.model import SentenceModel, default_model
 from services.embedder.settings import EmbedderSettings
@@ -29,14 +29,14 @@ class Encoder:
 
     @classmethod
     def load(
-        cls, settings: EmbedderSettings, cache_dir: Path, breaker: BreakerSettings | None = None
+        cls, settings: EmbedderSettings, cache_dir: Path, mesh: MeshSettings | None = None
     ) -> Encoder:
         """The embedded model on the configured backend (exporting its ONNX graph once)."""
         model = default_model()
         if settings.backend == "triton":
             assert settings.triton is not None  # the settings' validator requires it
             backend: Backend | TritonBackend = TritonBackend(
-                settings.triton, breaker or BreakerSettings()
+                settings.triton, mesh or MeshSettings()
             )
         else:
             backend = load_backend(settings.backend, model, cache_dir, settings.threads)

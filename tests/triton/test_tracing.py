@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
 import pytest_asyncio
 from opentelemetry import trace
 
@@ -16,6 +17,8 @@ from mesh.config import MeshSettings
 from mesh.triton import TritonModel, TritonSettings
 from tests.conftest import free_port, spans_of, start_collector
 from tests.triton.test_client import INPUTS
+
+pytestmark = pytest.mark.system
 
 MODEL = "sentence_embedding"
 
@@ -72,7 +75,6 @@ async def test_tritons_spans_join_the_callers_trace_under_the_client_span(traced
             assert client.kind == trace.SpanKind.CLIENT
             assert client.parent is not None
             assert client.parent.span_id == caller.get_span_context().span_id
-            assert client.attributes["triton.model"] == MODEL
             assert client.attributes["rpc.grpc.status_code"] == 0
             joins[format(client.context.span_id, "016x")] = format(
                 caller.get_span_context().trace_id, "032x"
