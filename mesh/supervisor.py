@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mesh.config import MeshSettings
@@ -36,27 +36,47 @@ class Child:
     process: asyncio.subprocess.Process
     log_file: Path | None = None
     restarts: int = 0
+    # A replica on a port of its own (`aimesh serve NAME --port N`), and its environment
+    # beyond this process's: what a restart must repeat.
+    port: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
 
 
 OnRestart = Callable[[Child, int, float], None]
 
 
-async def _spawn(spec: ServiceSpec, log_file: Path | None) -> asyncio.subprocess.Process:
+async def _spawn(
+    spec: ServiceSpec, log_file: Path | None, port: int | None, env: dict[str, str]
+) -> asyncio.subprocess.Process:
     # One process per service, so one trace resource name per service.
-    env = {**os.environ, "OTEL_SERVICE_NAME": f"aimesh-{spec.name}"}
+    env = {**os.environ, "OTEL_SERVICE_NAME": f"aimesh-{spec.name}", **env}
+    port_args = [] if port is None else ["--port", str(port)]
     stderr = None if log_file is None else log_file.open("ab")
     try:
         return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "mesh.cli", "serve", spec.name, env=env, stderr=stderr
-        )
+            sys.executable, "-m", "mesh.cli", "serve", spec.name, *port_args, env=env,
+            stderr=stderr,
+        )  # fmt: skip
     finally:
         if stderr is not None:
             stderr.close()
 
 
-async def start(spec: ServiceSpec, settings: MeshSettings, log_file: Path | None) -> Child:
-    process = await _spawn(spec, log_file)
-    return Child(spec, settings.target_of(spec.name, spec.default_port), process, log_file)
+async def start(
+    spec: ServiceSpec,
+    settings: MeshSettings,
+    log_file: Path | None,
+    *,
+    port: int | None = None,
+    env: dict[str, str] | None = None,
+) -> Child:
+    """`aimesh serve` for `spec` as a child process, on its configured port or `port`."""
+    target = (
+        settings.target_of(spec.name, spec.default_port) if port is None else f"127.0.0.1:{port}"
+    )
+    env = env or {}
+    process = await _spawn(spec, log_file, port, env)
+    return Child(spec, target, process, log_file, port=port, env=env)
 
 
 async def keep_running(child: Child, on_restart: OnRestart) -> None:
@@ -71,7 +91,7 @@ async def keep_running(child: Child, on_restart: OnRestart) -> None:
             delay = FIRST_RESTART_DELAY_S
         on_restart(child, code, delay)
         await asyncio.sleep(delay)
-        child.process = await _spawn(child.spec, child.log_file)
+        child.process = await _spawn(child.spec, child.log_file, child.port, child.env)
         child.restarts += 1
         delay = min(delay * 2, MAX_RESTART_DELAY_S)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import re
 import signal
@@ -33,7 +34,7 @@ from mesh.config import MeshSettings, ServiceSettings
 from mesh.health import wait_until_serving
 from mesh.server import MeshServer
 from services.echo.servicer import SERVICE as ECHO_SERVICE
-from services.echo.servicer import setup as echo_setup
+from tests.harness import InProcess, ServiceProcesses
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -44,33 +45,37 @@ TEST_RUN_MARK = "AIMESH_TEST_RUN"
 os.environ[TEST_RUN_MARK] = uuid.uuid4().hex
 
 
-# The tests that bring up several processes or a real server of another project, or
-# rebuild a model artifact from scratch: the `system` tier, left out by `make test-fast`
-# (unit and service tests, under 3 minutes). Keys are node id prefixes.
-SYSTEM_TESTS = {
-    "tests/system/": "the whole mesh under aimesh up",
-    "tests/triton/": "a real tritonserver",
-    "tests/edge/test_edge.py": "Envoy in front of the services",
-    "tests/edge/test_replicas.py": "Envoy in front of replicas it ejects",
-    "tests/services/llm/test_generation_mesh.py": "the LLM mesh, five processes",
-    "tests/services/llm/test_bfloat16_mesh.py": "the LLM mesh in bfloat16",
-    "tests/services/llm/test_router_on_triton.py": "the router on a real tritonserver",
-    "tests/services/retrieval/test_knowledge_base.py": "the stdlib ingested end to end",
-    "tests/k8s/": "every overlay rendered by kustomize",
-    "tests/services/llm/test_parts.py::test_corrupt_model_cache": "the GGUF converted again",
-    "tests/services/llm/test_engine.py::test_bfloat16_greedy": "two bfloat16 models, 45 steps",
-    "tests/services/embedder/test_artifact.py::test_a_corrupt_graph": "the ONNX export again",
-    "tests/services/diffusion/test_model_files.py::test_training": "the digits DDPM trained",
-    "tests/services/diffusion/test_jobs.py::test_a_job_waits_for_memory": "512 px terrain jobs",
-    "tests/services/diffusion/test_generate.py::test_quality_gate": "100 digits classified",
-    "tests/services/diffusion/test_cli.py": "aimesh imagine against a served model",
-}
+# Every test declares its tier, as its module's pytestmark or a mark of its own (the
+# highest wins): `unit`, nothing listening and no service started; `service`, one service
+# in this process or as one `aimesh serve` process; `system`, several processes, another
+# project's server (Envoy, Triton, a collector, kustomize), or a model artifact rebuilt
+# from scratch. `make test-fast` runs unit and service tests.
+TIERS = ("unit", "service", "system")
+
+
+def tier(item: pytest.Item) -> str | None:
+    marked = [name for name in TIERS if item.get_closest_marker(name) is not None]
+    return marked[-1] if marked else None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.nodeid.startswith(tuple(SYSTEM_TESTS)):
-            item.add_marker(pytest.mark.system)
+    untiered = sorted({item.nodeid.split("::")[0] for item in items if tier(item) is None})
+    if untiered:
+        raise pytest.UsageError(f"tests without a tier mark ({', '.join(TIERS)}): {untiered}")
+
+
+def _refuse_in_a_unit_test(*_: object, **__: object) -> None:
+    raise AssertionError("a unit test starts no server or process: mark it service or system")
+
+
+@pytest.fixture(autouse=True)
+def _units_start_nothing(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Holds the `unit` tier to its word: starting a server or a child process fails."""
+    if tier(request.node) != "unit":
+        return
+    monkeypatch.setattr(MeshServer, "start", _refuse_in_a_unit_test)
+    monkeypatch.setattr(grpc.aio, "server", _refuse_in_a_unit_test)
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", _refuse_in_a_unit_test)
 
 
 def _survivors() -> list[psutil.Process]:
@@ -129,19 +134,13 @@ EchoFactory = Callable[..., Awaitable[MeshServer]]
 @pytest.fixture
 async def echo_server() -> AsyncIterator[EchoFactory]:
     """Starts echo servers on ephemeral ports; `settings` overrides the service's limits."""
-    servers: list[MeshServer] = []
+    async with InProcess() as services:
 
-    async def start(**service_settings: object) -> MeshServer:
-        settings = MeshSettings(services={"echo": ServiceSettings(**service_settings)})
-        server = MeshServer("echo", settings, port=0)
-        await echo_setup(server)
-        await server.start()
-        servers.append(server)
-        return server
+        async def start(**service_settings: object) -> MeshServer:
+            settings = MeshSettings(services={"echo": ServiceSettings(**service_settings)})
+            return (await services.start("echo", settings)).server
 
-    yield start
-    for server in servers:
-        await server.drain(0)
+        yield start
 
 
 def target(server: MeshServer) -> str:
@@ -194,46 +193,46 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 class ServiceProcess:
     """`aimesh serve NAME` as a real child process, as `aimesh up` and Kubernetes run it."""
 
-    def __init__(self, process: asyncio.subprocess.Process, port: int) -> None:
-        self.process = process
+    def __init__(self, processes: ServiceProcesses, label: str, port: int) -> None:
+        self._processes = processes
+        self._label = label
         self.port = port
         self.target = f"127.0.0.1:{port}"
 
+    @property
+    def pid(self) -> int:
+        return self._processes.children[self._label].process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._processes.children[self._label].process.returncode
+
+    def signal(self, sig: signal.Signals) -> None:
+        self._processes.signal(self._label, sig)
+
+    async def wait(self) -> int:
+        return await self._processes.wait(self._label)
+
 
 @pytest.fixture
-async def serve_process() -> AsyncIterator[Callable[..., Awaitable[ServiceProcess]]]:
-    children: list[ServiceProcess] = []
+async def serve_process(tmp_path) -> AsyncIterator[Callable[..., Awaitable[ServiceProcess]]]:
+    """Starts `aimesh serve NAME` children, ready when returned, each `settings` key an
+    AIMESH_SERVICES__NAME__KEY variable; their logs are in the test's tmp_path."""
+    processes = ServiceProcesses(tmp_path, subprocess_env())
+    labels = itertools.count()
 
     async def start(name: str = "echo", **settings: str) -> ServiceProcess:
         port = free_port()
         prefix = f"AIMESH_SERVICES__{name.upper()}__"
-        env = subprocess_env(
-            **{f"{prefix}PORT": str(port), f"{prefix}METRICS_PORT": "0"},
-            **{prefix + key.upper(): value for key, value in settings.items()},
+        env = {prefix + key.upper(): value for key, value in settings.items()}
+        label = f"{name}-{next(labels)}"
+        await processes.start(
+            label, name, port, timeout_s=60, **{f"{prefix}METRICS_PORT": "0"}, **env
         )
-        process = await asyncio.create_subprocess_exec(
-            str(VENV_BIN / "aimesh"),
-            "serve",
-            name,
-            env=env,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-        child = ServiceProcess(process, port)
-        children.append(child)
-        ready = asyncio.create_task(wait_until_serving(child.target, name, timeout_s=60))
-        exited = asyncio.create_task(process.wait())
-        await asyncio.wait({ready, exited}, return_when=asyncio.FIRST_COMPLETED)
-        exited.cancel()
-        if not ready.done() or not ready.result():
-            ready.cancel()
-            raise AssertionError(f"{name} did not become ready on {child.target}")
-        return child
+        return ServiceProcess(processes, label, port)
 
     yield start
-    for child in children:
-        if child.process.returncode is None:
-            child.process.kill()
-            await child.process.wait()
+    await asyncio.to_thread(processes.close, 10)
 
 
 async def start_collector(

@@ -7,7 +7,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from mesh.registry import discover
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -15,6 +15,8 @@ from mesh.edge import envoy
 from mesh.registry import discover
 from tests.conftest import ROOT, VENV_BIN, subprocess_env
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def settings() -> MeshSettings:

@@ -18,6 +18,8 @@ from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
 from tests.conftest import VENV_BIN, eventually, spans_of
 from tests.edge.conftest import API_KEY
 
+pytestmark = pytest.mark.system
+
 AUTH = (("authorization", f"Bearer {API_KEY}"),)
 PROMPT = "The capital of France is"
 

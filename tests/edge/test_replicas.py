@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import urllib.request
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -17,6 +18,8 @@ import pytest
 from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
 from mesh.edge import process as envoy_process
 from tests.conftest import VENV_BIN, eventually, free_port, subprocess_env
+
+pytestmark = pytest.mark.system
 
 KEY = "replica-test-key"
 
@@ -108,8 +111,8 @@ async def test_a_killed_replica_is_ejected_and_traffic_continues(serve_process, 
                 break
         assert all(successes(admin_port, r.port) for r in replicas), "both replicas serve"
         before = successes(admin_port, survivor.port)
-        victim.process.kill()
-        await victim.process.wait()
+        victim.signal(signal.SIGKILL)
+        await victim.wait()
         results = [await embed(stub, f"after {index}") for index in range(30)]
         assert all(len(r.embeddings[0].values) == 384 for r in results)
         assert successes(admin_port, survivor.port) - before == len(results)

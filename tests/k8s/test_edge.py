@@ -10,6 +10,8 @@ import os
 import subprocess
 from pathlib import PurePosixPath
 
+import pytest
+
 from mesh import tracing
 from mesh.edge import envoy
 from mesh.registry import discover
@@ -24,6 +26,8 @@ from tests.k8s.conftest import (
     pod_settings,
     pod_spec,
 )
+
+pytestmark = pytest.mark.system
 
 RENDER = "aimesh edge render --out "
 

@@ -32,6 +32,8 @@ from tests.k8s.conftest import (
     workloads,
 )
 
+pytestmark = pytest.mark.system
+
 SPECS = discover()
 OTLP_ENDPOINT = f"http://otel-collector.{NAMESPACE}.svc.cluster.local:4317"
 

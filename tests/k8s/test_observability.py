@@ -7,6 +7,7 @@ import json
 import re
 
 import grpc
+import pytest
 import yaml
 
 from mesh.breaker import FAILURE_CODES
@@ -20,6 +21,8 @@ from tests.k8s.conftest import (
     of_kind,
     workloads,
 )
+
+pytestmark = pytest.mark.system
 
 OBSERVABILITY = K8S / "observability"
 SPECS = discover()

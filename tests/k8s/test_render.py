@@ -9,6 +9,8 @@ import pytest
 from mesh.registry import discover
 from tests.k8s.conftest import K8S, load_render
 
+pytestmark = pytest.mark.system
+
 
 def test_committed_manifests_are_fresh():
     render = load_render()

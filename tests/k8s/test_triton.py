@@ -48,6 +48,8 @@ from tests.k8s.conftest import (
     pod_spec,
 )
 
+pytestmark = pytest.mark.system
+
 OPTION = "gpu-triton"
 COMPONENT = K8S / "components" / "triton"
 REPOSITORY = K8S / "triton-model-repository"

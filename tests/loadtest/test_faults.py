@@ -12,6 +12,8 @@ import pytest
 
 from loadtest.faults import FaultProxy
 
+pytestmark = pytest.mark.unit
+
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 BROKEN = (ConnectionResetError, asyncio.IncompleteReadError)
 

@@ -13,6 +13,8 @@ from mesh.errors import error_info, retry_delay_s
 from mesh.health import probe
 from tests.conftest import echo_stub, eventually, target
 
+pytestmark = pytest.mark.service
+
 SLOW = echo_pb2.EchoRequest(delay_ms=1500)
 
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from mesh.artifacts import build_once, manifest_problems, write_manifest
+
+pytestmark = pytest.mark.unit
 
 
 def test_manifest_catches_truncation_bit_flips_and_missing_files(tmp_path):

@@ -14,6 +14,8 @@ from mesh.config import BreakerSettings, ClientSettings, MeshSettings
 from mesh.errors import error_info, local_error, passed_through, retry_delay_s, status
 from tests.conftest import echo_stub, metric, target
 
+pytestmark = pytest.mark.service
+
 SETTINGS = BreakerSettings(
     window_size=4,
     minimum_calls=4,

@@ -10,6 +10,8 @@ import pytest
 from aimesh.echo.v1 import echo_pb2
 from tests.conftest import echo_stub, eventually, target
 
+pytestmark = pytest.mark.service
+
 
 async def test_cancelling_a_stream_at_a_cancels_b_and_c(echo_server):
     a, b, c = await asyncio.gather(echo_server(), echo_server(), echo_server())

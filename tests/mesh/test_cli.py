@@ -11,10 +11,13 @@ import urllib.request
 
 import grpc
 import psutil
+import pytest
 
 from aimesh.echo.v1 import echo_pb2, echo_pb2_grpc
 from mesh.health import wait_until_serving
 from tests.conftest import VENV_BIN, free_port, stop_mesh, subprocess_env
+
+pytestmark = pytest.mark.service
 
 
 def _get(url: str) -> str:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from aimesh.echo.v1 import echo_pb2, echo_pb2_grpc
 from aimesh.llm.v1 import decode_pb2, kv_cache_pb2
 from aimesh.retrieval.v1 import retrieval_pb2
 from mesh.client import channel_options, create_channel, idempotent_methods, service_config
 from mesh.config import ClientSettings, MeshSettings
 from services.echo.servicer import SERVICE as ECHO_SERVICE
+
+pytestmark = pytest.mark.service
 
 
 def test_retries_come_from_the_protos_idempotency_levels():

@@ -8,6 +8,8 @@ from pydantic import Field, ValidationError
 from mesh.config import MeshSettings, ServiceOptions
 from mesh.registry import discover, options_problems
 
+pytestmark = pytest.mark.unit
+
 
 def test_defaults_derive_addresses_from_the_spec_port(monkeypatch):
     monkeypatch.delenv("AIMESH_CONFIG", raising=False)

@@ -12,6 +12,8 @@ from mesh import deadline
 from mesh.errors import error_info
 from tests.conftest import echo_stub, eventually, target
 
+pytestmark = pytest.mark.service
+
 
 async def test_budget_shrinks_at_every_hop_streaming(echo_server):
     a, b, c = echo_server(), echo_server(), echo_server()

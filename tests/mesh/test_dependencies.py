@@ -11,6 +11,8 @@ from mesh.server import MeshServer
 from services.echo.servicer import SERVICE as ECHO_SERVICE
 from tests.conftest import target
 
+pytestmark = pytest.mark.service
+
 
 async def test_a_declared_dependency_is_dialled_through_the_mesh_channel(echo_server):
     callee = await echo_server()

@@ -13,6 +13,8 @@ import pytest
 from aimesh.echo.v1 import echo_pb2, echo_pb2_grpc
 from mesh.health import probe
 
+pytestmark = pytest.mark.service
+
 
 async def test_sigterm_lets_in_flight_stream_finish_and_refuses_new_calls(serve_process):
     child = await serve_process("echo", grace_s="10")
@@ -22,7 +24,7 @@ async def test_sigterm_lets_in_flight_stream_finish_and_refuses_new_calls(serve_
         call = stub.EchoStream(echo_pb2.EchoStreamRequest(count=10, interval_ms=200), timeout=30)
         assert (await call.read()).index == 0
         terminated_at = time.monotonic()
-        child.process.send_signal(signal.SIGTERM)
+        child.signal(signal.SIGTERM)
 
         # New calls are refused (a new connection finds the listener closed)...
         await asyncio.sleep(0.3)
@@ -36,7 +38,7 @@ async def test_sigterm_lets_in_flight_stream_finish_and_refuses_new_calls(serve_
         assert rest == list(range(1, 10))
         assert await call.code() == grpc.StatusCode.OK
 
-    returncode = await asyncio.wait_for(child.process.wait(), timeout=15)
+    returncode = await asyncio.wait_for(child.wait(), timeout=15)
     assert returncode == 0
     assert time.monotonic() - terminated_at < 10
 
@@ -47,7 +49,7 @@ async def test_readiness_goes_not_serving_while_draining(serve_process):
         stub = echo_pb2_grpc.EchoServiceStub(channel)
         call = stub.EchoStream(echo_pb2.EchoStreamRequest(count=5, interval_ms=300), timeout=30)
         await call.read()
-        child.process.send_signal(signal.SIGTERM)
+        child.signal(signal.SIGTERM)
         # The health service answers on the existing connection while the stream drains.
         statuses = set()
         for _ in range(10):
@@ -57,7 +59,7 @@ async def test_readiness_goes_not_serving_while_draining(serve_process):
             await asyncio.sleep(0.05)
         assert statuses & {"NOT_SERVING", "UNREACHABLE"}
         assert [r.index for r in await read_rest(call)] == [1, 2, 3, 4]
-    assert await asyncio.wait_for(child.process.wait(), timeout=15) == 0
+    assert await asyncio.wait_for(child.wait(), timeout=15) == 0
 
 
 async def test_stream_longer_than_grace_is_cut_at_the_grace_period(serve_process):
@@ -67,10 +69,10 @@ async def test_stream_longer_than_grace_is_cut_at_the_grace_period(serve_process
         call = stub.EchoStream(echo_pb2.EchoStreamRequest(count=100, interval_ms=100), timeout=30)
         await call.read()
         terminated_at = time.monotonic()
-        child.process.send_signal(signal.SIGTERM)
+        child.signal(signal.SIGTERM)
         with pytest.raises(grpc.aio.AioRpcError):
             await read_rest(call)
-    assert await asyncio.wait_for(child.process.wait(), timeout=10) == 0
+    assert await asyncio.wait_for(child.wait(), timeout=10) == 0
     assert time.monotonic() - terminated_at < 5
 
 

@@ -19,6 +19,8 @@ from mesh.failures import (
 )
 from mesh.validation import Violations
 
+pytestmark = pytest.mark.service
+
 
 def _as_error(status: grpc.Status) -> grpc.aio.AioRpcError:
     return errors.local_error(status)

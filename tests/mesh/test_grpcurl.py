@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from tests.conftest import VENV_BIN
+
+pytestmark = pytest.mark.service
 
 
 async def grpcurl(*args: str) -> tuple[int, str]:

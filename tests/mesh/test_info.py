@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from mesh.config import MeshSettings
 from mesh.info import ModelInfo, get_info, summary
 from mesh.server import MeshServer
 from services.echo.servicer import setup as echo_setup
 from tests.conftest import eventually, target
+
+pytestmark = pytest.mark.service
 
 
 async def test_info_answers_while_loading_and_lists_what_was_described():

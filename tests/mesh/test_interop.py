@@ -14,6 +14,8 @@ from aimesh.echo.v1 import echo_pb2
 from mesh.errors import field_violations
 from tests.conftest import echo_stub, eventually
 
+pytestmark = pytest.mark.service
+
 
 @pytest.fixture
 async def stub(echo_server):

@@ -17,6 +17,8 @@ from mesh import logs, request_id
 from mesh.failures import InvalidInput
 from tests.conftest import echo_stub, target
 
+pytestmark = pytest.mark.service
+
 
 async def test_callers_request_id_and_client_reach_every_hop(echo_server):
     a, b, c = await asyncio.gather(echo_server(), echo_server(), echo_server())

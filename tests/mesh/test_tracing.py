@@ -11,6 +11,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from aimesh.echo.v1 import echo_pb2, echo_pb2_grpc
 from tests.conftest import echo_stub, eventually, target
 
+pytestmark = pytest.mark.service
+
 
 def _spans_of(spans, trace_id: str):
     return [s for s in spans.get_finished_spans() if format(s.context.trace_id, "032x") == trace_id]

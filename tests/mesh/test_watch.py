@@ -16,6 +16,8 @@ from mesh.server import BROKEN_EXIT_STATUS, MeshServer
 from services.echo.servicer import setup as echo_setup
 from tests.conftest import echo_stub, eventually, target
 
+pytestmark = pytest.mark.service
+
 
 async def _dies_when(event: asyncio.Event) -> None:
     await event.wait()

@@ -8,7 +8,7 @@ import pytest
 
 from loadtest.fuzz import fuzz
 
-pytestmark = pytest.mark.asyncio(loop_scope="package")
+pytestmark = [pytest.mark.system, pytest.mark.asyncio(loop_scope="package")]
 
 
 async def test_generated_requests_break_nothing(mesh):

@@ -11,6 +11,8 @@ from mesh import deadline
 from mesh.failures import NotReady
 from mesh.triton import TritonModel, TritonSettings
 
+pytestmark = pytest.mark.system
+
 IDS = np.array([[101, 7592, 2088, 102]], dtype=np.int64)
 INPUTS = {"input_ids": IDS, "attention_mask": np.ones_like(IDS)}
 

@@ -26,7 +26,7 @@ from services.diffusion.terrain import TerrainModel
 from tests.conftest import VENV_BIN, free_port, subprocess_env
 from tests.triton.conftest import until
 
-pytestmark = pytest.mark.asyncio(loop_scope="package")
+pytestmark = [pytest.mark.system, pytest.mark.asyncio(loop_scope="package")]
 
 MODEL = "terrain_denoiser"
 DIFFICULTY = 37

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
+import pytest
 import pytest_asyncio
 
 from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
@@ -19,6 +20,8 @@ from services.embedder.settings import EmbedderSettings
 from tests.conftest import VENV_BIN, free_port, subprocess_env
 from tests.services.embedder.conftest import CACHE_DIR, TEXTS
 from tests.triton.conftest import until
+
+pytestmark = pytest.mark.system
 
 BREAKER_CALLS = 4
 

@@ -22,6 +22,8 @@ from tests.conftest import VENV_BIN, free_port, subprocess_env
 from tests.services.llm.conftest import greedy_reference, model_dir, reference  # noqa: F401
 from tests.triton.conftest import until
 
+pytestmark = pytest.mark.system
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 

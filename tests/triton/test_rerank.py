@@ -22,6 +22,8 @@ from services.rerank.settings import RerankSettings
 from tests.conftest import VENV_BIN, free_port, subprocess_env
 from tests.triton.conftest import until
 
+pytestmark = pytest.mark.system
+
 MODEL = "token_embedding"
 BREAKER_CALLS = 4
 PARAGRAPH = (

@@ -17,6 +17,8 @@ from services.agent.planner import Observation, Tool, ToolStep
 from services.agent.settings import AgentSettings
 from services.tools.builtin import BUILTIN
 
+pytestmark = pytest.mark.unit
+
 TOOLS = {t.name: Tool(t.name, t.description, t.input_schema) for t in BUILTIN}
 # Tools' outcomes: an Observation's (is_error, text, structured), "fail", "hang" or None.
 Outcome = tuple[bool, str, dict] | str | None

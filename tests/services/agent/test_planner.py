@@ -7,6 +7,8 @@ import pytest
 from services.agent import planner, prompts
 from services.tools.builtin import BUILTIN
 
+pytestmark = pytest.mark.unit
+
 # The built-in tools as ListTools describes them, schemas included.
 ALL = {t.name: planner.Tool(t.name, t.description, t.input_schema) for t in BUILTIN}
 

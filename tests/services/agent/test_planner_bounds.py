@@ -30,6 +30,9 @@ from services.agent import llm_planner, loop, planner, servicer
 from services.agent.servicer import AgentServicer, check_request
 from services.agent.settings import AgentSettings
 from services.tools.builtin import BUILTIN
+from tests.harness import InProcess
+
+pytestmark = pytest.mark.service
 
 SCHEMAS = {tool.name: Draft202012Validator(tool.input_schema) for tool in BUILTIN}
 # The built-in tools as ListTools describes them: the planner's limits are their schemas'.
@@ -319,7 +322,6 @@ async def start_agent() -> AsyncIterator[StartAgent]:
     """An AgentServicer whose tools and generation are the given fakes on loopback, dialled
     as its declared dependencies (a caller's override, as a proxy on an edge would be)."""
     servers: list[grpc.aio.Server] = []
-    agents: list[MeshServer] = []
 
     async def serve(register: Callable, servicer: object) -> str:
         server = grpc.aio.server()
@@ -329,23 +331,28 @@ async def start_agent() -> AsyncIterator[StartAgent]:
         servers.append(server)
         return target
 
-    async def start(
-        tools: FakeTools, generation: FakeGeneration, tools_target: str | None = None
-    ) -> AgentServicer:
-        dependencies = {
-            "tools": tools_target
-            or await serve(tools_pb2_grpc.add_ToolsServiceServicer_to_server, tools),
-            "generation": await serve(
-                generation_pb2_grpc.add_GenerationServiceServicer_to_server, generation
-            ),
-        }
-        mesh_settings = MeshSettings(services={"agent": ServiceSettings(dependencies=dependencies)})
-        agents.append(MeshServer.for_service("agent", mesh_settings, port=0))
-        return AgentServicer(agents[-1], AgentSettings())
+    async def agent_servicer(server: MeshServer) -> AgentServicer:
+        return AgentServicer(server, AgentSettings())
 
-    yield start
-    for agent in agents:
-        await agent.channels.close()
+    async with InProcess() as services:
+
+        async def start(
+            tools: FakeTools, generation: FakeGeneration, tools_target: str | None = None
+        ) -> AgentServicer:
+            dependencies = {
+                "tools": tools_target
+                or await serve(tools_pb2_grpc.add_ToolsServiceServicer_to_server, tools),
+                "generation": await serve(
+                    generation_pb2_grpc.add_GenerationServiceServicer_to_server, generation
+                ),
+            }
+            mesh_settings = MeshSettings(
+                services={"agent": ServiceSettings(dependencies=dependencies)}
+            )
+            served = await services.start("agent", mesh_settings, setup=agent_servicer)
+            return served.servicer
+
+        yield start
     for server in servers:
         await server.stop(0)
 

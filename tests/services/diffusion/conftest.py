@@ -13,10 +13,9 @@ from sklearn.datasets import load_digits
 from sklearn.svm import SVC
 
 from aimesh.diffusion.v1 import diffusion_pb2, diffusion_pb2_grpc
-from mesh.client import create_channel
 from mesh.config import MeshSettings
-from mesh.server import MeshServer
-from services.diffusion.servicer import SERVICE, DiffusionServicer, setup
+from services.diffusion.servicer import SERVICE, DiffusionServicer
+from tests.harness import InProcess
 
 
 class Diffusion:
@@ -38,23 +37,17 @@ StartDiffusion = Callable[..., Awaitable[Diffusion]]
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def start_diffusion() -> AsyncIterator[StartDiffusion]:
-    started = []
+    async with InProcess() as services:
 
-    async def start(**engine_settings: object) -> Diffusion:
-        settings = MeshSettings(services={"diffusion": {"device": "cpu", **engine_settings}})
-        server = MeshServer.for_service("diffusion", settings, port=0)
-        servicer = await setup(server)
-        await server.start()
-        channel = create_channel(f"127.0.0.1:{server.port}", settings, services=[SERVICE])
-        started.append((server, channel))
-        return Diffusion(
-            diffusion_pb2_grpc.DiffusionServiceStub(channel), servicer, f"127.0.0.1:{server.port}"
-        )
+        async def start(**engine_settings: object) -> Diffusion:
+            settings = MeshSettings(services={"diffusion": {"device": "cpu", **engine_settings}})
+            served = await services.start("diffusion", settings)
+            channel = services.channel(served.target, SERVICE, settings=settings)
+            return Diffusion(
+                diffusion_pb2_grpc.DiffusionServiceStub(channel), served.servicer, served.target
+            )
 
-    yield start
-    for server, channel in started:
-        await channel.close()
-        await server.drain(0)
+        yield start
 
 
 async def events(call) -> list[diffusion_pb2.GenerateResponse]:

@@ -12,7 +12,7 @@ from aimesh.diffusion.v1 import diffusion_pb2
 from mesh.errors import field_violations
 from tests.services.diffusion.conftest import events
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="module")]
 
 Request = diffusion_pb2.GenerateRequest
 

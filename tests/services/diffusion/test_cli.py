@@ -8,9 +8,12 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from tests.conftest import VENV_BIN, subprocess_env
+
+pytestmark = pytest.mark.system
 
 
 def read_all(paths: list[str]) -> list[bytes]:

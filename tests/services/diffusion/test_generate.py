@@ -17,7 +17,7 @@ from services.diffusion.terrain import ONNX_SHA256
 from services.diffusion.train_digits import WEIGHTS
 from tests.services.diffusion.conftest import events, of_kind
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="module")]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -143,6 +143,7 @@ async def test_get_info_names_the_bytes_and_runtime_of_each_model(diffusion):
     assert models["terrain"].limits["max_images"] == "16"
 
 
+@pytest.mark.system  # 100 digits classified
 async def test_quality_gate_a_classifier_reads_the_requested_digit(stub, digit_classifier):
     """100 samples with the defaults, 10 per digit, prompts as digits and as words."""
     words = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")

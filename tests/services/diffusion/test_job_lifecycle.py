@@ -19,7 +19,7 @@ from services.diffusion.runner import Throttle, run_job
 from tests.conftest import eventually
 from tests.services.diffusion.conftest import of_kind
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="module")]
 
 Request = diffusion_pb2.GenerateRequest
 SHORT = Request(model="digits", prompt="6", steps=10, seed=5)

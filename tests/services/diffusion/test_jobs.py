@@ -15,7 +15,7 @@ from mesh import errors
 from tests.conftest import eventually, metric
 from tests.services.diffusion.conftest import events, of_kind
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="module")]
 
 Request = diffusion_pb2.GenerateRequest
 # About 0.05 s per image on 2 cores: long enough to act on while it runs.
@@ -144,6 +144,7 @@ async def test_a_job_that_can_never_fit_is_refused_before_it_queues(start_diffus
     assert of_kind(await events(small.stub.Generate(SHORT)), "summary")
 
 
+@pytest.mark.system  # 512 px terrain jobs
 async def test_a_job_waits_for_memory_even_with_a_free_slot(start_diffusion):
     # Room for one terrain job's estimate (~260 MiB at 512x512) but not two.
     tight = await start_diffusion(slots=2, memory_budget_mb=400)

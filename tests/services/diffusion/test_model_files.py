@@ -19,6 +19,8 @@ from services.diffusion.digits import SHIPPED, DigitsModel
 from services.diffusion.train_digits import WEIGHTS
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.unit
+
 
 def test_the_shipped_checkpoint_is_small_fp16_and_matches_its_manifest():
     assert manifest_problems(SHIPPED) == []
@@ -44,6 +46,7 @@ def test_a_damaged_checkpoint_is_refused(tmp_path, damage):
         DigitsModel(copy)
 
 
+@pytest.mark.system  # the digits DDPM trained
 def test_training_is_reproducible_from_its_seed(tmp_path):
     runs = []
     for name in ("first", "second"):

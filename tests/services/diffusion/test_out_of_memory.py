@@ -18,6 +18,8 @@ from aimesh.diffusion.v1 import diffusion_pb2, diffusion_pb2_grpc
 from mesh import errors
 from tests.services.diffusion.conftest import events, of_kind
 
+pytestmark = pytest.mark.service
+
 HEADROOM = 96 * 2**20
 
 
@@ -29,8 +31,8 @@ def address_space_bytes(pid: int) -> int:
 
 async def test_an_allocation_failure_fails_one_job_and_the_worker_serves_on(serve_process):
     worker = await serve_process("diffusion")
-    limit = address_space_bytes(worker.process.pid) + HEADROOM
-    resource.prlimit(worker.process.pid, resource.RLIMIT_AS, (limit, limit))
+    limit = address_space_bytes(worker.pid) + HEADROOM
+    resource.prlimit(worker.pid, resource.RLIMIT_AS, (limit, limit))
     huge = diffusion_pb2.GenerateRequest(model="terrain", width=2048, height=2048, num_images=16)
     async with grpc.aio.insecure_channel(worker.target) as channel:
         stub = diffusion_pb2_grpc.DiffusionServiceStub(channel)
@@ -45,4 +47,4 @@ async def test_an_allocation_failure_fails_one_job_and_the_worker_serves_on(serv
                 diffusion_pb2.GenerateRequest(model="terrain"),
             ):
                 assert of_kind(await events(stub.Generate(small)), "summary")
-    assert worker.process.returncode is None
+    assert worker.returncode is None

@@ -15,7 +15,7 @@ from mesh.errors import field_violations
 from tests.conftest import eventually
 from tests.services.diffusion.conftest import events
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="module")]
 
 Request = diffusion_pb2.GenerateRequest
 INT32_EDGES = [-(2**31), -1, 0, 2**31 - 1]

@@ -9,6 +9,8 @@ from pydantic import ValidationError
 from mesh.config import MeshSettings
 from services.diffusion.settings import DiffusionSettings, diffusion_settings
 
+pytestmark = pytest.mark.unit
+
 
 def test_models_may_come_as_a_list_or_as_comma_separated_text():
     assert DiffusionSettings(models=["digits"]).models == ["digits"]

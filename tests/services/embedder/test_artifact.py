@@ -6,6 +6,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from mesh.artifacts import MANIFEST, manifest_problems
 from services.embedder.backends import ONNX_DIRECTORY, ONNX_FILE, OnnxBackend, onnx_graph
 from services.embedder.encoder import Encoder
@@ -13,7 +15,10 @@ from services.embedder.model import SentenceModel
 from services.shared.minilm import pad
 from tests.services.embedder.conftest import CACHE_DIR, TEXTS, assert_same_vectors
 
+pytestmark = pytest.mark.unit
 
+
+@pytest.mark.system  # the ONNX export again
 def test_a_corrupt_graph_is_rebuilt_at_the_next_load(
     tmp_path: Path, model: SentenceModel, onnx_encoder: Encoder
 ):

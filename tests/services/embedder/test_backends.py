@@ -10,6 +10,8 @@ from services.embedder.encoder import Encoder
 from services.shared.minilm import pad
 from tests.services.embedder.conftest import TEXTS, assert_same_vectors
 
+pytestmark = pytest.mark.unit
+
 
 def test_the_backends_agree_with_each_other(onnx_encoder: Encoder, torch_encoder: Encoder):
     for normalize in (False, True):

@@ -15,6 +15,8 @@ from services.embedder.settings import EmbedderSettings
 from services.shared.minilm import normalized, pad
 from tests.services.embedder.conftest import TEXTS, assert_same_vectors
 
+pytestmark = pytest.mark.unit
+
 SENTENCES = [f"request number {n} asks about topic {n * 7 % 13}" for n in range(16)]
 
 

@@ -25,20 +25,17 @@ from services.embedder.servicer import (
     MAX_INPUTS,
     SERVICE,
     EmbedderServicer,
-    setup,
 )
 from tests.conftest import health_delays, target
+from tests.harness import InProcess
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="module")]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(mesh_settings: MeshSettings) -> AsyncIterator[MeshServer]:
-    server = MeshServer("embedder", mesh_settings, port=0)
-    await setup(server)
-    await server.start()
-    yield server
-    await server.drain(0)
+    async with InProcess() as services:
+        yield (await services.start("embedder", mesh_settings)).server
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

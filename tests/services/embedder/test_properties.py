@@ -17,16 +17,14 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
-from mesh.client import create_channel
 from mesh.config import MeshSettings
 from mesh.errors import field_violations
-from mesh.server import MeshServer
-from services.embedder.servicer import SERVICE, setup
-from tests.conftest import target
+from services.embedder.servicer import SERVICE
+from tests.harness import InProcess
 from tests.strategies import mostly
 from tests.strategies import wild_strings as wild_strings_of
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="module")]
 
 ANSWERS = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}
 
@@ -52,12 +50,10 @@ requests = st.builds(
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stub(mesh_settings: MeshSettings) -> AsyncIterator[embedder_pb2_grpc.EmbedderServiceStub]:
-    server = MeshServer("embedder", mesh_settings, port=0)
-    await setup(server)
-    await server.start()
-    async with create_channel(target(server), mesh_settings, services=[SERVICE]) as channel:
+    async with InProcess() as services:
+        served = await services.start("embedder", mesh_settings)
+        channel = services.channel(served.target, SERVICE, settings=mesh_settings)
         yield embedder_pb2_grpc.EmbedderServiceStub(channel)
-    await server.drain(0)
 
 
 @settings(

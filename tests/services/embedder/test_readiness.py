@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import grpc
 import pytest
@@ -15,20 +16,29 @@ from mesh.health import probe, wait_until_serving
 from mesh.server import MeshServer
 from services.embedder.servicer import SERVICE, setup
 from tests.conftest import eventually, target
+from tests.harness import InProcess
 from tests.services.embedder.conftest import CACHE_DIR
+
+pytestmark = pytest.mark.service
 
 
 async def test_serving_only_after_the_warm_up(mesh_settings: MeshSettings):
     gate = asyncio.Event()
-    server = MeshServer("embedder", mesh_settings, port=0)
-    server.add_warmup(gate.wait)  # runs first, so the model cannot load until the gate opens
-    await setup(server)
-    starting = asyncio.create_task(server.start())
-    await eventually(lambda: server.port != 0)
-    channel = create_channel(target(server), mesh_settings, services=[SERVICE])
-    stub = embedder_pb2_grpc.EmbedderServiceStub(channel)
-    request = embedder_pb2.EmbedRequest(inputs=["hello world"])
+    set_up: list[MeshServer] = []
+
+    async def gated(server: MeshServer) -> None:
+        set_up.append(server)
+        server.add_warmup(gate.wait)  # runs first, so the model cannot load until the gate opens
+        await setup(server)
+
+    services = InProcess()
+    starting = asyncio.create_task(services.start("embedder", mesh_settings, setup=gated))
     try:
+        await eventually(lambda: bool(set_up) and set_up[0].port != 0)
+        (server,) = set_up
+        channel = services.channel(target(server), SERVICE, settings=mesh_settings)
+        stub = embedder_pb2_grpc.EmbedderServiceStub(channel)
+        request = embedder_pb2.EmbedRequest(inputs=["hello world"])
         assert await wait_until_serving(target(server), "", timeout_s=5)  # alive
         for name in server.readiness_names:
             assert await probe(target(server), name) == "NOT_SERVING"
@@ -45,8 +55,7 @@ async def test_serving_only_after_the_warm_up(mesh_settings: MeshSettings):
         assert len(response.embeddings[0].values) == 384
     finally:
         starting.cancel()
-        await channel.close()
-        await server.drain(0)
+        await services.close()
 
 
 async def test_aimesh_serve_embedder_on_each_backend(serve_process, monkeypatch):
@@ -60,6 +69,6 @@ async def test_aimesh_serve_embedder_on_each_backend(serve_process, monkeypatch)
             stub = embedder_pb2_grpc.EmbedderServiceStub(channel)
             response = await stub.Embed(embedder_pb2.EmbedRequest(inputs=["hello world"]))
         vectors[backend] = list(response.embeddings[0].values)
-        child.process.terminate()
-        await child.process.wait()
+        child.signal(signal.SIGTERM)
+        await child.wait()
     assert vectors["onnx"] == pytest.approx(vectors["torch"], abs=1e-5)

@@ -1,7 +1,8 @@
 """EmbedderService over real gRPC on 127.0.0.1, checked against sentence-transformers.
 
-One server serves the whole module. It may run 32 calls at once (the default is 4), so
-that the concurrent callers below reach the batching engine together.
+One server serves the whole module. It may run 32 calls at once (its ServiceSpec's slots,
+set here too: the test depends on them), so that the concurrent callers below reach the
+batching engine together.
 """
 
 from __future__ import annotations
@@ -16,16 +17,15 @@ import pytest_asyncio
 from sentence_transformers import SentenceTransformer
 
 from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
-from mesh.client import create_channel
 from mesh.config import MeshSettings, ServiceSettings
 from mesh.errors import field_violations
 from mesh.failures import FieldViolation
-from mesh.server import MeshServer
-from services.embedder.servicer import MAX_INPUT_BYTES, SERVICE, setup
-from tests.conftest import metric, target
+from services.embedder.servicer import MAX_INPUT_BYTES, SERVICE
+from tests.conftest import metric
+from tests.harness import InProcess
 from tests.services.embedder.conftest import TEXTS, assert_same_vectors
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="module")]
 
 LONG = TEXTS[-1]
 
@@ -35,13 +35,10 @@ async def stub(mesh_settings: MeshSettings) -> AsyncIterator[embedder_pb2_grpc.E
     settings = mesh_settings.model_copy(
         update={"services": {"embedder": ServiceSettings(max_concurrency=32)}}
     )
-    server = MeshServer("embedder", settings, port=0)
-    await setup(server)
-    await server.start()
-    channel = create_channel(target(server), settings, services=[SERVICE])
-    async with channel:
+    async with InProcess() as services:
+        served = await services.start("embedder", settings)
+        channel = services.channel(served.target, SERVICE, settings=settings)
         yield embedder_pb2_grpc.EmbedderServiceStub(channel)
-    await server.drain(0)
 
 
 async def _embed(

@@ -7,6 +7,8 @@ from pydantic import ValidationError
 
 from services.embedder.settings import EmbedderSettings
 
+pytestmark = pytest.mark.unit
+
 
 def test_the_triton_backend_needs_to_know_where_triton_is():
     with pytest.raises(ValidationError, match=r"services\.embedder\.triton"):

@@ -3,12 +3,9 @@ mesh (tokenizer, prefill, two decode replicas, generation) as separate processes
 
 from __future__ import annotations
 
-import asyncio
-import signal
-import subprocess
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,10 +20,10 @@ from aimesh.llm.v1 import (
 )
 from mesh.client import create_channel
 from mesh.config import MeshSettings
-from mesh.health import wait_until_serving
 from services.generation.servicer import GENERATION
 from services.llm.artifacts import resolve_model
-from tests.conftest import VENV_BIN, free_port, subprocess_env
+from tests.conftest import free_port, subprocess_env
+from tests.harness import ServiceProcesses
 
 MAX_SEQ_LEN = 512
 MAX_BATCH = 8
@@ -72,35 +69,24 @@ def greedy_reference(reference, prompt_ids: list[int], max_new_tokens: int) -> l
 
 @dataclass
 class LlmMesh:
-    root: Path
-    env: dict[str, str]
     ports: dict[str, int]
     decode_ports: list[int]
-    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    processes: ServiceProcesses
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment its processes run with: for a client of this mesh too."""
+        return self.processes.env
+
+    @property
+    def logs(self) -> Path:
+        return self.processes.logs
 
     def target(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
 
-    def launch(self, name: str, service: str, port: int, **env: str) -> None:
-        self.processes[name] = subprocess.Popen(
-            [str(VENV_BIN / "aimesh"), "serve", service, "--port", str(port)],
-            env={**self.env, **env},
-            stderr=(self.root / f"{name}.log").open("ab"),
-        )
-
-    async def wait_ready(self, name: str, service: str, port: int) -> None:
-        process = self.processes[name]
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + 180
-        while loop.time() < give_up and process.poll() is None:
-            if await wait_until_serving(f"127.0.0.1:{port}", service, timeout_s=1):
-                return
-        log = (self.root / f"{name}.log").read_text()[-3000:]
-        raise AssertionError(f"{name} did not become ready:\n{log}")
-
-    async def start(self, name: str, service: str, port: int, **env: str) -> None:
-        self.launch(name, service, port, **env)
-        await self.wait_ready(name, service, port)
+    async def start(self, label: str, service: str, port: int, **env: str) -> None:
+        await self.processes.start(label, service, port, **env)
 
     def metrics_url(self, name: str) -> str:
         """Decode replicas expose metrics on their gRPC port + 1000 (the default)."""
@@ -111,16 +97,6 @@ class LlmMesh:
     def stub(self) -> tuple[generation_pb2_grpc.GenerationServiceStub, object]:
         channel = create_channel(self.target("generation"), MeshSettings(), services=[GENERATION])
         return generation_pb2_grpc.GenerationServiceStub(channel), channel
-
-    def stop(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes.values():
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
 
 
 @contextmanager
@@ -149,26 +125,22 @@ def running_llm_mesh(root: Path, dtype: str = "float32") -> Iterator[LlmMesh]:
         "[services.generation.dependencies]\n"
         f'tokenizer = "127.0.0.1:{ports["tokenizer"]}"\n'
     )
-    env = subprocess_env(AIMESH_CONFIG=str(config), OTEL_TRACES_EXPORTER="none")
-    mesh = LlmMesh(root, env, ports, decode_ports)
-    units = [
-        ("tokenizer", "tokenizer", ports["tokenizer"]),
-        ("prefill", "prefill", ports["prefill"]),
-        ("decode-0", "decode", decode_ports[0]),
-        ("decode-1", "decode", decode_ports[1]),
-        ("generation", "generation", ports["generation"]),
-    ]
+    processes = ServiceProcesses(
+        root, subprocess_env(AIMESH_CONFIG=str(config), OTEL_TRACES_EXPORTER="none")
+    )
     try:
-        for unit in units:
-            mesh.launch(*unit)
-
-        async def all_ready() -> None:
-            await asyncio.gather(*(mesh.wait_ready(*unit) for unit in units))
-
-        asyncio.run(all_ready())
-        yield mesh
+        processes.start_all(
+            [
+                ("tokenizer", "tokenizer", ports["tokenizer"], {}),
+                ("prefill", "prefill", ports["prefill"], {}),
+                ("decode-0", "decode", decode_ports[0], {}),
+                ("decode-1", "decode", decode_ports[1], {}),
+                ("generation", "generation", ports["generation"], {}),
+            ]
+        )
+        yield LlmMesh(ports, decode_ports, processes)
     finally:
-        mesh.stop()
+        processes.close()
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,8 @@ from tests.services.llm.conftest import (
     stopping,
 )
 
+pytestmark = pytest.mark.system
+
 
 @pytest.fixture(scope="module")
 def bfloat16_mesh(tmp_path_factory, model_dir) -> Iterator[LlmMesh]:
@@ -94,7 +96,7 @@ async def test_a_float32_decode_takes_bfloat16_kv_from_prefill(bfloat16_mesh, bf
 
 def loaded_dtype(mesh: LlmMesh, name: str) -> str:
     """The dtype a process's "model loaded" log line says it serves."""
-    lines = (mesh.root / f"{name}.log").read_text().splitlines()
+    lines = (mesh.logs / f"{name}.log").read_text().splitlines()
     records = [json.loads(line) for line in lines if line.startswith("{")]  # not warnings
     (record,) = [r for r in records if r["message"] == "model loaded"]
     return record["dtype"]

@@ -16,6 +16,8 @@ from services.llm.stopping import Finish, StopChecker
 from tests.conftest import eventually
 from tests.services.llm.conftest import greedy_reference
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def llama(model_dir) -> Llama:
@@ -61,6 +63,7 @@ def test_batched_decode_steps_match_transformers_greedy(llama, reference, prompt
         assert gen[: len(expected)] == expected
 
 
+@pytest.mark.system  # two bfloat16 models, 45 steps
 def test_bfloat16_greedy_equals_transformers_in_bfloat16(model_dir, bfloat16_reference, prompts):
     """Alone, the bfloat16 model is transformers in bfloat16 bit for bit: prefill and each
     decode step make the same calls in the same order (a lone sequence's attention takes

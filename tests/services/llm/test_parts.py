@@ -19,6 +19,8 @@ from services.llm.requests import sampling_params
 from services.llm.sampling import SamplingParams, sample
 from services.llm.stopping import Finish, StopChecker
 
+pytestmark = pytest.mark.unit
+
 
 def test_greedy_and_degenerate_filters_agree():
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
@@ -145,6 +147,7 @@ def test_kv_stream_with_a_gap_or_missing_end_is_refused():
         )
 
 
+@pytest.mark.system  # the GGUF converted again
 def test_corrupt_model_cache_is_rebuilt_before_it_is_served(tmp_path, model_dir):
     """A truncated safetensors file in the cache is detected and rebuilt from the GGUF."""
     cache = tmp_path / "cache"

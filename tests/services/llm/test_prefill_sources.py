@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from services.decode.sources import PrefillSources
+
+pytestmark = pytest.mark.unit
 
 
 async def test_configured_targets_and_what_their_names_resolve_to_are_allowed():

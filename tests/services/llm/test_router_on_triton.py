@@ -19,6 +19,8 @@ from services.llm.artifacts import load_tokenizer
 from services.llm.settings import LlmSettings
 from tests.services.llm.conftest import collected
 
+pytestmark = pytest.mark.system
+
 
 def test_triton_and_its_section_go_together():
     with pytest.raises(ValidationError, match="go together"):

@@ -10,6 +10,8 @@ import pytest
 from services.generation.text import TextStream
 from services.llm.artifacts import load_tokenizer
 
+pytestmark = pytest.mark.unit
+
 SAMPLE = "Hello naïve café 日本語 🙂 end.\nDone: x = [1, 2]  # ok"
 
 

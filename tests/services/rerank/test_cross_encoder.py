@@ -15,6 +15,8 @@ from transformers import AutoTokenizer, BertConfig, BertForSequenceClassificatio
 from services.rerank.scorers import CrossEncoderScorer, over_length
 from services.rerank.servicer import RerankSettings, load_scorer
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def cross_encoder_dir(tmp_path_factory) -> Path:

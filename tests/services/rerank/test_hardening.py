@@ -30,8 +30,9 @@ from services.rerank.servicer import (
 )
 from services.rerank.settings import RerankSettings
 from tests.conftest import health_delays
+from tests.harness import InProcess
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="module")]
 
 
 class Counted:
@@ -73,11 +74,12 @@ async def servicer() -> AsyncIterator[RerankServicer]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(servicer: RerankServicer) -> AsyncIterator[MeshServer]:
-    server = MeshServer("rerank", MeshSettings(), port=0)
-    server.add_service(rerank_pb2_grpc.add_RerankServiceServicer_to_server, servicer, SERVICE)
-    await server.start()
-    yield server
-    await server.drain(0)
+    async def serve(server: MeshServer) -> RerankServicer:
+        server.add_service(rerank_pb2_grpc.add_RerankServiceServicer_to_server, servicer, SERVICE)
+        return servicer
+
+    async with InProcess() as services:
+        yield (await services.start("rerank", setup=serve)).server
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -18,15 +18,13 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
-from mesh.client import create_channel
-from mesh.config import MeshSettings
 from mesh.errors import field_violations
-from mesh.server import MeshServer
-from services.rerank.servicer import SERVICE, setup
+from services.rerank.servicer import SERVICE
+from tests.harness import InProcess
 from tests.strategies import mostly
 from tests.strategies import wild_strings as wild_strings_of
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="module")]
 
 ANSWERS = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}
 
@@ -61,14 +59,9 @@ requests = st.builds(
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stub() -> AsyncIterator[rerank_pb2_grpc.RerankServiceStub]:
-    server = MeshServer("rerank", MeshSettings(), port=0)
-    await setup(server)
-    await server.start()
-    async with create_channel(
-        f"127.0.0.1:{server.port}", MeshSettings(), services=[SERVICE]
-    ) as channel:
-        yield rerank_pb2_grpc.RerankServiceStub(channel)
-    await server.drain(0)
+    async with InProcess() as services:
+        served = await services.start("rerank")
+        yield rerank_pb2_grpc.RerankServiceStub(services.channel(served.target, SERVICE))
 
 
 @settings(

@@ -9,13 +9,11 @@ import pytest
 import pytest_asyncio
 
 from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
-from mesh.client import create_channel
-from mesh.config import MeshSettings
 from mesh.errors import field_violations
-from mesh.server import MeshServer
-from services.rerank.servicer import SERVICE, setup
+from services.rerank.servicer import SERVICE
+from tests.harness import InProcess
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="module")]
 
 DOCUMENTS = [
     ("heapq.heappush", "heapq.heappush(heap, item): push item onto the heap."),
@@ -26,13 +24,9 @@ DOCUMENTS = [
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stub() -> AsyncIterator[rerank_pb2_grpc.RerankServiceStub]:
-    server = MeshServer("rerank", MeshSettings(), port=0)
-    await setup(server)
-    await server.start()
-    channel = create_channel(f"127.0.0.1:{server.port}", MeshSettings(), services=[SERVICE])
-    yield rerank_pb2_grpc.RerankServiceStub(channel)
-    await channel.close()
-    await server.drain(0)
+    async with InProcess() as services:
+        served = await services.start("rerank")
+        yield rerank_pb2_grpc.RerankServiceStub(services.channel(served.target, SERVICE))
 
 
 def request(query: str, **fields) -> rerank_pb2.RerankRequest:

@@ -11,6 +11,8 @@ from pydantic import ValidationError
 from mesh.config import MeshSettings
 from services.rerank.settings import RerankSettings, rerank_settings
 
+pytestmark = pytest.mark.unit
+
 TRITON = {"url": "triton:8001", "model": "token_embedding"}
 
 

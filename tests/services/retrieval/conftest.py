@@ -14,31 +14,21 @@ import pytest_asyncio
 from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
 from mesh.config import MeshSettings, ServiceSettings
 from mesh.server import MeshServer
-from services.embedder.servicer import setup as embedder_setup
-from services.retrieval.servicer import setup as retrieval_setup
+from tests.harness import InProcess
 
 
-async def start_retrieval(store: Path, rerank: str | None = None) -> tuple[MeshServer, MeshServer]:
-    """(embedder, retrieval), both started, retrieval reranking at `rerank` if given; the
-    caller drains them."""
-    cache = MeshSettings().cache_dir
+async def start_retrieval(
+    store: Path, *, services: InProcess, rerank: str | None = None
+) -> tuple[MeshServer, MeshServer]:
+    """(embedder, retrieval), both started in `services`, retrieval reranking at `rerank`
+    if given."""
     # Two threads: while these tests ingest, the embedder has the machine's cores to itself
     # (1000 stdlib passages embedded in 15 s instead of 26 with the default one thread).
-    embedder_settings = MeshSettings(cache_dir=cache, services={"embedder": {"threads": 2}})
-    embedder = MeshServer("embedder", embedder_settings, port=0, default_max_concurrency=32)
-    await embedder_setup(embedder)
-    await embedder.start()
-    dependencies = {"embedder": f"127.0.0.1:{embedder.port}"}
-    if rerank is not None:
-        dependencies["rerank"] = rerank
-    settings = MeshSettings(
-        cache_dir=cache,
-        services={"retrieval": ServiceSettings(dependencies=dependencies, path=str(store))},
+    embedder = await services.start("embedder", MeshSettings(services={"embedder": {"threads": 2}}))
+    retrieval = await services.start(
+        "retrieval", retrieval_settings(embedder.server, rerank, path=str(store))
     )
-    retrieval = MeshServer.for_service("retrieval", settings, port=0)
-    await retrieval_setup(retrieval)
-    await retrieval.start()
-    return embedder, retrieval
+    return embedder.server, retrieval.server
 
 
 FAKE_DIMENSIONS = 8
@@ -60,15 +50,14 @@ class FakeEmbedder(embedder_pb2_grpc.EmbedderServiceServicer):
         return embedder_pb2.EmbedResponse(embeddings=vectors, dimensions=FAKE_DIMENSIONS)
 
 
-async def start_fake_embedder() -> MeshServer:
-    server = MeshServer("embedder", MeshSettings(), port=0)
+async def serve_fake_embedder(server: MeshServer) -> FakeEmbedder:
+    fake = FakeEmbedder()
     server.add_service(
         embedder_pb2_grpc.add_EmbedderServiceServicer_to_server,
-        FakeEmbedder(),
+        fake,
         embedder_pb2.DESCRIPTOR.services_by_name["EmbedderService"],
     )
-    await server.start()
-    return server
+    return fake
 
 
 def retrieval_settings(
@@ -84,26 +73,15 @@ def retrieval_settings(
     )
 
 
-def retrieval_server(embedder: MeshServer, rerank: str | None = None, **engine: Any) -> MeshServer:
-    """A retrieval server (not started), as retrieval_settings describes it; its setup
-    still has to run."""
-    return MeshServer.for_service(
-        "retrieval", retrieval_settings(embedder, rerank, **engine), port=0
-    )
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def fake_embedder() -> AsyncIterator[MeshServer]:
-    server = await start_fake_embedder()
-    yield server
-    await server.drain(0)
+    async with InProcess() as services:
+        yield (await services.start("embedder", setup=serve_fake_embedder)).server
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def fake_retrieval(fake_embedder, tmp_path_factory) -> AsyncIterator[MeshServer]:
     """Retrieval on embedded Qdrant in a folder of the module's, embedding with the fake."""
-    server = retrieval_server(fake_embedder, path=str(tmp_path_factory.mktemp("qdrant")))
-    await retrieval_setup(server)
-    await server.start()
-    yield server
-    await server.drain(0)
+    settings = retrieval_settings(fake_embedder, path=str(tmp_path_factory.mktemp("qdrant")))
+    async with InProcess() as services:
+        yield (await services.start("retrieval", settings)).server

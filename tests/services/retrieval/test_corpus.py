@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 from services.retrieval.corpus import Passage, chunk, dedupe, file_passages, stdlib_passages
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[3]
 KINDS = {"module", "class", "function", "method", "topic"}
 

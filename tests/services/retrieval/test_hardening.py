@@ -37,9 +37,10 @@ from services.retrieval.servicer import SERVICE, RetrievalServicer
 from services.retrieval.servicer import setup as retrieval_setup
 from services.retrieval.settings import RetrievalSettings
 from tests.conftest import health_delays
-from tests.services.retrieval.conftest import retrieval_server, retrieval_settings
+from tests.harness import InProcess
+from tests.services.retrieval.conftest import retrieval_settings
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="module")]
 
 UPSERT = "/aimesh.retrieval.v1.RetrievalService/Upsert"
 
@@ -192,16 +193,23 @@ def _reason(error: grpc.aio.AioRpcError) -> str:
 @pytest.mark.filterwarnings("ignore:Failed to obtain server version")
 async def test_a_qdrant_server_that_is_down_is_unavailable_and_readiness_follows_it(fake_embedder):
     port = _free_port()
-    server = retrieval_server(fake_embedder, url=f"http://127.0.0.1:{port}", timeout_s=5)
-    await retrieval_setup(server)
-    starting = asyncio.ensure_future(server.start())
+    settings = retrieval_settings(fake_embedder, url=f"http://127.0.0.1:{port}", timeout_s=5)
+    set_up: list[MeshServer] = []
+
+    async def recorded(server: MeshServer) -> None:
+        set_up.append(server)
+        await retrieval_setup(server)
+
+    services = InProcess()
+    starting = asyncio.ensure_future(services.start("retrieval", settings, setup=recorded))
     fake: asyncio.Server | None = None
     try:
 
         async def listening() -> bool:
-            return server.port != 0
+            return bool(set_up) and set_up[0].port != 0
 
         await _until(listening)
+        (server,) = set_up
         await asyncio.sleep(1)
         # Warm-up opened the store and waits for Qdrant: not ready, though alive.
         assert await _health(server.port, "") == health_pb2.HealthCheckResponse.SERVING
@@ -258,7 +266,7 @@ async def test_a_qdrant_server_that_is_down_is_unavailable_and_readiness_follows
             fake.close()
         starting.cancel()
         await asyncio.gather(starting, return_exceptions=True)
-        await server.drain(0)
+        await services.close()
 
 
 def _missing() -> None:
@@ -460,21 +468,18 @@ async def test_a_stream_whose_ids_would_not_fit_its_response_is_cut_before_writi
     settings = retrieval_settings(fake_embedder, path=str(tmp_path)).model_copy(
         update={"transport": TransportSettings(max_message_bytes=64 * 1024)}
     )
-    server = MeshServer.for_service("retrieval", settings, port=0)
-    await retrieval_setup(server)
-    await server.start()
-    try:
-        async with create_channel(f"127.0.0.1:{server.port}", settings) as channel:
-            stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
-            await stub.CreateCollection(retrieval_pb2.CreateCollectionRequest(collection="ids"))
-            # 4 messages of 64 ids of 250 bytes: ~65 KB of ids, more than a response holds.
-            documents = [_doc(id=f"{i:03d}" + "i" * 247, text=f"t{i}") for i in range(256)]
-            error = await _refusal(stub.Upsert(_stream(documents, "ids", per=64)))
-            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert [v.field for v in field_violations(error)] == ["upsert[2].documents"]
-            found = await stub.Search(
-                retrieval_pb2.SearchRequest(collection="ids", query="t", top_k=100)
-            )
-            assert len(found.hits) == 100  # the first two messages' 128 documents stay
-    finally:
-        await server.drain(0)
+    async with InProcess() as services:
+        served = await services.start("retrieval", settings)
+        stub = retrieval_pb2_grpc.RetrievalServiceStub(
+            services.channel(served.target, settings=settings)
+        )
+        await stub.CreateCollection(retrieval_pb2.CreateCollectionRequest(collection="ids"))
+        # 4 messages of 64 ids of 250 bytes: ~65 KB of ids, more than a response holds.
+        documents = [_doc(id=f"{i:03d}" + "i" * 247, text=f"t{i}") for i in range(256)]
+        error = await _refusal(stub.Upsert(_stream(documents, "ids", per=64)))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [v.field for v in field_violations(error)] == ["upsert[2].documents"]
+        found = await stub.Search(
+            retrieval_pb2.SearchRequest(collection="ids", query="t", top_k=100)
+        )
+        assert len(found.hits) == 100  # the first two messages' 128 documents stay

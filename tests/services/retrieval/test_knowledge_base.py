@@ -16,14 +16,17 @@ from aimesh.retrieval.v1 import retrieval_pb2_grpc
 from loadtest.retrieval_eval import quality, questions, rankings
 from mesh.client import create_channel
 from mesh.config import MeshSettings
-from mesh.server import MeshServer
-from services.rerank.servicer import setup as rerank_setup
 from tests.conftest import VENV_BIN, subprocess_env
+from tests.harness import InProcess
 from tests.services.retrieval.conftest import start_retrieval
 
 # The module's setup ingests ~4,000 stdlib passages: 115 s on a quiet 2-core machine,
 # past 300 s with the cores contended; its bound is that measure with a generous factor.
-pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(900)]
+pytestmark = [
+    pytest.mark.system,
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.timeout(900),
+]
 
 
 @dataclass
@@ -35,24 +38,19 @@ class KnowledgeMesh:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def mesh(tmp_path_factory) -> AsyncIterator[KnowledgeMesh]:
-    rerank = MeshServer.for_service("rerank", MeshSettings(), port=0)
-    await rerank_setup(rerank)
-    await rerank.start()
-    embedder, retrieval = await start_retrieval(
-        tmp_path_factory.mktemp("kb"), rerank=f"127.0.0.1:{rerank.port}"
-    )
-    env = subprocess_env(
-        AIMESH_SERVICES__RETRIEVAL__TARGET=f"127.0.0.1:{retrieval.port}",
-        OTEL_TRACES_EXPORTER="none",
-    )
-    mesh = KnowledgeMesh(env, f"127.0.0.1:{retrieval.port}")
-    try:
+    async with InProcess() as services:
+        rerank = await services.start("rerank")
+        _, retrieval = await start_retrieval(
+            tmp_path_factory.mktemp("kb"), rerank=rerank.target, services=services
+        )
+        env = subprocess_env(
+            AIMESH_SERVICES__RETRIEVAL__TARGET=f"127.0.0.1:{retrieval.port}",
+            OTEL_TRACES_EXPORTER="none",
+        )
+        mesh = KnowledgeMesh(env, f"127.0.0.1:{retrieval.port}")
         code, mesh.first_ingest, err = await aimesh(mesh, "ingest")
         assert code == 0, err
         yield mesh
-    finally:
-        for server in (rerank, retrieval, embedder):
-            await server.drain(0)
 
 
 async def aimesh(mesh: KnowledgeMesh, *args: str) -> tuple[int, str, str]:

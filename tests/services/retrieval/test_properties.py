@@ -24,7 +24,7 @@ from mesh.errors import field_violations
 from services.retrieval.servicer import SERVICE
 from tests.strategies import wild_strings as wild_strings_of
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="module")]
 
 ANSWERS = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
 PROPERTY = settings(

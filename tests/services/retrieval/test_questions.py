@@ -13,6 +13,8 @@ import pytest
 
 from services.retrieval.corpus import Passage, stdlib_passages
 
+pytestmark = pytest.mark.unit
+
 QUESTIONS = Path(__file__).resolve().parents[3] / "loadtest" / "data" / "stdlib_questions.jsonl"
 
 

@@ -20,8 +20,7 @@ import pytest_asyncio
 
 from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 from aimesh.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
-from mesh.client import create_channel
-from mesh.config import BreakerSettings, MeshSettings
+from mesh.config import BreakerSettings
 from mesh.server import MeshServer
 from services.retrieval import engine as engine_module
 from services.retrieval.calls import StoreCalls
@@ -33,13 +32,13 @@ from services.retrieval.engine import (
     rerank_candidates,
 )
 from services.retrieval.servicer import SERVICE
-from services.retrieval.servicer import setup as retrieval_setup
 from services.retrieval.settings import RetrievalSettings
 from services.retrieval.store import open_store
 from tests.conftest import free_port
-from tests.services.retrieval.conftest import retrieval_server
+from tests.harness import InProcess
+from tests.services.retrieval.conftest import retrieval_settings
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="module")]
 
 # 30 passages: "topic 0" ... "topic 29"; the fake reranker prefers the highest number.
 PASSAGES = {f"p{n:02d}": f"topic {n}: notes about topic number {n}" for n in range(30)}
@@ -185,22 +184,23 @@ class FakeRerankService(rerank_pb2_grpc.RerankServiceServicer):
         )
 
 
-async def _rerank_server(servicer: FakeRerankService) -> tuple[grpc.aio.Server, str]:
-    server = grpc.aio.server()
-    rerank_pb2_grpc.add_RerankServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, f"127.0.0.1:{port}"
+async def _rerank_server(services: InProcess, servicer: FakeRerankService) -> str:
+    async def register(server: MeshServer) -> None:
+        server.add_service(
+            rerank_pb2_grpc.add_RerankServiceServicer_to_server,
+            servicer,
+            rerank_pb2.DESCRIPTOR.services_by_name["RerankService"],
+        )
+
+    return (await services.start("rerank", setup=register)).target
 
 
 async def _searching(
-    fake_embedder: MeshServer, rerank: str, tmp_path: Path
-) -> tuple[MeshServer, retrieval_pb2_grpc.RetrievalServiceStub, grpc.aio.Channel]:
-    server = retrieval_server(fake_embedder, rerank=rerank, path=str(tmp_path))
-    await retrieval_setup(server)
-    await server.start()
-    channel = create_channel(f"127.0.0.1:{server.port}", MeshSettings(), services=[SERVICE])
-    stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+    services: InProcess, fake_embedder: MeshServer, rerank: str, tmp_path: Path
+) -> retrieval_pb2_grpc.RetrievalServiceStub:
+    settings = retrieval_settings(fake_embedder, rerank=rerank, path=str(tmp_path))
+    retrieval = await services.start("retrieval", settings)
+    stub = retrieval_pb2_grpc.RetrievalServiceStub(services.channel(retrieval.target, SERVICE))
     await stub.CreateCollection(
         retrieval_pb2.CreateCollectionRequest(collection="docs", sparse_enabled=True)
     )
@@ -212,7 +212,7 @@ async def _searching(
         )
 
     await stub.Upsert(messages())
-    return server, stub, channel
+    return stub
 
 
 def _search(top_k: int = 3, rerank: bool = True) -> retrieval_pb2.SearchRequest:
@@ -223,9 +223,10 @@ def _search(top_k: int = 3, rerank: bool = True) -> retrieval_pb2.SearchRequest:
 
 async def test_search_with_rerank_orders_by_the_rerank_service(fake_embedder, tmp_path):
     fake = FakeRerankService()
-    rerank, target = await _rerank_server(fake)
-    server, stub, channel = await _searching(fake_embedder, target, tmp_path)
-    try:
+    async with InProcess() as services:
+        stub = await _searching(
+            services, fake_embedder, await _rerank_server(services, fake), tmp_path
+        )
         found = await stub.Search(_search(top_k=3))
         (request,) = fake.requests
         assert len(request.documents) == 20 and request.top_n == 3 and request.truncate
@@ -238,26 +239,19 @@ async def test_search_with_rerank_orders_by_the_rerank_service(fake_embedder, tm
         plain = await stub.Search(_search(top_k=3, rerank=False))
         assert len(fake.requests) == 1  # no rerank asked, none called
         assert "rerank" not in {s.name for s in plain.timing.stages}
-    finally:
-        await channel.close()
-        await server.drain(0)
-        await rerank.stop(0)
 
 
 async def test_search_with_rerank_down_answers_in_retrieval_order_with_a_note(
     fake_embedder, tmp_path
 ):
-    server, stub, channel = await _searching(fake_embedder, f"127.0.0.1:{free_port()}", tmp_path)
-    try:
+    async with InProcess() as services:
+        stub = await _searching(services, fake_embedder, f"127.0.0.1:{free_port()}", tmp_path)
         plain = await stub.Search(_search(top_k=4, rerank=False))
         found = await stub.Search(_search(top_k=4))
         assert [h.id for h in found.hits] == [h.id for h in plain.hits]
         assert [h.score for h in found.hits] == [h.score for h in plain.hits]
         assert found.note.startswith("reranking unavailable (UNAVAILABLE)")
         assert not plain.note
-    finally:
-        await channel.close()
-        await server.drain(0)
 
 
 @pytest.mark.parametrize(
@@ -269,9 +263,9 @@ async def test_search_with_rerank_down_answers_in_retrieval_order_with_a_note(
     ],
 )
 async def test_only_a_rerank_outage_degrades_a_search(fake_embedder, tmp_path, code, degrades):
-    rerank, target = await _rerank_server(FakeRerankService(code))
-    server, stub, channel = await _searching(fake_embedder, target, tmp_path)
-    try:
+    async with InProcess() as services:
+        target = await _rerank_server(services, FakeRerankService(code))
+        stub = await _searching(services, fake_embedder, target, tmp_path)
         if degrades:
             found = await stub.Search(_search())
             assert found.note.startswith(f"reranking unavailable ({code.name})")
@@ -281,7 +275,3 @@ async def test_only_a_rerank_outage_degrades_a_search(fake_embedder, tmp_path, c
                 await stub.Search(_search())
             assert caught.value.code() == grpc.StatusCode.INTERNAL
             assert code.name in caught.value.details()
-    finally:
-        await channel.close()
-        await server.drain(0)
-        await rerank.stop(0)

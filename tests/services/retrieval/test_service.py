@@ -12,11 +12,10 @@ import pytest_asyncio
 from google.protobuf import struct_pb2
 
 from aimesh.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
-from mesh.client import create_channel
-from mesh.config import MeshSettings
 from mesh.errors import field_violations
 from services.retrieval.engine import derived_id
 from services.retrieval.servicer import SERVICE
+from tests.harness import InProcess
 from tests.services.retrieval.conftest import start_retrieval
 
 DOCS = {
@@ -31,22 +30,20 @@ DOCS = {
 }
 
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="module")]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stub(tmp_path_factory) -> AsyncIterator[retrieval_pb2_grpc.RetrievalServiceStub]:
-    embedder, retrieval = await start_retrieval(tmp_path_factory.mktemp("qdrant"))
-    channel = create_channel(f"127.0.0.1:{retrieval.port}", MeshSettings(), services=[SERVICE])
-    stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
-    await stub.CreateCollection(
-        retrieval_pb2.CreateCollectionRequest(collection="docs", sparse_enabled=True)
-    )
-    await stub.Upsert(_messages(DOCS, module_payload=True))
-    yield stub
-    await channel.close()
-    await retrieval.drain(0)
-    await embedder.drain(0)
+    async with InProcess() as services:
+        _, retrieval = await start_retrieval(tmp_path_factory.mktemp("qdrant"), services=services)
+        channel = services.channel(f"127.0.0.1:{retrieval.port}", SERVICE)
+        stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+        await stub.CreateCollection(
+            retrieval_pb2.CreateCollectionRequest(collection="docs", sparse_enabled=True)
+        )
+        await stub.Upsert(_messages(DOCS, module_payload=True))
+        yield stub
 
 
 def _payload(values: dict) -> struct_pb2.Struct:

@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from services.shared.calculator import MAX_DIGITS, CalculationError, calculate
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     ("expression", "value"),

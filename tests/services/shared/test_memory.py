@@ -7,6 +7,8 @@ import torch
 
 from services.shared.memory import is_out_of_memory
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     "error",

@@ -1,24 +1,18 @@
-"""Tokenizer fixtures: the embedded model, converted once per machine, and tokenizer servers
-on 127.0.0.1 started through the service's own setup."""
+"""Tokenizer fixtures: the embedded model, converted once per machine, and transformers'
+own tokenizer as the reference."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-import grpc
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from aimesh.tokenizer.v1 import tokenizer_pb2_grpc
-from mesh.client import create_channel
 from mesh.config import MeshSettings
-from mesh.server import MeshServer
 from services.llm.artifacts import resolve_model
 from services.llm.settings import llm_settings
 from services.tokenizer.engine import TokenizerEngine
-from services.tokenizer.servicer import SERVICE
-from tests.conftest import target
 
 # Shared by every test and every run: converting the GGUF takes ~20 s, verifying it ~0.3 s.
 CACHE_DIR = Path(os.environ.get("AIMESH_TEST_CACHE", Path.home() / ".cache" / "aimesh"))
@@ -43,11 +37,3 @@ def engine(model_dir: Path) -> TokenizerEngine:
 def hf_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     """transformers' own tokenizer, the reference the service must agree with."""
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-
-
-def tokenizer_stub(
-    server: MeshServer, settings: MeshSettings
-) -> tuple[tokenizer_pb2_grpc.TokenizerServiceStub, grpc.aio.Channel]:
-    """A stub over a mesh channel, with the channel to close."""
-    channel = create_channel(target(server), settings, services=[SERVICE])
-    return tokenizer_pb2_grpc.TokenizerServiceStub(channel), channel

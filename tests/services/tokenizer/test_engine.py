@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.tokenizer.engine import DEFAULT_ROLES, TokenizerEngine
+
+pytestmark = pytest.mark.unit
 
 
 def _check_in_chunks(engine: TokenizerEngine, ids: list[int], data: st.DataObject) -> None:

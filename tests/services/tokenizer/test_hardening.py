@@ -16,6 +16,7 @@ import pytest_asyncio
 from aimesh.common.v1 import common_pb2
 from aimesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mesh import request_id
+from mesh.client import create_channel
 from mesh.config import MeshSettings
 from mesh.errors import field_violations
 from mesh.failures import FieldViolation, InvalidInput
@@ -23,14 +24,14 @@ from mesh.server import MeshServer
 from services.tokenizer.engine import TokenizerEngine
 from services.tokenizer.servicer import (
     MAX_TEXT_BYTES,
+    SERVICE,
     TokenizerServicer,
-    setup,
     tokenize_response,
 )
-from tests.conftest import health_delays
-from tests.services.tokenizer.conftest import tokenizer_stub
+from tests.conftest import health_delays, target
+from tests.harness import InProcess
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="module")]
 
 MAX_SEQ_LEN = 2048  # [engines.llm] default
 BAD_REQUEST_ID = "id with spaces\n"
@@ -39,20 +40,16 @@ LONE_BYTE = 111  # a byte-level token that is no character on its own: always he
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(mesh_settings: MeshSettings) -> AsyncIterator[MeshServer]:
-    server = MeshServer("tokenizer", mesh_settings, port=0)
-    await setup(server)
-    await server.start()
-    yield server
-    await server.drain(0)
+    async with InProcess() as services:
+        yield (await services.start("tokenizer", mesh_settings)).server
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stub(
     server: MeshServer, mesh_settings: MeshSettings
 ) -> AsyncIterator[tokenizer_pb2_grpc.TokenizerServiceStub]:
-    stub, channel = tokenizer_stub(server, mesh_settings)
-    async with channel:
-        yield stub
+    async with create_channel(target(server), mesh_settings, services=[SERVICE]) as channel:
+        yield tokenizer_pb2_grpc.TokenizerServiceStub(channel)
 
 
 async def _violations(call: object) -> list[FieldViolation]:

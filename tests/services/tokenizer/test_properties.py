@@ -20,13 +20,12 @@ from aimesh.common.v1 import common_pb2
 from aimesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mesh.config import MeshSettings
 from mesh.errors import field_violations
-from mesh.server import MeshServer
-from services.tokenizer.servicer import setup
-from tests.services.tokenizer.conftest import tokenizer_stub
+from services.tokenizer.servicer import SERVICE
+from tests.harness import InProcess
 from tests.strategies import mostly
 from tests.strategies import wild_strings as wild_strings_of
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="module")]
 
 ANSWERS = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}
 PROPERTY = settings(
@@ -72,13 +71,10 @@ messages = st.one_of(
 async def stub(
     mesh_settings: MeshSettings,
 ) -> AsyncIterator[tokenizer_pb2_grpc.TokenizerServiceStub]:
-    server = MeshServer("tokenizer", mesh_settings, port=0)
-    await setup(server)
-    await server.start()
-    stub, channel = tokenizer_stub(server, mesh_settings)
-    async with channel:
-        yield stub
-    await server.drain(0)
+    async with InProcess() as services:
+        served = await services.start("tokenizer", mesh_settings)
+        channel = services.channel(served.target, SERVICE, settings=mesh_settings)
+        yield tokenizer_pb2_grpc.TokenizerServiceStub(channel)
 
 
 async def _status(call: object) -> grpc.StatusCode:

@@ -15,18 +15,28 @@ from mesh.health import probe, wait_until_serving
 from mesh.server import MeshServer
 from services.tokenizer.servicer import SERVICE, setup
 from tests.conftest import eventually, target
-from tests.services.tokenizer.conftest import CACHE_DIR, tokenizer_stub
+from tests.harness import InProcess
+from tests.services.tokenizer.conftest import CACHE_DIR
+
+pytestmark = pytest.mark.service
 
 
 async def test_serving_only_after_the_warm_up(mesh_settings: MeshSettings):
     gate = asyncio.Event()
-    server = MeshServer("tokenizer", mesh_settings, port=0)
-    server.add_warmup(gate.wait)  # runs first, so the engine cannot load until the gate opens
-    await setup(server)
-    starting = asyncio.create_task(server.start())
-    await eventually(lambda: server.port != 0)
-    stub, channel = tokenizer_stub(server, mesh_settings)
+    set_up: list[MeshServer] = []
+
+    async def gated(server: MeshServer) -> None:
+        set_up.append(server)
+        server.add_warmup(gate.wait)  # runs first, so the engine cannot load until the gate opens
+        await setup(server)
+
+    services = InProcess()
+    starting = asyncio.create_task(services.start("tokenizer", mesh_settings, setup=gated))
     try:
+        await eventually(lambda: bool(set_up) and set_up[0].port != 0)
+        (server,) = set_up
+        channel = services.channel(target(server), SERVICE, settings=mesh_settings)
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
         assert await wait_until_serving(target(server), "", timeout_s=5)  # alive
         for name in server.readiness_names:
             assert await probe(target(server), name) == "NOT_SERVING"
@@ -43,8 +53,7 @@ async def test_serving_only_after_the_warm_up(mesh_settings: MeshSettings):
         assert response.token_ids
     finally:
         starting.cancel()
-        await channel.close()
-        await server.drain(0)
+        await services.close()
 
 
 async def test_aimesh_serve_tokenizer(serve_process, monkeypatch):

@@ -17,11 +17,10 @@ from aimesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mesh.config import MeshSettings
 from mesh.errors import field_violations
 from mesh.failures import FieldViolation
-from mesh.server import MeshServer
-from services.tokenizer.servicer import MAX_TEXT_BYTES, setup
-from tests.services.tokenizer.conftest import tokenizer_stub
+from services.tokenizer.servicer import MAX_TEXT_BYTES, SERVICE
+from tests.harness import InProcess
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="module")]
 
 TEXTS = {
     "ascii": "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -44,13 +43,10 @@ MAX_SEQ_LEN = 2048  # [engines.llm] default
 async def stub(
     mesh_settings: MeshSettings,
 ) -> AsyncIterator[tokenizer_pb2_grpc.TokenizerServiceStub]:
-    server = MeshServer("tokenizer", mesh_settings, port=0)
-    await setup(server)
-    await server.start()
-    stub, channel = tokenizer_stub(server, mesh_settings)
-    async with channel:
-        yield stub
-    await server.drain(0)
+    async with InProcess() as services:
+        served = await services.start("tokenizer", mesh_settings)
+        channel = services.channel(served.target, SERVICE, settings=mesh_settings)
+        yield tokenizer_pb2_grpc.TokenizerServiceStub(channel)
 
 
 def _chat_request(

@@ -17,11 +17,9 @@ from aimesh.tools.v1 import tools_pb2_grpc
 from mesh.client import create_channel
 from mesh.config import MeshSettings, ServiceSettings
 from mesh.server import MeshServer
-from services.diffusion.servicer import setup as diffusion_setup
-from services.rerank.servicer import setup as rerank_setup
 from services.tools.servicer import SERVICE
-from services.tools.servicer import setup as tools_setup
 from tests.conftest import free_port
+from tests.harness import InProcess
 from tests.services.retrieval.conftest import start_retrieval
 
 PASSAGES = [
@@ -63,54 +61,42 @@ async def fill_knowledge(target: str) -> None:
         await stub.Upsert(documents())
 
 
-def tools_server(dependencies: dict[str, str], **tools_settings: object) -> MeshServer:
-    """A tools server (not set up) dialling `dependencies`, with [services.tools] settings."""
+async def serve_tools(
+    services: InProcess, dependencies: dict[str, str], **tools_settings: object
+) -> ToolsMesh:
+    """A tools server in `services` dialling `dependencies`, with [services.tools] settings."""
     settings = MeshSettings(
         services={"tools": ServiceSettings(dependencies=dependencies, **tools_settings)},
     )
-    return MeshServer.for_service("tools", settings, port=0)
+    tools = await services.start("tools", settings)
+    stub = tools_pb2_grpc.ToolsServiceStub(services.channel(tools.target, SERVICE))
+    return ToolsMesh(stub, tools.server, dependencies["diffusion"])
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def start_tools(tmp_path_factory) -> AsyncIterator[StartTools]:
-    rerank = MeshServer.for_service("rerank", MeshSettings(), port=0)
-    await rerank_setup(rerank)
-    await rerank.start()
-    embedder, retrieval = await start_retrieval(
-        tmp_path_factory.mktemp("tools-kb"), rerank=f"127.0.0.1:{rerank.port}"
-    )
-    await fill_knowledge(f"127.0.0.1:{retrieval.port}")
-    diffusion = MeshServer.for_service(
-        "diffusion",
-        MeshSettings(services={"diffusion": {"device": "cpu", "models": ["digits"]}}),
-        port=0,
-    )
-    await diffusion_setup(diffusion)
-    await diffusion.start()
-    servers = [rerank, embedder, retrieval, diffusion]
-    channels = []
+    async with InProcess() as services:
+        rerank = await services.start("rerank")
+        _, retrieval = await start_retrieval(
+            tmp_path_factory.mktemp("tools-kb"), rerank=rerank.target, services=services
+        )
+        await fill_knowledge(f"127.0.0.1:{retrieval.port}")
+        diffusion = await services.start(
+            "diffusion",
+            MeshSettings(services={"diffusion": {"device": "cpu", "models": ["digits"]}}),
+        )
 
-    async def start(
-        dependencies: dict[str, str] | None = None, **tools_settings: object
-    ) -> ToolsMesh:
-        targets = {
-            "retrieval": f"127.0.0.1:{retrieval.port}",
-            "diffusion": f"127.0.0.1:{diffusion.port}",
-            **(dependencies or {}),
-        }
-        tools = tools_server(targets, **tools_settings)
-        await tools_setup(tools)
-        await tools.start()
-        servers.append(tools)
-        channel = create_channel(f"127.0.0.1:{tools.port}", MeshSettings(), services=[SERVICE])
-        channels.append(channel)
-        return ToolsMesh(tools_pb2_grpc.ToolsServiceStub(channel), tools, targets["diffusion"])
+        async def start(
+            dependencies: dict[str, str] | None = None, **tools_settings: object
+        ) -> ToolsMesh:
+            targets = {
+                "retrieval": f"127.0.0.1:{retrieval.port}",
+                "diffusion": diffusion.target,
+                **(dependencies or {}),
+            }
+            return await serve_tools(services, targets, **tools_settings)
 
-    yield start
-    for channel in channels:
-        await channel.close()
-    for server in reversed(servers):
-        await server.drain(0)
+        yield start
 
 
 StartFake = Callable[[Callable[[Any, grpc.aio.Server], None], Any], Awaitable[str]]
@@ -118,44 +104,31 @@ StartFake = Callable[[Callable[[Any, grpc.aio.Server], None], Any], Awaitable[st
 
 @pytest_asyncio.fixture
 async def start_fake() -> AsyncIterator[StartFake]:
-    """Starts a plain grpc server for a fake servicer, e.g. start_fake(add_..._to_server,
-    FakeRetrieval()); returns its target."""
-    servers: list[grpc.aio.Server] = []
+    """Serves a fake servicer, e.g. start_fake(add_..._to_server, FakeRetrieval()), on a
+    MeshServer as the echo service's spec declares it (no dependencies, nothing exempt
+    from admission); returns its target."""
+    async with InProcess() as services:
 
-    async def start(register: Callable[[Any, grpc.aio.Server], None], servicer: Any) -> str:
-        server = grpc.aio.server()
-        register(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        servers.append(server)
-        return f"127.0.0.1:{port}"
+        async def start(register: Callable[[Any, grpc.aio.Server], None], servicer: Any) -> str:
+            async def serve(server: MeshServer) -> Any:
+                register(servicer, server.grpc_server)
+                return servicer
 
-    yield start
-    for server in servers:
-        await server.stop(0)
+            return (await services.start("echo", setup=serve)).target
+
+        yield start
 
 
 @pytest_asyncio.fixture
 async def bare_tools() -> AsyncIterator[StartTools]:
     """Starts tools servers whose dependencies are closed ports unless given."""
-    servers: list[MeshServer] = []
-    channels = []
+    async with InProcess() as services:
 
-    async def start(
-        dependencies: dict[str, str] | None = None, **tools_settings: object
-    ) -> ToolsMesh:
-        dead = f"127.0.0.1:{free_port()}"
-        targets = {"retrieval": dead, "diffusion": dead, **(dependencies or {})}
-        tools = tools_server(targets, **tools_settings)
-        await tools_setup(tools)
-        await tools.start()
-        servers.append(tools)
-        channel = create_channel(f"127.0.0.1:{tools.port}", MeshSettings(), services=[SERVICE])
-        channels.append(channel)
-        return ToolsMesh(tools_pb2_grpc.ToolsServiceStub(channel), tools, targets["diffusion"])
+        async def start(
+            dependencies: dict[str, str] | None = None, **tools_settings: object
+        ) -> ToolsMesh:
+            dead = f"127.0.0.1:{free_port()}"
+            targets = {"retrieval": dead, "diffusion": dead, **(dependencies or {})}
+            return await serve_tools(services, targets, **tools_settings)
 
-    yield start
-    for channel in channels:
-        await channel.close()
-    for server in servers:
-        await server.drain(0)
+        yield start

@@ -38,6 +38,8 @@ from services.tools.settings import ToolsSettings
 from services.tools.tool import ToolContext, ToolDefinition, ToolOutput
 from tests.conftest import free_port
 
+pytestmark = pytest.mark.service
+
 
 class FakeContext:
     """What CallTool reads from a grpc.aio.ServicerContext: the invocation metadata."""

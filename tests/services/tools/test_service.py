@@ -19,7 +19,7 @@ from mesh.config import MeshSettings
 from mesh.errors import field_violations
 from tests.conftest import free_port
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="module")]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -1,0 +1,100 @@
+"""The generation router's validation as unit calls: every refusal names its field, and
+comes before any work (no tokenizer call, no engine call). The mesh path of a refusal
+(the error table, INVALID_ARGUMENT with field violations) is checked once, end to end,
+in test_generation_mesh.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from aimesh.llm.v1 import generation_pb2, sampling_pb2
+from mesh.failures import InvalidInput
+from services.generation.pipeline import Pipeline
+from services.generation.servicer import GenerationRouter
+from services.llm.settings import LlmSettings
+from tests.services.llm.conftest import MAX_BATCH, MAX_SEQ_LEN
+
+pytestmark = pytest.mark.unit
+
+
+class NoWork:
+    """Tokenizer and engine both: any call past validation fails the test. Options are
+    judged as the prefill+decode engine judges them (it supports every one)."""
+
+    unsupported = Pipeline.unsupported
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"{name} called for a request validation should refuse")
+
+
+BAD_REQUESTS = [
+    ({"prompt": ""}, "prompt"),
+    (
+        {"prompt": "hi", "stopping": sampling_pb2.StoppingCriteria(max_new_tokens=0)},
+        "stopping.max_new_tokens",
+    ),
+    (
+        {"prompt": "hi", "stopping": sampling_pb2.StoppingCriteria(max_new_tokens=-3)},
+        "stopping.max_new_tokens",
+    ),
+    (
+        {"prompt": "hi", "stopping": sampling_pb2.StoppingCriteria(max_new_tokens=10**6)},
+        "stopping.max_new_tokens",
+    ),
+    (
+        {"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(temperature=-0.5)},
+        "sampling.temperature",
+    ),
+    (
+        {"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(temperature=math.nan)},
+        "sampling.temperature",
+    ),
+    ({"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(top_p=0.0)}, "sampling.top_p"),
+    ({"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(top_p=1.5)}, "sampling.top_p"),
+    ({"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(top_k=-1)}, "sampling.top_k"),
+    ({"prompt": "hi", "model": "gpt-17"}, "model"),
+    (
+        {"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(repetition_penalty=1e-30)},
+        "sampling.repetition_penalty",
+    ),
+    ({"prompt": "hi", "request_id": "é"}, "request_id"),
+    (
+        {"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(choices=["a", "a"])},
+        "sampling.choices",
+    ),
+    (
+        {"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(choices=["a", ""])},
+        "sampling.choices[1]",
+    ),
+    (
+        {
+            "prompt": "hi",
+            "sampling": sampling_pb2.SamplingParameters(
+                choice_token_ids=[sampling_pb2.TokenIds(ids=[1])]
+            ),
+        },
+        "sampling.choice_token_ids",
+    ),
+    (
+        {
+            "prompt": "hi",
+            "sampling": sampling_pb2.SamplingParameters(choices=["a"]),
+            "stopping": sampling_pb2.StoppingCriteria(ignore_eos=True),
+        },
+        "stopping.ignore_eos",
+    ),
+]
+
+
+@pytest.mark.parametrize(("request_fields", "field"), BAD_REQUESTS)
+async def test_bad_input_is_refused_naming_the_field(request_fields, field):
+    router = GenerationRouter(
+        NoWork(), NoWork(), LlmSettings(max_seq_len=MAX_SEQ_LEN, max_batch_size=MAX_BATCH), "m"
+    )
+    request = generation_pb2.GenerateRequest(**request_fields)
+    with pytest.raises(InvalidInput) as refused:
+        async for _ in router.Generate(request, None):
+            pass
+    assert field in {violation.field for violation in refused.value.violations}
