@@ -1,7 +1,8 @@
 """Renders the per-service Kubernetes manifests and the prometheus-adapter rules.
 
 Each service's Deployment, headless Service, PodDisruptionBudget and HPA differ from the
-others only in name, port, size and scaling signal. Generated from the service registry
+others only in name, ports (gRPC, metrics, and HTTP where the service's settings have an
+`http_port`), size and scaling signal. Generated from the service registry
 (mesh.registry.discover()), the mounted config (k8s/base/aimesh.toml: ports, drain periods)
 and the SIZING table below, they cannot drift apart; tests/k8s fails when the committed
 output is stale.
@@ -22,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from mesh.config import MeshSettings, ServiceSettings
+from mesh.config import HttpServiceOptions, MeshSettings, ServiceSettings
 from mesh.registry import ServiceSpec, discover
 
 K8S = Path(__file__).resolve().parent
@@ -140,6 +141,17 @@ SIZING: dict[str, Sizing] = {
         gpu=True,
     ),
     "tools": Sizing("250m", "256Mi", "512Mi", startup_s=120, max_replicas=6),
+    # CPU only: its requests are streams that mostly wait on generation, so it scales on
+    # the admission slots they hold (256 per pod) as much as on CPU. Not ready before
+    # generation and the embedder are: their budget.
+    "gateway": Sizing(
+        "250m",
+        "256Mi",
+        "512Mi",
+        startup_s=600,
+        max_replicas=6,
+        scale_on=(PodsMetric(_IN_FLIGHT, "128"),),
+    ),
     "echo": Sizing("100m", "128Mi", "256Mi", startup_s=60, max_replicas=4),
 }
 
@@ -154,6 +166,17 @@ def load_settings(path: Path = CONFIG) -> MeshSettings:
 
 def termination_grace_s(service: ServiceSettings) -> int:
     return PRE_STOP_S + math.ceil(service.grace_s) + EXIT_MARGIN_S
+
+
+def http_port_of(spec: ServiceSpec, settings: MeshSettings) -> int | None:
+    """The port of the HTTP API a service serves beside gRPC (its options are a
+    mesh.config.HttpServiceOptions, e.g. the gateway's); None for a gRPC-only service."""
+    options = spec.load_options().of(settings, spec.name)
+    if not isinstance(options, HttpServiceOptions):
+        return None
+    if options.http_port == 0:
+        raise SystemExit(f"[services.{spec.name}] http_port = 0: a pod needs a fixed port")
+    return options.http_port
 
 
 def _labels(name: str) -> dict[str, str]:
@@ -186,6 +209,9 @@ def deployment(spec: ServiceSpec, settings: MeshSettings, sizing: Sizing) -> dic
     metrics_port = settings.metrics_port_of(name, spec.default_port)
     service = settings.service(name)
     ports = [{"name": "grpc", "containerPort": port}]
+    http_port = http_port_of(spec, settings)
+    if http_port:
+        ports.append({"name": "http", "containerPort": http_port})
     annotations = {}
     if metrics_port:
         ports.append({"name": "metrics", "containerPort": metrics_port})
@@ -277,6 +303,12 @@ def deployment(spec: ServiceSpec, settings: MeshSettings, sizing: Sizing) -> dic
 
 def headless_service(spec: ServiceSpec, settings: MeshSettings) -> dict[str, Any]:
     port = settings.port_of(spec.name, spec.default_port)
+    ports = [{"name": "grpc", "port": port, "targetPort": "grpc", "appProtocol": "grpc"}]
+    http_port = http_port_of(spec, settings)
+    if http_port:
+        ports.append(
+            {"name": "http", "port": http_port, "targetPort": "http", "appProtocol": "http"}
+        )
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -285,7 +317,7 @@ def headless_service(spec: ServiceSpec, settings: MeshSettings) -> dict[str, Any
         "spec": {
             "clusterIP": "None",
             "selector": _labels(spec.name),
-            "ports": [{"name": "grpc", "port": port, "targetPort": "grpc", "appProtocol": "grpc"}],
+            "ports": ports,
         },
     }
 

@@ -14,8 +14,13 @@ and readiness NAME on every service every 0.5 s, 1 s timeout, from a thread of t
 own so the fuzzer's own work cannot delay them: goal 0) and crashes (the process
 listening on a service's port went away or changed: goal 0). It exits 1 unless all are 0.
 
+A service whose gRPC side is only the runtime's (the gateway: health and GetInfo beside
+its OpenAI-compatible HTTP API, which this does not fuzz) has no RPC to call; its health
+checks and its process are watched like every other service's.
+
 Without --target it starts the whole mesh with `aimesh up` on free ports (a knowledge
-store of its own, diffusion with the digits model only), logs under var/fuzz/<time>/;
+store of its own, diffusion with the digits model only, the gateway's HTTP API on a free
+port too), logs under var/fuzz/<time>/;
 every INTERNAL/UNKNOWN is printed with its request and the services' error lines for its
 request id, and written to findings.jsonl there, which --replay sends again. The ERROR
 lines the services logged meanwhile are counted and listed too (not a goal-0 number:
@@ -541,6 +546,8 @@ async def started_mesh(log_dir: Path, ready_timeout_s: float = 300) -> AsyncIter
         "GRPC_VERBOSITY": "ERROR",
         "AIMESH_SERVICES__RETRIEVAL__PATH": str(store),
         "AIMESH_SERVICES__DIFFUSION__MODELS": "digits",
+        # Its HTTP API would take the fixed 8000 otherwise; 0: any free port.
+        "AIMESH_SERVICES__GATEWAY__HTTP_PORT": "0",
         **{f"AIMESH_SERVICES__{name.upper()}__PORT": str(port) for name, port in ports.items()},
         **{f"AIMESH_SERVICES__{name.upper()}__METRICS_PORT": "0" for name in names},
     }

@@ -96,6 +96,21 @@ class ServiceOptions(BaseModel):
         return decoded
 
 
+class HttpServiceOptions(ServiceOptions):
+    """The keys of a service that serves HTTP beside its gRPC port: the edge routes its
+    ServiceSpec.edge_http_paths to `http_port`, and Kubernetes exposes that port."""
+
+    http_port: int = Field(default=8000, ge=0, le=65535, description="0: any free port")
+    request_timeout_s: float = Field(
+        default=600.0, gt=0, description="budget of one HTTP request across every hop"
+    )
+    api_keys_file: Path | None = Field(
+        default=None,
+        description="the service checks API keys itself, from this file (re-read when it "
+        "changes); the edge then lets the Authorization header through. None: no keys",
+    )
+
+
 class BreakerSettings(BaseModel, frozen=True):
     window_size: int = Field(default=20, ge=1)
     minimum_calls: int = Field(default=10, ge=1)

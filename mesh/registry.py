@@ -43,6 +43,9 @@ class ServiceSpec:
     # Services this one calls, by name: MeshServer.channel_to hands out channels to these
     # only, so the call graph is written down in one place per service.
     dependencies: tuple[str, ...] = field(default=())
+    # HTTP paths the edge routes to the service's own HTTP listener as they are (its
+    # options must be a mesh.config.HttpServiceOptions); one ending in "/" is a prefix.
+    edge_http_paths: tuple[str, ...] = field(default=())
     # A diagnostic service (echo) is no part of a deployment: k8s/render.py leaves it out
     # of k8s/base and writes it to k8s/components/diagnostics for an overlay that wants it.
     diagnostic: bool = False

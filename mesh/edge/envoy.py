@@ -9,6 +9,13 @@ grpc-timeout is honoured up to the stream cap, and only methods the protos mark
 idempotent are retried on UNAVAILABLE. Per upstream: gRPC health checks on the service's
 readiness name, and outlier detection and circuit breakers sized from the same breaker
 and admission settings the in-process clients use.
+
+A service that serves HTTP beside gRPC (its ServiceSpec.edge_http_paths, on the
+`http_port` of its mesh.config.HttpServiceOptions) gets those paths routed to that port
+as plain HTTP/1.1, with the transcoder off, nothing buffered (server-sent events pass as
+they come) and a timeout as long as the service's own request budget. Where it checks
+API keys itself (its `api_keys_file`), the edge's key check is off on those routes too
+and `authorization` reaches it untouched.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.rpc import error_details_pb2, status_pb2
 
 from mesh import targets
-from mesh.config import MeshSettings
+from mesh.config import HttpServiceOptions, MeshSettings
 from mesh.edge import api
 from mesh.registry import ServiceSpec
 
@@ -44,22 +51,62 @@ ROUTER = {
     "name": "envoy.filters.http.router",
     "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
 }
+TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
+API_KEY_AUTH = "envoy.filters.http.api_key_auth"
+# An HTTP API answers its own timeout (in its own error shape) before the edge gives up.
+HTTP_TIMEOUT_MARGIN_S = 5.0
+
+
+@dataclass(frozen=True)
+class HttpApi:
+    """The HTTP API a service serves beside its gRPC port."""
+
+    paths: tuple[str, ...]  # ServiceSpec.edge_http_paths
+    port: int
+    own_keys: bool  # the service checks API keys itself: the edge lets them through
+    budget_s: float  # the longest one request may take, streams included
 
 
 @dataclass(frozen=True)
 class Upstream:
-    """One mesh service behind the edge (an Envoy cluster)."""
+    """One mesh service behind the edge (an Envoy cluster, two with an HTTP API)."""
 
     name: str  # also the readiness name its health checks ask for
     target: str  # what mesh clients dial: host:port, ipv4:a:p,b:p or dns:///host:port
     services: tuple[ServiceDescriptor, ...]
     requests_per_replica: int  # compute slots + queue: more is refused by admission anyway
+    http: HttpApi | None = None
+
+    @property
+    def http_cluster(self) -> str:
+        return f"{self.name}-http"
+
+
+def http_api(spec: ServiceSpec, settings: MeshSettings) -> HttpApi | None:
+    """The HTTP API `spec` declares (edge_http_paths), None if it declares none."""
+    if not spec.edge_http_paths:
+        return None
+    options = spec.load_options().of(settings, spec.name)
+    if not isinstance(options, HttpServiceOptions):
+        raise TypeError(f"{spec.name} declares edge_http_paths; its options need an http_port")
+    if options.http_port == 0:
+        raise ValueError(
+            f"[services.{spec.name}] http_port is 0 (any free port): the edge routes its "
+            "HTTP API to a fixed port, so set one"
+        )
+    return HttpApi(
+        paths=spec.edge_http_paths,
+        port=options.http_port,
+        own_keys=options.api_keys_file is not None,
+        budget_s=options.request_timeout_s,
+    )
 
 
 def upstreams_for(specs: list[ServiceSpec], settings: MeshSettings) -> list[Upstream]:
     upstreams = []
     for spec in specs:
-        if not spec.edge_services:
+        http = http_api(spec, settings)
+        if not spec.edge_services and http is None:
             continue
         service = settings.service(spec.name)
         slots = service.max_concurrency or spec.max_concurrency
@@ -69,8 +116,15 @@ def upstreams_for(specs: list[ServiceSpec], settings: MeshSettings) -> list[Upst
                 target=settings.target_of(spec.name, spec.default_port),
                 services=tuple(api.load_services(spec.edge_services)),
                 requests_per_replica=slots + service.max_queue,
+                http=http,
             )
         )
+    claimed: dict[str, str] = {}
+    for upstream in upstreams:
+        for path in upstream.http.paths if upstream.http else ():
+            if path in claimed:
+                raise ValueError(f"{claimed[path]} and {upstream.name} both claim {path}")
+            claimed[path] = upstream.name
     return upstreams
 
 
@@ -116,6 +170,27 @@ def _static_cluster(name: str, host: str, port: int, *, http2: bool) -> dict[str
     return cluster
 
 
+def _retry_policy(retry_on: str, settings: MeshSettings) -> dict[str, Any]:
+    client = settings.client
+    return {
+        "retry_on": retry_on,
+        "num_retries": client.retry_max_attempts - 1,
+        "retry_back_off": {
+            "base_interval": _seconds(client.retry_initial_backoff_s),
+            "max_interval": _seconds(client.retry_max_backoff_s),
+        },
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": _typed(
+                    "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                ),
+            }
+        ],
+        "host_selection_retry_max_attempts": 3,
+    }
+
+
 def route(method: api.EdgeMethod, cluster: str, settings: MeshSettings) -> dict[str, Any]:
     client = settings.client
     streaming = method.server_streaming or method.client_streaming
@@ -138,25 +213,44 @@ def route(method: api.EdgeMethod, cluster: str, settings: MeshSettings) -> dict[
                 "grpc_timeout_header_max": _seconds(client.default_stream_deadline_s),
                 "grpc_timeout_header_offset": _seconds(settings.edge.grpc_timeout_offset_s),
             },
-            "retry_policy": {
-                "retry_on": retry_on,
-                "num_retries": client.retry_max_attempts - 1,
-                "retry_back_off": {
-                    "base_interval": _seconds(client.retry_initial_backoff_s),
-                    "max_interval": _seconds(client.retry_max_backoff_s),
-                },
-                "retry_host_predicate": [
-                    {
-                        "name": "envoy.retry_host_predicates.previous_hosts",
-                        "typed_config": _typed(
-                            "envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
-                        ),
-                    }
-                ],
-                "host_selection_retry_max_attempts": 3,
-            },
+            "retry_policy": _retry_policy(retry_on, settings),
         },
     }
+
+
+def _disabled() -> dict[str, Any]:
+    """A route's typed_per_filter_config entry that turns an HTTP filter off there."""
+    return _typed("envoy.config.route.v3.FilterConfig", disabled=True)
+
+
+def http_routes(upstream: Upstream, settings: MeshSettings) -> list[dict[str, Any]]:
+    """`upstream`'s HTTP paths, to its HTTP API as they are."""
+    http = upstream.http
+    if http is None:
+        return []
+    # The transcoder never sees these requests (with reject_unknown_method it would
+    # answer 404); the key check only where the service does not check keys itself.
+    off = {TRANSCODER: _disabled()}
+    if http.own_keys:
+        off[API_KEY_AUTH] = _disabled()
+    limit = _seconds(http.budget_s + HTTP_TIMEOUT_MARGIN_S)
+
+    def to_http(match: dict[str, str]) -> dict[str, Any]:
+        action = {
+            "cluster": upstream.http_cluster,
+            # A server-sent event stream lasts as long as the generation: no response
+            # timeout; a non-streamed completion sends nothing until it is done, so the
+            # idle timeout (5 min by default) is the service's whole budget; the service
+            # answers its own timeout first.
+            "timeout": "0s",
+            "idle_timeout": limit,
+            "max_stream_duration": {"max_stream_duration": limit},
+            # A completion is no idempotent call: retried only when it never left Envoy.
+            "retry_policy": _retry_policy(NEVER_SENT, settings),
+        }
+        return {"match": match, "route": action, "typed_per_filter_config": dict(off)}
+
+    return [to_http({"prefix" if path.endswith("/") else "path": path}) for path in http.paths]
 
 
 def cluster(upstream: Upstream, settings: MeshSettings) -> dict[str, Any]:
@@ -224,6 +318,80 @@ def cluster(upstream: Upstream, settings: MeshSettings) -> dict[str, Any]:
     return config
 
 
+def http_cluster(upstream: Upstream, settings: MeshSettings) -> dict[str, Any]:
+    """`upstream`'s HTTP API: the hosts of its gRPC target on the HTTP port, spoken to in
+    HTTP/1.1 (what uvicorn serves), health-checked on its own readiness path."""
+    if upstream.http is None:
+        raise ValueError(f"{upstream.name} serves no HTTP API")
+    discovery, addresses = endpoints(upstream.target)
+    hosts = list(dict.fromkeys(host for host, _ in addresses))
+    breaker = settings.client.breaker
+    edge = settings.edge
+    replicas = len(hosts) if discovery == "STATIC" else edge.dns_replicas
+    queue = settings.service(upstream.name).max_queue
+    requests = upstream.requests_per_replica * replicas
+    config: dict[str, Any] = {
+        "name": upstream.http_cluster,
+        "type": discovery,
+        "connect_timeout": _seconds(edge.connect_timeout_s),
+        "lb_policy": "LEAST_REQUEST",
+        "load_assignment": {
+            "cluster_name": upstream.http_cluster,
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {"endpoint": {"address": _address(host, upstream.http.port)}}
+                        for host in hosts
+                    ]
+                }
+            ],
+        },
+        "health_checks": [
+            {
+                "timeout": "1s",
+                "interval": _seconds(edge.health_check_interval_s),
+                "unhealthy_threshold": 2,
+                "healthy_threshold": 1,
+                "http_health_check": {"path": "/health/ready"},
+            }
+        ],
+        # Its 5xx answers relay the mesh behind it (a 503 when generation is down, a 504
+        # past a deadline): every replica would answer the same, so they eject none. Only
+        # failures of the replica itself do: refused or reset connections, timeouts.
+        "outlier_detection": {
+            "split_external_local_origin_errors": True,
+            "consecutive_local_origin_failure": max(2, breaker.minimum_calls // 2),
+            "enforcing_consecutive_local_origin_failure": 100,
+            "enforcing_local_origin_success_rate": 0,
+            "enforcing_consecutive_5xx": 0,
+            "enforcing_consecutive_gateway_failure": 0,
+            "enforcing_success_rate": 0,
+            "enforcing_failure_percentage": 0,
+            "interval": "1s",
+            "base_ejection_time": _seconds(max(breaker.open_wait_s, 1.0)),
+            "max_ejection_percent": 50,
+        },
+        "circuit_breakers": {
+            "thresholds": [
+                {
+                    "priority": "DEFAULT",
+                    # HTTP/1.1: one connection per request in flight.
+                    "max_connections": requests,
+                    "max_requests": requests,
+                    "max_pending_requests": max(queue, 1) * replicas,
+                    "retry_budget": {
+                        "budget_percent": {"value": 20.0},
+                        "min_retry_concurrency": 3,
+                    },
+                }
+            ]
+        },
+    }
+    if discovery == "STRICT_DNS":
+        config["dns_lookup_family"] = "V4_PREFERRED"
+    return config
+
+
 def _access_log() -> list[dict[str, Any]]:
     fields = {
         "time": "%START_TIME%",
@@ -261,6 +429,23 @@ def _http_filters(
     every_request = {"numerator": 100, "denominator": "HUNDRED"}
     enabled = {"runtime_key": "edge_rate_limit.enabled", "default_value": every_request}
     enforced = {"runtime_key": "edge_rate_limit.enforced", "default_value": every_request}
+    services = [s.full_name for upstream in upstreams for s in upstream.services]
+    transcoder = {
+        "name": TRANSCODER,
+        "typed_config": _typed(
+            "envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder",
+            proto_descriptor_bin=base64.b64encode(descriptors).decode(),
+            services=services,
+            print_options={"always_print_primitive_fields": True},
+            convert_grpc_status=True,
+            request_validation_options={
+                "reject_unknown_method": True,
+                "reject_unknown_query_parameters": True,
+            },
+            max_request_body_size=max_body,
+            max_response_body_size=max_body,
+        ),
+    }
     return [
         # Before auth: load balancers and kubelet probe /healthz without a key.
         {
@@ -281,7 +466,7 @@ def _http_filters(
             "typed_config": _typed("envoy.extensions.filters.http.grpc_web.v3.GrpcWeb"),
         },
         {
-            "name": "envoy.filters.http.api_key_auth",
+            "name": API_KEY_AUTH,
             "typed_config": _typed(
                 "envoy.extensions.filters.http.api_key_auth.v3.ApiKeyAuth",
                 credentials=credentials,
@@ -305,22 +490,8 @@ def _http_filters(
                 rate_limited_as_resource_exhausted=True,
             ),
         },
-        {
-            "name": "envoy.filters.http.grpc_json_transcoder",
-            "typed_config": _typed(
-                "envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder",
-                proto_descriptor_bin=base64.b64encode(descriptors).decode(),
-                services=[s.full_name for upstream in upstreams for s in upstream.services],
-                print_options={"always_print_primitive_fields": True},
-                convert_grpc_status=True,
-                request_validation_options={
-                    "reject_unknown_method": True,
-                    "reject_unknown_query_parameters": True,
-                },
-                max_request_body_size=max_body,
-                max_response_body_size=max_body,
-            ),
-        },
+        # Only with gRPC services to transcode: a mesh fronted for its HTTP API alone has none.
+        *([transcoder] if services else []),
         {
             "name": "envoy.filters.http.grpc_stats",
             "typed_config": _typed(
@@ -405,7 +576,10 @@ def bootstrap(
 ) -> dict[str, Any]:
     """The whole Envoy config; `otlp_endpoint` turns on edge spans exported there."""
     if not upstreams:
-        raise ValueError("no service declares edge_services: nothing to put behind the edge")
+        raise ValueError(
+            "no service declares edge_services or serves an HTTP API: nothing to put behind "
+            "the edge"
+        )
     if not settings.edge.api_keys:
         raise ValueError("the edge needs at least one API key (edge.api_keys)")
     edge = settings.edge
@@ -420,6 +594,7 @@ def bootstrap(
         for upstream in upstreams
         for method in api.methods(upstream.services)
     ]
+    routes += [r for upstream in upstreams for r in http_routes(upstream, settings)]
     manager: dict[str, Any] = _typed(
         HTTP_CONNECTION_MANAGER,
         stat_prefix="edge",
@@ -444,7 +619,8 @@ def bootstrap(
         },
         http_filters=_http_filters(upstreams, settings, descriptors),
     )
-    clusters = [cluster(upstream, settings) for upstream in upstreams]
+    clusters = [cluster(upstream, settings) for upstream in upstreams if upstream.services]
+    clusters += [http_cluster(upstream, settings) for upstream in upstreams if upstream.http]
     clusters.append(_static_cluster(ADMIN_CLUSTER, "127.0.0.1", edge.admin_port, http2=False))
     if otlp_endpoint:
         manager["tracing"], collector = _tracing(otlp_endpoint)

@@ -3,15 +3,18 @@ the mesh settings the way the in-process clients are."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
+from google.api import annotations_pb2
 from pydantic import SecretStr
 
 from mesh.config import MeshSettings, ServiceSettings
-from mesh.edge import envoy
+from mesh.edge import api, envoy
 from mesh.registry import discover
 from tests.conftest import ROOT, VENV_BIN, subprocess_env
 
@@ -35,11 +38,65 @@ def assert_envoy_accepts(path: Path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def routes_of(config: dict) -> dict[str, dict]:
+# What HTTP/2 carries for a gRPC call: /package.Service/Method.
+GRPC_PATH = re.compile(r"/\w+(?:\.\w+)+/\w+")
+# The gateway's OpenAI-compatible API, as the `openai` SDK calls it.
+OPENAI_MATCHES = [
+    {"path": "/v1/chat/completions"},
+    {"path": "/v1/completions"},
+    {"path": "/v1/embeddings"},
+    {"path": "/v1/models"},
+    {"prefix": "/v1/models/"},
+]
+
+
+def manager_of(config: dict) -> dict:
     (listener, *_) = config["static_resources"]["listeners"]
-    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    (host,) = manager["route_config"]["virtual_hosts"]
-    return {route["match"]["path"]: route["route"] for route in host["routes"]}
+    return listener["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+def all_routes_of(config: dict) -> list[dict]:
+    (host,) = manager_of(config)["route_config"]["virtual_hosts"]
+    return host["routes"]
+
+
+def routes_of(config: dict) -> dict[str, dict]:
+    """The gRPC routes (JSON reaches them through the transcoder), by method path."""
+    return {
+        route["match"]["path"]: route["route"]
+        for route in all_routes_of(config)
+        if GRPC_PATH.fullmatch(route["match"].get("path", ""))
+    }
+
+
+def http_routes_of(config: dict) -> list[dict]:
+    """Every other route: the OpenAI-compatible paths to the gateway's HTTP API."""
+    return [r for r in all_routes_of(config) if not GRPC_PATH.fullmatch(r["match"].get("path", ""))]
+
+
+def clusters_of(config: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in config["static_resources"]["clusters"]}
+
+
+def endpoints_of(cluster: dict) -> list[tuple[str, int]]:
+    (group,) = cluster["load_assignment"]["endpoints"]
+    addresses = [e["endpoint"]["address"]["socket_address"] for e in group["lb_endpoints"]]
+    return [(a["address"], a["port_value"]) for a in addresses]
+
+
+def disabled_filters(route: dict) -> set[str]:
+    configs = route.get("typed_per_filter_config", {})
+    return {name for name, config in configs.items() if config.get("disabled")}
+
+
+def seconds(duration: str) -> float:
+    return float(duration.removesuffix("s"))
+
+
+def edge_config(settings: MeshSettings, *names: str) -> dict:
+    """The config for these services (`aimesh up --only ... --edge`); all when none named."""
+    specs = [discover()[name] for name in names] or list(discover().values())
+    return envoy.bootstrap(envoy.upstreams_for(specs, settings), settings)
 
 
 def test_the_real_envoy_accepts_the_config(settings, tmp_path):
@@ -63,6 +120,12 @@ def test_only_edge_services_are_routed(settings):
     for internal in ("DecodeService", "PrefillService", "KvCacheService", "TokenizerService",
                      "EchoService", "ServerReflection", "Health"):  # fmt: skip
         assert not any(internal in path for path in routes)
+    # Besides gRPC methods, only OpenAI's paths, to the gateway's HTTP API.
+    others = http_routes_of(
+        envoy.bootstrap(envoy.upstreams_for(list(discover().values()), settings), settings)
+    )
+    assert [route["match"] for route in others] == OPENAI_MATCHES
+    assert {route["route"]["cluster"] for route in others} == {"gateway-http"}
 
 
 def test_timeouts_and_retries_follow_the_protos_and_client_settings(settings):
@@ -146,6 +209,116 @@ def test_tracing_only_when_a_collector_is_named(settings):
     assert "tracing" not in json.dumps(quiet["static_resources"]["listeners"][0])
 
 
+def test_openai_paths_go_to_the_gateways_http_port_untranscoded(settings):
+    config = edge_config(settings)
+    budget_s = discover()["gateway"].load_options()().request_timeout_s
+    routes = http_routes_of(config)
+    assert [route["match"] for route in routes] == OPENAI_MATCHES
+    for route in routes:
+        action = route["route"]
+        assert action["cluster"] == "gateway-http"
+        # The transcoder never sees them; the gateway has no key file by default, so the
+        # edge's own key check stays on.
+        assert disabled_filters(route) == {envoy.TRANSCODER}
+        # Server-sent events: no response timeout, and neither the idle timeout nor the
+        # stream's cap cuts a request before the gateway's own budget does.
+        assert action["timeout"] == "0s"
+        assert seconds(action["idle_timeout"]) > budget_s
+        assert seconds(action["max_stream_duration"]["max_stream_duration"]) > budget_s
+        # A completion is no idempotent call: retried only when it never left Envoy.
+        assert action["retry_policy"]["retry_on"] == envoy.NEVER_SENT
+    # Nothing holds a response back until it ends.
+    filters = [f["name"] for f in manager_of(config)["http_filters"]]
+    assert not [name for name in filters if "buffer" in name or "compressor" in name]
+    clusters = clusters_of(config)
+    http = clusters["gateway-http"]
+    assert endpoints_of(http) == [("127.0.0.1", 8000)]
+    # HTTP/1.1, what uvicorn speaks; health from the gateway's own readiness path.
+    assert "typed_extension_protocol_options" not in http
+    assert http["health_checks"][0]["http_health_check"] == {"path": "/health/ready"}
+    # Its 5xx relay the mesh behind it: only a replica's own failures eject it.
+    outlier = http["outlier_detection"]
+    assert outlier["split_external_local_origin_errors"] is True
+    assert outlier["enforcing_consecutive_local_origin_failure"] == 100
+    assert outlier["enforcing_consecutive_5xx"] == 0
+    assert outlier["enforcing_consecutive_gateway_failure"] == 0
+    # The gateway's gRPC port answers health and GetInfo only: nothing routes there.
+    assert "gateway" not in clusters
+
+
+def test_the_transcoders_json_routes_stay_with_the_transcoder(settings):
+    """The JSON routes share /v1/ with OpenAI's paths (/v1/chat beside /v1/chat/
+    completions): none of them may match a route to the gateway, which the transcoder
+    would then skip."""
+    openai = [route["match"] for route in http_routes_of(edge_config(settings))]
+    names = [name for spec in discover().values() for name in spec.edge_services]
+    paths = []
+    for service in api.load_services(names):
+        for method in service.methods:
+            rule = method.GetOptions().Extensions[annotations_pb2.http]
+            pattern = rule.WhichOneof("pattern")
+            if pattern:
+                paths.append(re.sub(r"\{(\w+)[^}]*\}", r"\1", getattr(rule, pattern)))
+    assert "/v1/chat" in paths and len(paths) >= 10
+    for path in paths:
+        for match in openai:
+            assert path != match.get("path") and not path.startswith(match.get("prefix", "~"))
+
+
+def test_a_gateway_that_checks_keys_gets_the_authorization_header(settings, tmp_path):
+    """With its own key file the gateway is the authority on its paths: the edge's check,
+    which would refuse an OpenAI key and hide the header, is off there only."""
+    settings.services["gateway"] = ServiceSettings(api_keys_file=str(tmp_path / "keys.json"))
+    config = edge_config(settings)
+    for route in http_routes_of(config):
+        assert disabled_filters(route) == {envoy.TRANSCODER, envoy.API_KEY_AUTH}
+    assert routes_of(config)
+    for route in all_routes_of(config):
+        if route not in http_routes_of(config):
+            assert not disabled_filters(route), route["match"]
+    path = tmp_path / "envoy.yaml"
+    path.write_text(json.dumps(config))
+    assert_envoy_accepts(path)
+
+
+def test_openai_paths_only_when_the_gateway_runs(settings):
+    without = edge_config(settings, "generation", "embedder")
+    assert not http_routes_of(without)
+    assert not [name for name in clusters_of(without) if name.endswith("-http")]
+    alone = edge_config(settings, "gateway")
+    assert not routes_of(alone)
+    assert [route["match"] for route in http_routes_of(alone)] == OPENAI_MATCHES
+    # No gRPC service to transcode: no transcoder at all, and the real Envoy agrees.
+    filters = [f["name"] for f in manager_of(alone)["http_filters"]]
+    assert envoy.TRANSCODER not in filters and envoy.API_KEY_AUTH in filters
+
+
+def test_the_real_envoy_accepts_the_gateway_alone(settings, tmp_path):
+    path = tmp_path / "envoy.yaml"
+    path.write_text(json.dumps(edge_config(settings, "gateway")))
+    assert_envoy_accepts(path)
+
+
+def test_gateway_replicas_are_reached_on_their_http_port(settings):
+    settings.services["gateway"] = ServiceSettings(
+        target="ipv4:127.0.0.1:7001,127.0.0.2:7002", http_port=9000, max_queue=4
+    )
+    (http,) = [c for c in edge_config(settings, "gateway")["static_resources"]["clusters"]
+               if c["name"] == "gateway-http"]  # fmt: skip
+    assert http["type"] == "STATIC"
+    assert endpoints_of(http) == [("127.0.0.1", 9000), ("127.0.0.2", 9000)]
+    (thresholds,) = http["circuit_breakers"]["thresholds"]
+    slots = discover()["gateway"].max_concurrency
+    # HTTP/1.1: a connection per request in flight.
+    assert thresholds["max_requests"] == thresholds["max_connections"] == (slots + 4) * 2
+
+
+def test_the_edge_needs_the_gateways_http_port_fixed(settings):
+    settings.services["gateway"] = ServiceSettings(http_port=0)
+    with pytest.raises(ValueError, match="http_port"):
+        edge_config(settings)
+
+
 def test_the_kubernetes_edge_config_validates(tmp_path):
     """What the edge pod's init container renders from k8s/base/aimesh.toml."""
     config = tmp_path / "envoy.yaml"
@@ -171,4 +344,13 @@ def test_the_kubernetes_edge_config_validates(tmp_path):
         ".svc.cluster.local"
     )
     assert clusters["otel_collector"]["type"] == "STRICT_DNS"
+    assert clusters["gateway-http"]["type"] == "STRICT_DNS"
+    assert endpoints_of(clusters["gateway-http"]) == [("gateway.aimesh.svc.cluster.local", 8000)]
     assert_envoy_accepts(config)
+
+
+def test_two_services_claiming_one_http_path_are_refused(settings):
+    gateway = discover()["gateway"]
+    twin = dataclasses.replace(gateway, name="gateway-twin", default_port=50121)
+    with pytest.raises(ValueError, match="both claim /v1/chat/completions"):
+        envoy.upstreams_for([gateway, twin], settings)

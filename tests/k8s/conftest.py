@@ -28,6 +28,9 @@ K8S = ROOT / "k8s"
 OVERLAYS = ("cpu", "gpu", "gpu-triton")
 NAMESPACE = "aimesh"
 GPU_SERVICES = {"prefill", "decode", "diffusion"}
+# Mesh services that also serve HTTP (the gateway's OpenAI-compatible API, on its
+# `http_port`): a second port of their Service, and the edge routes to it.
+HTTP_SERVICES = frozenset({"gateway"})
 # Mesh services an overlay does not run: in gpu-triton the generation router streams from
 # Triton and nothing calls prefill or decode, so k8s/components/triton deletes them.
 NOT_DEPLOYED = {"gpu-triton": frozenset({"prefill", "decode"})}

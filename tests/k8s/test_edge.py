@@ -16,6 +16,7 @@ from mesh import tracing
 from mesh.edge import envoy
 from mesh.registry import discover
 from tests.k8s.conftest import (
+    HTTP_SERVICES,
     K8S,
     NAMESPACE,
     containers,
@@ -74,7 +75,8 @@ def test_every_upstream_of_the_rendered_config_is_a_service_of_the_overlay(
 ):
     """Envoy's clusters, from the config the init container renders with its pod's settings
     and environment, each lead to a port of a Service this overlay deploys: every mesh
-    service with an edge API, and the collector."""
+    service with an edge API or an HTTP API (the gateway's, on its HTTP port), and the
+    collector."""
     deployment, render, _ = edge(overlay)
     settings = pod_settings(
         overlay, deployment, render, monkeypatch, tmp_path, AIMESH_EDGE__API_KEYS='["key"]'
@@ -102,8 +104,16 @@ def test_every_upstream_of_the_rendered_config_is_a_service_of_the_overlay(
                 assert name in services, f"{cluster['name']} leads to {host}: no such Service"
                 assert port in [p["port"] for p in services[name]["spec"]["ports"]], host
                 reached.add(name)
-    fronted = {name for name, spec in discover().items() if spec.edge_services}
+    fronted = {name for name, spec in discover().items() if spec.edge_services} | HTTP_SERVICES
     assert reached == (fronted & deployed) | {"otel-collector"}
+    # The OpenAI-compatible API reaches the gateway's HTTP port, not its gRPC one.
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    for name in HTTP_SERVICES & deployed:
+        (group,) = clusters[f"{name}-http"]["load_assignment"]["endpoints"]
+        ports = {
+            e["endpoint"]["address"]["socket_address"]["port_value"] for e in group["lb_endpoints"]
+        }
+        assert ports == {settings.service(name).own()["http_port"]}, name
 
 
 def test_api_keys_come_from_the_secret(overlay):

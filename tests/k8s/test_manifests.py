@@ -15,6 +15,7 @@ from services.llm.settings import llm_settings
 from services.retrieval.settings import retrieval_settings
 from tests.k8s.conftest import (
     GPU_SERVICES,
+    HTTP_SERVICES,
     K8S,
     NAMESPACE,
     NOT_DEPLOYED,
@@ -92,6 +93,26 @@ def test_every_grpc_probe_names_a_real_service_on_its_port(overlay, deployed):
     assert probed == 3 * len(deployed)
 
 
+def test_http_apis_listen_on_every_interface_on_a_declared_port(overlay, deployed):
+    """The gateway's HTTP listener follows its service's host (0.0.0.0 in a pod, or the
+    kubelet and the edge could not reach it) on the port its container and Service name."""
+    services = config_toml()["services"]
+    deployments = of_kind(overlay, "Deployment")
+    assert deployed >= HTTP_SERVICES
+    for name in HTTP_SERVICES:
+        settings = services[name]
+        assert settings["host"] == "0.0.0.0"
+        (container,) = containers(deployments[name])
+        assert {"name": "http", "containerPort": settings["http_port"]} in container["ports"]
+        service = of_kind(overlay, "Service")[name]
+        assert {
+            "name": "http",
+            "port": settings["http_port"],
+            "targetPort": "http",
+            "appProtocol": "http",
+        } in service["spec"]["ports"]
+
+
 def test_termination_grace_covers_prestop_and_drain(overlay):
     services = config_toml()["services"]
     for name, deployment in mesh_deployments(overlay).items():
@@ -118,10 +139,16 @@ def test_every_service_port_reaches_a_container_port(overlay):
 
 def test_mesh_services_are_headless_and_the_edge_is_not(overlay, deployed):
     services = of_kind(overlay, "Service")
+    http_ports = {
+        n: s["http_port"] for n, s in config_toml()["services"].items() if "http_port" in s
+    }
     for name in deployed:
         assert services[name]["spec"]["clusterIP"] == "None", name
-        (port,) = services[name]["spec"]["ports"]
+        port, *http = services[name]["spec"]["ports"]
         assert port["port"] == SPECS[name].default_port
+        # Only a service with an HTTP API has a second port: that API's, as configured.
+        expected = [http_ports[name]] if name in HTTP_SERVICES else []
+        assert [(p["name"], p["port"]) for p in http] == [("http", p) for p in expected], name
     assert services["edge"]["spec"].get("clusterIP") != "None"
     assert [p["port"] for p in services["edge"]["spec"]["ports"]] == [8080]
 

@@ -36,7 +36,8 @@ def test_diagnostic_services_stay_out_of_the_base():
 def test_a_service_without_sizing_fails_the_render(monkeypatch):
     render = load_render()
     specs = discover()
-    extra = dataclasses.replace(specs["echo"], name="newcomer", default_port=50110)
+    extra = dataclasses.replace(specs["echo"], name="newcomer", default_port=50120)
+    assert 50120 not in {spec.default_port for spec in specs.values()}
     monkeypatch.setattr(render, "discover", lambda: {**specs, "newcomer": extra})
     with pytest.raises(SystemExit, match="newcomer"):
         render.render()

@@ -1,0 +1,102 @@
+"""The HTTP API: FastAPI routes over the completions, embeddings and catalog handlers,
+behind the Front layer (request id, span, budget, key, metrics), with every error in
+OpenAI's shape. FastAPI/Starlette on uvicorn (httptools) is what vLLM, SGLang and
+Triton's OpenAI frontend run: pydantic request models, and an ASGI server whose
+disconnects reach the app."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp
+
+from services.gateway.catalog import Catalog
+from services.gateway.completions import Completions
+from services.gateway.embeddings import Embeddings
+from services.gateway.errors import ApiError, from_validation, model_not_found
+from services.gateway.front import PRINCIPAL, Front
+from services.gateway.keys import KeyStore, OpenAccess, Principal
+from services.gateway.openai_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+)
+
+_HTTP_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
+
+
+def _principal(request: Request) -> Principal:
+    return request.scope[PRINCIPAL]
+
+
+def build_app(
+    *,
+    completions: Completions,
+    embeddings: Embeddings,
+    catalog: Catalog,
+    keys: KeyStore | OpenAccess,
+    budget_s: float,
+    ready: Callable[[], bool],
+) -> ASGIApp:
+    """The whole ASGI app; `ready()` says whether the gateway can serve now."""
+    app = FastAPI(title="aimesh gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
+        return from_validation(error.errors()).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        kind = _HTTP_TYPES.get(error.status_code, "invalid_request_error")
+        return ApiError(error.status_code, str(error.detail), type=kind).response()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return completions.chat(body, _principal(request))
+
+    @app.post("/v1/completions")
+    async def text_completions(body: CompletionRequest, request: Request) -> Response:
+        return completions.completion(body, _principal(request))
+
+    @app.post("/v1/embeddings")
+    async def embed(body: EmbeddingRequest, request: Request) -> Response:
+        return embeddings.embed(body, _principal(request))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, object]:
+        return {"object": "list", "data": catalog.as_openai()}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, object]:
+        for entry in catalog.as_openai():
+            if entry["id"] == model:
+                return entry
+        raise model_not_found(model, [str(entry["id"]) for entry in catalog.as_openai()])
+
+    @app.get("/health/live")
+    async def live() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/health")
+    @app.get("/health/ready")
+    async def health() -> JSONResponse:
+        if ready():
+            return JSONResponse({"status": "ok"})
+        return ApiError(
+            503, "not ready: a dependency is not serving", type="service_unavailable_error"
+        ).response()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    return Front(app, keys, budget_s)

@@ -1,0 +1,58 @@
+"""Which models the gateway serves, and whether it can serve now: read from the
+dependencies themselves (readiness, and GetInfo's model names), never configured twice.
+
+The generation service's models answer chat and completions, the embedder's answer
+embeddings. A dependency that restarts with another model is seen at the next refresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from mesh.health import probe
+from mesh.info import get_info
+
+# Dependency -> the API surface its models serve.
+SURFACES = {"generation": "chat", "embedder": "embedding"}
+
+
+@dataclass
+class Catalog:
+    """Model names by surface, and whether every dependency was ready at the last look."""
+
+    targets: dict[str, str]
+    models: dict[str, list[str]] = field(default_factory=dict)
+    ready: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def serving(self, surface: str) -> list[str]:
+        return self.models.get(surface, [])
+
+    async def _look(self, name: str, target: str) -> list[str] | None:
+        """The dependency's model names when it is ready; None when it is not. The probes
+        go around the mesh channel (as the generation router's do), so a dependency still
+        starting trips no circuit breaker."""
+        ready, info = await asyncio.gather(probe(target, name), get_info(target))
+        if ready != "SERVING" or info is None or not info.models:
+            return None
+        return [model.name for model in info.models]
+
+    async def refresh(self) -> bool:
+        """Reads every dependency once; ready only if all of them are."""
+        names = list(self.targets)
+        looks = await asyncio.gather(*(self._look(n, self.targets[n]) for n in names))
+        for name, found in zip(names, looks, strict=True):
+            if found is not None:
+                self.models[SURFACES[name]] = found
+        self.ready = all(found is not None for found in looks)
+        return self.ready
+
+    def as_openai(self) -> list[dict[str, object]]:
+        """GET /v1/models: every model once."""
+        names = dict.fromkeys(n for surface in SURFACES.values() for n in self.serving(surface))
+        return [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "aimesh"}
+            for name in names
+        ]

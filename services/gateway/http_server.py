@@ -1,0 +1,63 @@
+"""Uvicorn serving the app inside the mesh server's own event loop, so the HTTP requests
+and the mesh channels they call share one loop (grpc.aio channels belong to the loop
+they were made in) and the process has one lifecycle: MeshServer owns SIGTERM, and the
+HTTP side drains in its shutdown hook, within the service's grace period."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+from starlette.types import ASGIApp
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """Uvicorn would take SIGTERM and SIGINT from MeshServer; it must not."""
+        yield
+
+
+class HttpServer:
+    def __init__(self, app: ASGIApp, host: str, port: int, grace_s: float) -> None:
+        self.config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            http="httptools",
+            ws="none",
+            lifespan="off",
+            # Logs go through the process's JSON handler; an access log would add nothing
+            # the metrics and spans lack.
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=grace_s,
+        )
+        self.server = _Server(self.config)
+        self.port = 0
+        self.draining = False
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> asyncio.Task[None]:
+        """Binds now (the port is known at once, also when 0 was asked for) and serves
+        in a task, which the caller should watch."""
+        # Bound here rather than by uvicorn, whose bind_socket exits the process on failure.
+        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
+        sock = socket.create_server((self.config.host, self.config.port), family=family)
+        self.port = sock.getsockname()[1]
+        self.task = asyncio.create_task(self.server.serve(sockets=[sock]), name="http")
+        log.info("http listening", extra={"address": f"{self.config.host}:{self.port}"})
+        return self.task
+
+    async def stop(self) -> None:
+        """Stops accepting, lets requests in flight finish within the grace period."""
+        self.draining = True
+        if self.task is not None:
+            self.server.should_exit = True
+            await self.task

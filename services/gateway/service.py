@@ -1,0 +1,77 @@
+"""The gateway process: a MeshServer (gRPC health, GetInfo, metrics, JSON logs, drain)
+that also serves the OpenAI HTTP API, calling generation and the embedder through its
+mesh channels (trace, request id, deadline, breaker).
+
+Liveness answers as soon as the process listens, the HTTP /health/live too; readiness
+(gRPC and /health/ready) waits until every dependency is ready and has said which
+models it serves, then follows them (a dependency down makes the gateway unready).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aimesh.llm.v1 import generation_pb2_grpc
+from aimesh.retrieval.v1 import embedder_pb2_grpc
+from mesh.server import MeshServer
+from services.gateway.admission import Slots
+from services.gateway.app import build_app
+from services.gateway.catalog import SURFACES, Catalog
+from services.gateway.completions import GENERATION, Completions
+from services.gateway.embeddings import EMBEDDER, Embeddings
+from services.gateway.http_server import HttpServer
+from services.gateway.keys import KeyStore, OpenAccess
+from services.gateway.settings import GatewayOptions
+
+log = logging.getLogger(__name__)
+
+
+async def setup(server: MeshServer) -> HttpServer:
+    options = server.options_as(GatewayOptions)
+    catalog = Catalog({name: server.dependency_target(name) for name in SURFACES})
+    slots = Slots(server.admission)
+    completions = Completions(
+        generation_pb2_grpc.GenerationServiceStub(server.channel_to("generation", GENERATION)),
+        catalog,
+        slots,
+        options.send_timeout_s,
+    )
+    embeddings = Embeddings(
+        embedder_pb2_grpc.EmbedderServiceStub(server.channel_to("embedder", EMBEDDER)),
+        catalog,
+        slots,
+        options.send_timeout_s,
+    )
+    if options.api_keys_file is None:
+        log.warning("no api_keys_file: every HTTP caller is the tenant 'anonymous'")
+        keys: KeyStore | OpenAccess = OpenAccess()
+    else:
+        keys = KeyStore(options.api_keys_file)
+    service = server.settings.service(server.name)
+    http = HttpServer(
+        build_app(
+            completions=completions,
+            embeddings=embeddings,
+            catalog=catalog,
+            keys=keys,
+            budget_s=options.request_timeout_s,
+            ready=lambda: catalog.ready and not http.draining,
+        ),
+        service.host,
+        options.http_port,
+        service.grace_s,
+    )
+
+    async def listen() -> None:
+        server.watch(await http.start())
+
+    async def wait_for_dependencies() -> None:
+        while not await catalog.refresh():  # noqa: ASYNC110
+            await asyncio.sleep(options.poll_interval_s)
+
+    server.add_warmup(listen)
+    server.add_warmup(wait_for_dependencies)
+    server.add_readiness_probe(catalog.refresh)
+    server.add_shutdown(http.stop)
+    return http

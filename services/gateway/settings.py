@@ -1,0 +1,21 @@
+"""The gateway's own settings ([services.gateway] in the mesh config)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from mesh.config import HttpServiceOptions
+
+
+class GatewayOptions(HttpServiceOptions):
+    """[services.gateway]. The HTTP API listens on the service's `host` (loopback unless
+    set), beside the gRPC port that answers health and GetInfo. Its `api_keys_file` holds
+    hashed keys (services/gateway/keys.py); without one every caller is the tenant
+    'anonymous'."""
+
+    # A client that stops reading would otherwise hold its decode slot and KV lease while
+    # the socket buffers fill; past this, the stream is cancelled like a disconnect.
+    send_timeout_s: float = Field(default=30.0, gt=0)
+    poll_interval_s: float = Field(
+        default=1.0, gt=0, description="how often the dependencies' readiness and models are read"
+    )

@@ -1,0 +1,102 @@
+"""Gateway fixtures: the gateway in this process, in front of scripted stand-ins for
+generation and the embedder (tests/services/gateway/fakes.py), over real loopback."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from mesh.config import MeshSettings, ServiceSettings
+from mesh.server import MeshServer
+from services.gateway.keys import digest
+from services.gateway.service import setup
+from tests.services.gateway.fakes import (
+    FakeEmbedder,
+    FakeGeneration,
+    fake_embedder,
+    fake_generation,
+)
+
+# key -> (tenant, scopes)
+KEYS = {
+    "sk-everything": ("acme", ["generate", "embed"]),
+    "sk-embed-only": ("embedco", ["embed"]),
+}
+KEY = "sk-everything"
+
+
+def write_keys(path: Path, keys: dict[str, tuple[str, list[str]]]) -> None:
+    entries = [
+        {"sha256": digest(key), "tenant": tenant, "scopes": scopes}
+        for key, (tenant, scopes) in keys.items()
+    ]
+    path.write_text(json.dumps({"keys": entries}))
+
+
+@dataclass
+class Gateway:
+    server: MeshServer
+    url: str
+    generation: FakeGeneration
+    embedder: FakeEmbedder
+    keys_file: Path
+    clients: list[openai.AsyncOpenAI] = field(default_factory=list)
+
+    def sdk(self, key: str = KEY, max_retries: int = 0) -> openai.AsyncOpenAI:
+        """The real openai SDK (retries off unless asked for, so that a test sees the
+        first answer), closed with the gateway."""
+        client = openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=max_retries)
+        self.clients.append(client)
+        return client
+
+    def http(self, key: str | None = KEY) -> httpx.AsyncClient:
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=30)
+
+
+async def start_gateway(
+    tmp_path: Path, **gateway_settings: object
+) -> tuple[Gateway, list[MeshServer]]:
+    generation, embedder = FakeGeneration(), FakeEmbedder()
+    fakes = [await fake_generation(generation), await fake_embedder(embedder)]
+    keys_file = tmp_path / "keys.json"
+    write_keys(keys_file, KEYS)
+    settings = MeshSettings(
+        services={
+            "gateway": ServiceSettings(
+                metrics_port=0,
+                grace_s=2,
+                dependencies={
+                    "generation": f"127.0.0.1:{fakes[0].port}",
+                    "embedder": f"127.0.0.1:{fakes[1].port}",
+                },
+                http_port=0,
+                api_keys_file=str(keys_file),
+                poll_interval_s=0.05,
+                **gateway_settings,
+            )
+        }
+    )
+    server = MeshServer.for_service("gateway", settings, port=0)
+    http = await setup(server)
+    await server.start()
+    url = f"http://127.0.0.1:{http.port}"
+    return Gateway(server, url, generation, embedder, keys_file), [server, *fakes]
+
+
+@pytest.fixture
+async def gateway(tmp_path) -> AsyncIterator[Gateway]:
+    started, servers = await start_gateway(tmp_path)
+    try:
+        yield started
+    finally:
+        for client in started.clients:
+            await client.close()
+        for server in servers:
+            await server.drain(0)

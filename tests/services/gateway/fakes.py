@@ -1,0 +1,149 @@
+"""Stand-ins for the generation service and the embedder, served by real MeshServers on
+loopback: the gateway's HTTP surface is checked against scripted streams, statuses and
+cancellations that the real model cannot be made to produce on demand.
+
+The last message (chat) or the prompt (completions) picks the script:
+  "refuse:<CODE>"  the call fails at once with that gRPC code (RetryInfo on
+                   RESOURCE_EXHAUSTED, a field violation on INVALID_ARGUMENT)
+  "midstream"      one chunk, then UNAVAILABLE
+  "forever"        a chunk every 20 ms until cancelled
+  "stall"          nothing until cancelled
+  anything else    "Hello, world!" in four chunks (two with max_new_tokens=2)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from aimesh.common.v1 import common_pb2
+from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
+from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
+from mesh.config import MeshSettings, ServiceSettings
+from mesh.errors import abort, status
+from mesh.failures import FieldViolation, InvalidInput
+from mesh.info import ModelInfo
+from mesh.server import MeshServer
+
+LLM = "fake-llm"
+EMBEDDING_MODEL = "fake-embed"
+WORDS = ["Hello", ",", " world", "!"]
+GENERATION = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
+EMBEDDER = embedder_pb2.DESCRIPTOR.services_by_name["EmbedderService"]
+
+
+def vector(text: str) -> list[float]:
+    return [float(len(text)), float(sum(map(ord, text)) % 97), 0.5]
+
+
+class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
+    def __init__(self) -> None:
+        self.requests: list[object] = []
+        self.metadata: list[dict[str, str]] = []
+        self.cancelled = 0
+        self.running = 0
+
+    async def Chat(self, request, context):
+        async for message in self._script(request.messages[-1].content, request, context):
+            yield generation_pb2.ChatResponse(**message)
+
+    async def Generate(self, request, context):
+        async for message in self._script(request.prompt, request, context):
+            yield generation_pb2.GenerateResponse(**message)
+
+    async def _script(self, text: str, request, context) -> AsyncIterator[dict]:
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+        self.running += 1
+        try:
+            async for message in self._messages(text, request, context):
+                yield message
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.running -= 1
+
+    async def _messages(self, text: str, request, context) -> AsyncIterator[dict]:
+        if text.startswith("refuse:"):
+            code = grpc.StatusCode[text.removeprefix("refuse:")]
+            await abort(context, refusal(code))
+        if text == "stall":
+            await asyncio.Event().wait()
+        if text == "forever":
+            while True:
+                yield {"chunk": generation_pb2.GenerationChunk(text="la ", token_ids=[1])}
+                await asyncio.sleep(0.02)
+        if text == "midstream":
+            yield {"chunk": generation_pb2.GenerationChunk(text="partial", token_ids=[1])}
+            await abort(context, status(grpc.StatusCode.UNAVAILABLE, "decode died", reason="GONE"))
+        limit = (
+            request.stopping.max_new_tokens if request.stopping.HasField("max_new_tokens") else 9
+        )
+        words = WORDS[:limit]
+        for word in words:
+            yield {"chunk": generation_pb2.GenerationChunk(text=word, token_ids=[7])}
+        reason = (
+            sampling_pb2.FINISH_REASON_LENGTH
+            if len(words) < len(WORDS)
+            else sampling_pb2.FINISH_REASON_EOS
+        )
+        prompt_tokens = len(text.split())
+        yield {
+            "complete": generation_pb2.GenerationComplete(
+                finish_reason=reason,
+                usage=common_pb2.Usage(
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=len(words),
+                    total_tokens=prompt_tokens + len(words),
+                ),
+                model=LLM,
+            )
+        }
+
+
+def refusal(code: grpc.StatusCode) -> grpc.Status:
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        violation = FieldViolation("stopping.max_new_tokens", "exceeds the context window")
+        return status(code, "bad", reason="INVALID_INPUT", violations=[violation])
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return status(code, "busy", reason="QUEUE_FULL", retry_after_s=2.5)
+    return status(code, f"secret internals of {code.name}", reason=code.name)
+
+
+class FakeEmbedder(embedder_pb2_grpc.EmbedderServiceServicer):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def Embed(self, request, context):
+        self.calls += 1
+        for i, text in enumerate(request.inputs):
+            if text == "refuse":
+                raise InvalidInput([FieldViolation(f"inputs[{i}]", "must not say refuse")])
+        return embedder_pb2.EmbedResponse(
+            embeddings=[embedder_pb2.Embedding(values=vector(t)) for t in request.inputs],
+            dimensions=3,
+            model=EMBEDDING_MODEL,
+            usage=common_pb2.Usage(prompt_tokens=len(request.inputs)),
+        )
+
+
+async def serve_fake(name: str, register, servicer, service, model: str) -> MeshServer:
+    settings = MeshSettings(services={name: ServiceSettings(metrics_port=0)})
+    server = MeshServer(name, settings, port=0, default_max_concurrency=64)
+    server.add_service(register, servicer, service)
+    server.describe(ModelInfo(name=model))
+    await server.start()
+    return server
+
+
+async def fake_generation(servicer: FakeGeneration) -> MeshServer:
+    register = generation_pb2_grpc.add_GenerationServiceServicer_to_server
+    return await serve_fake("generation", register, servicer, GENERATION, LLM)
+
+
+async def fake_embedder(servicer: FakeEmbedder) -> MeshServer:
+    register = embedder_pb2_grpc.add_EmbedderServiceServicer_to_server
+    return await serve_fake("embedder", register, servicer, EMBEDDER, EMBEDDING_MODEL)

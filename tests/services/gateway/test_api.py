@@ -1,0 +1,435 @@
+"""The gateway's OpenAI surface against scripted stand-ins for generation and the
+embedder (real MeshServers on loopback): the SSE contract, the error table, parameters
+refused by name, keys and scopes, embeddings batching, and cancellation when the client
+goes away. The real model behind it: test_llm_gateway.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from services.gateway.keys import digest
+from tests.conftest import eventually, metric
+from tests.services.gateway.conftest import KEYS, start_gateway, write_keys
+from tests.services.gateway.fakes import EMBEDDING_MODEL, LLM, vector
+
+pytestmark = pytest.mark.service
+
+USER = [{"role": "user", "content": "hi there"}]
+
+
+def chat(content: str = "hi there", **extra) -> dict:
+    return {"model": LLM, "messages": [{"role": "user", "content": content}], **extra}
+
+
+async def sse_events(response: httpx.Response) -> list[str]:
+    """The raw `data:` payloads of a stream, checking the framing of each event."""
+    body = b"".join([part async for part in response.aiter_raw()]).decode()
+    assert body.endswith("\n\n")
+    events = body[:-2].split("\n\n")
+    assert all(event.startswith("data: ") and "\n" not in event for event in events)
+    return [event.removeprefix("data: ") for event in events]
+
+
+async def stream(gateway, path: str, body: dict) -> list[str]:
+    async with gateway.http() as client, client.stream("POST", path, json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return await sse_events(response)
+
+
+async def test_a_streamed_chat_follows_openais_event_contract(gateway):
+    events = await stream(
+        gateway, "/v1/chat/completions", chat(stream=True, stream_options={"include_usage": True})
+    )
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert len({chunk["id"] for chunk in chunks}) == 1
+    assert chunks[0]["id"].startswith("chatcmpl-")
+    assert {chunk["object"] for chunk in chunks} == {"chat.completion.chunk"}
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:-1])
+    finished = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [c["choices"][0]["finish_reason"] for c in finished] == ["stop"]
+    *content, usage = chunks
+    assert usage["choices"] == []
+    assert usage["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+    assert all(chunk["usage"] is None for chunk in content)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in content)
+    assert text == "Hello, world!"
+
+
+async def test_without_include_usage_there_is_no_usage_event(gateway):
+    events = await stream(gateway, "/v1/chat/completions", chat(stream=True))
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert all(chunk["choices"] and "usage" not in chunk for chunk in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_the_sdk_gets_the_same_text_streamed_and_whole(gateway):
+    def ledger(kind: str) -> float:
+        return metric("aimesh_gateway_tokens_total", tenant="acme", model=LLM, kind=kind)
+
+    before = ledger("prompt"), ledger("completion")
+    client = gateway.sdk()
+    whole = await client.chat.completions.create(model=LLM, messages=USER, seed=3)
+    assert whole.object == "chat.completion"
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason == "stop"
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    streamed = await client.chat.completions.create(model=LLM, messages=USER, seed=3, stream=True)
+    parts = [chunk.choices[0].delta.content or "" async for chunk in streamed if chunk.choices]
+    assert "".join(parts) == whole.choices[0].message.content == "Hello, world!"
+    assert (ledger("prompt"), ledger("completion")) == (before[0] + 4, before[1] + 8)
+
+
+async def test_a_length_limit_finishes_with_length(gateway):
+    client = gateway.sdk()
+    answer = await client.chat.completions.create(model=LLM, messages=USER, max_tokens=2)
+    assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == (
+        "Hello,",
+        "length",
+    )
+    sent = gateway.generation.requests[-1]
+    assert sent.stopping.max_new_tokens == 2
+    assert sent.sampling.temperature == 1.0  # OpenAI's default, not the proto's greedy 0
+
+
+async def test_completions_stream_and_whole(gateway):
+    client = gateway.sdk()
+    whole = await client.completions.create(model=LLM, prompt="Once upon", stop=["x", "y"])
+    assert whole.object == "text_completion"
+    assert whole.choices[0].text == "Hello, world!"
+    assert list(gateway.generation.requests[-1].stopping.stop_sequences) == ["x", "y"]
+    events = await stream(
+        gateway,
+        "/v1/completions",
+        {
+            "model": LLM,
+            "prompt": "Once upon",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert chunks[0]["choices"][0]["text"] == "Hello"  # no role event for completions
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "Hello, world!"
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+@pytest.mark.parametrize(
+    ("code", "status", "kind"),
+    [
+        ("INVALID_ARGUMENT", 400, "invalid_request_error"),
+        ("RESOURCE_EXHAUSTED", 429, "rate_limit_error"),
+        ("UNAVAILABLE", 503, "service_unavailable_error"),
+        ("DEADLINE_EXCEEDED", 504, "timeout_error"),
+        ("INTERNAL", 500, "server_error"),
+    ],
+)
+async def test_mesh_statuses_become_http_statuses(gateway, code, status, kind, streamed):
+    """Before the first token, a refusal is the real status even when streaming."""
+    async with gateway.http() as client:
+        response = await client.post(
+            "/v1/chat/completions", json=chat(f"refuse:{code}", stream=streamed)
+        )
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["type"] == kind
+    if code == "INVALID_ARGUMENT":  # the router's field, in the request's words
+        assert error["param"] == "max_tokens"
+        assert error["message"].startswith("max_tokens: exceeds the context window")
+    if code == "RESOURCE_EXHAUSTED":
+        assert response.headers["retry-after-ms"] == "2500"
+        assert response.headers["retry-after"] == "3"
+    if code == "INTERNAL":
+        assert "secret" not in error["message"]
+
+
+async def test_the_sdk_honours_retry_after_ms(gateway):
+    client = gateway.sdk(max_retries=1)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(openai.RateLimitError):
+        await client.chat.completions.create(
+            model=LLM, messages=[{"role": "user", "content": "refuse:RESOURCE_EXHAUSTED"}]
+        )
+    assert loop.time() - started >= 2.5
+    assert len(gateway.generation.requests) == 2
+
+
+async def test_a_failure_mid_stream_is_an_error_event_then_done(gateway):
+    events = await stream(gateway, "/v1/chat/completions", chat("midstream", stream=True))
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "service_unavailable_error"
+    chunks = [json.loads(event) for event in events[:-2]]
+    assert chunks[1]["choices"][0]["delta"]["content"] == "partial"
+    assert not any(c["choices"][0]["finish_reason"] for c in chunks)
+    with pytest.raises(openai.APIError, match="decode died"):
+        async for _ in await gateway.sdk().chat.completions.create(
+            model=LLM, messages=[{"role": "user", "content": "midstream"}], stream=True
+        ):
+            pass
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"temperature": 1e9}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"seed": -1}, "seed"),
+        ({"n": 2}, "n"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"logprobs": True}, "logprobs"),
+        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content",
+        ),
+        ({"model": ""}, "model"),
+    ],
+)
+async def test_bad_values_are_400_naming_the_parameter(gateway, change, param):
+    async with gateway.http() as client:
+        response = await client.post("/v1/chat/completions", json={**chat(), **change})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert not gateway.generation.requests  # refused before the mesh was called
+
+
+async def test_nan_temperature_and_broken_json_are_400(gateway):
+    async with gateway.http() as client:
+        nan = await client.post(
+            "/v1/chat/completions",
+            content=json.dumps({**chat(), "temperature": float("nan")}).encode(),
+            headers={"content-type": "application/json"},
+        )
+        broken = await client.post(
+            "/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"}
+        )
+    assert (nan.status_code, nan.json()["error"]["param"]) == (400, "temperature")
+    assert broken.status_code == 400 and broken.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_non_ascii_and_extra_fields_are_fine(gateway):
+    messages = [
+        {"role": "developer", "content": "Réponds en français 🙂", "x-vendor": 1},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Grüße, "}, {"type": "text", "text": "日本"}],
+        },
+    ]
+    answer = await gateway.sdk().chat.completions.create(
+        model=LLM, messages=messages, extra_body={"top_k": 5}
+    )
+    assert answer.choices[0].message.content == "Hello, world!"
+    sent = gateway.generation.requests[-1].messages
+    assert [(m.role, m.content) for m in sent] == [
+        ("system", "Réponds en français 🙂"),
+        ("user", "Grüße, 日本"),
+    ]
+
+
+async def test_completions_refuse_what_they_cannot_do(gateway):
+    async with gateway.http() as client:
+        for change, param in [
+            ({"prompt": [1, 2, 3]}, "prompt"),
+            ({"prompt": ["a", "b"]}, "prompt"),
+            ({"echo": True}, "echo"),
+            ({"suffix": "end"}, "suffix"),
+            ({"best_of": 3}, "best_of"),
+        ]:
+            response = await client.post(
+                "/v1/completions", json={"model": LLM, "prompt": "a", **change}
+            )
+            assert (response.status_code, response.json()["error"]["param"]) == (400, param)
+
+
+async def test_keys_and_scopes(gateway):
+    async with gateway.http(key=None) as anonymous:
+        missing = await anonymous.post("/v1/chat/completions", json=chat())
+        models = await anonymous.get("/v1/models")
+        health = await anonymous.get("/health")
+        metrics = await anonymous.get("/metrics")
+    assert missing.status_code == 401 and models.status_code == 401
+    assert missing.json()["error"]["type"] == "authentication_error"
+    assert (health.status_code, metrics.status_code) == (200, 200)
+    with pytest.raises(openai.AuthenticationError):
+        await gateway.sdk("sk-wrong").models.list()
+    with pytest.raises(openai.PermissionDeniedError) as denied:
+        await gateway.sdk("sk-embed-only").chat.completions.create(model=LLM, messages=USER)
+    assert denied.value.body["type"] == "permission_error"
+    embedded = await gateway.sdk("sk-embed-only").embeddings.create(
+        model=EMBEDDING_MODEL, input="x"
+    )
+    assert len(embedded.data) == 1
+    assert not gateway.generation.requests
+
+
+async def test_a_rotated_key_file_applies_without_a_restart(gateway):
+    client = gateway.sdk("sk-new")
+    with pytest.raises(openai.AuthenticationError):
+        await client.models.list()
+    write_keys(gateway.keys_file, {"sk-new": ("newco", ["generate"])})
+    assert len((await client.models.list()).data) == 2
+    with pytest.raises(openai.AuthenticationError):
+        await gateway.sdk("sk-everything").models.list()
+    gateway.keys_file.write_text("{half a file")  # a broken rotation keeps the last keys
+    assert len((await client.models.list()).data) == 2
+
+
+async def test_keys_never_reach_the_log(gateway, caplog):
+    caplog.set_level("DEBUG")
+    await gateway.sdk().chat.completions.create(model=LLM, messages=USER)
+    with pytest.raises(openai.AuthenticationError):
+        await gateway.sdk("sk-leaky-secret").models.list()
+    assert "sk-" not in caplog.text and digest("sk-leaky-secret") not in caplog.text
+
+
+async def test_models_and_unknown_models(gateway):
+    client = gateway.sdk()
+    assert [m.id for m in (await client.models.list()).data] == [LLM, EMBEDDING_MODEL]
+    assert (await client.models.retrieve(LLM)).id == LLM
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("gpt-17")
+    with pytest.raises(openai.NotFoundError) as unknown:
+        await client.chat.completions.create(model="gpt-17", messages=USER)
+    assert unknown.value.body["code"] == "model_not_found"
+    async with gateway.http() as http:
+        nowhere = await http.get("/v1/nowhere")
+    assert nowhere.status_code == 404 and nowhere.json()["error"]["type"] == "not_found_error"
+
+
+async def test_embeddings_match_the_embedders_vectors_in_both_encodings(gateway):
+    texts = [f"text number {i}" for i in range(40)]  # two Embed calls of at most 32
+    answer = await gateway.sdk().embeddings.create(model=EMBEDDING_MODEL, input=texts)
+    assert [d.index for d in answer.data] == list(range(40))
+    assert [d.embedding for d in answer.data] == [vector(t) for t in texts]
+    assert answer.usage.prompt_tokens == 40
+    assert gateway.embedder.calls == 2
+    async with gateway.http() as client:
+        floats = await client.post(
+            "/v1/embeddings",
+            json={"model": EMBEDDING_MODEL, "input": "one", "encoding_format": "float"},
+        )
+    assert floats.json()["data"][0]["embedding"] == vector("one")
+
+
+async def test_embedding_errors_name_the_input_in_the_requests_numbering(gateway):
+    texts = ["fine"] * 33 + ["refuse"]
+    async with gateway.http() as client:
+        bad = await client.post("/v1/embeddings", json={"model": EMBEDDING_MODEL, "input": texts})
+        ids = await client.post(
+            "/v1/embeddings", json={"model": EMBEDDING_MODEL, "input": [[1, 2]]}
+        )
+        dims = await client.post(
+            "/v1/embeddings", json={"model": EMBEDDING_MODEL, "input": "a", "dimensions": 2}
+        )
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "input[33]")
+    assert (ids.status_code, ids.json()["error"]["param"]) == (400, "input")
+    assert (dims.status_code, dims.json()["error"]["param"]) == (400, "dimensions")
+
+
+@pytest.mark.parametrize("script", ["forever", "stall"])
+async def test_a_client_that_goes_away_cancels_the_generation(gateway, script):
+    """Mid-stream, and before the first byte (a request still waiting for its token)."""
+    before = metric(
+        "aimesh_gateway_client_disconnects_total", route="/v1/chat/completions", reason="disconnect"
+    )
+    async with gateway.http() as client:
+        request = client.build_request(
+            "POST", "/v1/chat/completions", json=chat(script, stream=True)
+        )
+        if script == "forever":
+            response = await client.send(request, stream=True)
+            lines = response.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")
+            await eventually(lambda: gateway.generation.running == 1)
+            await response.aclose()
+        else:
+            sending = asyncio.create_task(client.send(request, stream=True))
+            await eventually(lambda: gateway.generation.running == 1)
+            sending.cancel()
+    await eventually(lambda: gateway.generation.running == 0)
+    assert gateway.generation.cancelled == 1
+    await eventually(
+        lambda: (
+            metric(
+                "aimesh_gateway_client_disconnects_total",
+                route="/v1/chat/completions",
+                reason="disconnect",
+            )
+            == before + 1
+        )
+    )
+
+
+async def test_the_request_id_trace_and_tenant_travel_to_the_mesh(gateway, spans):
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    headers = {"x-request-id": "req-42", "traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}
+    async with gateway.http() as client:
+        response = await client.post("/v1/chat/completions", json=chat(), headers=headers)
+    assert response.headers["x-request-id"] == "req-42"
+    assert gateway.generation.requests[-1].request_id == "req-42"
+    metadata = gateway.generation.metadata[-1]
+    assert metadata["x-request-id"] == "req-42"
+    assert metadata["x-aimesh-client"] == KEYS["sk-everything"][0]
+    assert metadata["traceparent"].split("-")[1] == trace_id
+    names = {
+        s.name for s in spans.get_finished_spans() if format(s.context.trace_id, "032x") == trace_id
+    }
+    assert "POST /v1/chat/completions" in names
+
+
+async def test_past_its_slots_the_gateway_answers_429_before_calling_the_mesh(tmp_path):
+    gateway, servers = await start_gateway(tmp_path, max_concurrency=1, max_queue=0)
+    try:
+        async with gateway.http() as client:
+            request = client.build_request(
+                "POST", "/v1/chat/completions", json=chat("forever", stream=True)
+            )
+            holding = await client.send(request, stream=True)
+            refused = await client.post("/v1/chat/completions", json=chat())
+            await holding.aclose()
+        assert refused.status_code == 429
+        assert float(refused.headers["retry-after-ms"]) > 0
+        assert len(gateway.generation.requests) == 1
+    finally:
+        for server in servers:
+            await server.drain(0)
+
+
+async def test_readiness_follows_the_dependencies(tmp_path):
+    gateway, (server, generation, embedder) = await start_gateway(tmp_path)
+    try:
+        async with gateway.http(key=None) as client:
+            assert (await client.get("/health/ready")).status_code == 200
+            await generation.drain(0)
+            loop = asyncio.get_running_loop()
+            give_up = loop.time() + 10
+            while (ready := await client.get("/health/ready")).status_code == 200:
+                assert loop.time() < give_up, "still ready 10 s after generation stopped"
+                await asyncio.sleep(0.05)
+            assert ready.status_code == 503
+            assert (await client.get("/health/live")).status_code == 200
+    finally:
+        for each in (server, embedder):
+            await each.drain(0)
