@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,11 +58,13 @@ class _Request:
 
 
 class EmbedEngine:
-    def __init__(self, encoder: Encoder, max_batch_texts: int, max_wait_s: float) -> None:
+    def __init__(
+        self, encoder: Encoder, max_batch_texts: int, max_wait_s: float, model_thread: Executor
+    ) -> None:
         self.encoder = encoder
         self.max_batch_texts = max_batch_texts
         self.max_wait_s = max_wait_s
-        self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="embedder-model")
+        self.model_thread = model_thread  # one thread: passes run one at a time
         self._waiting: asyncio.Queue[_Request] = asyncio.Queue()
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -103,7 +105,6 @@ class EmbedEngine:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         while not self._waiting.empty():
             self._waiting.get_nowait().answer.cancel()
-        await asyncio.to_thread(self.model_thread.shutdown)  # after a pass still running
 
     async def _batching_loop(self) -> None:
         while True:

@@ -149,7 +149,12 @@ async def setup(server: MeshServer) -> None:
         if isinstance(encoder.backend, TritonBackend):
             await encoder.backend.model.wait_until_ready()
             server.add_readiness_probe(encoder.backend.model.ready)
-        engine = EmbedEngine(encoder, settings.max_batch_texts, settings.max_wait_ms / 1000)
+        engine = EmbedEngine(
+            encoder,
+            settings.max_batch_texts,
+            settings.max_wait_ms / 1000,
+            server.executor("model"),
+        )
         server.watch(engine.start(), on_death=engine.fail_waiting)
         (warmup,) = encoder.tokenizer.tokenize([WARMUP_TEXT], "right")
         await engine.embed([warmup.ids], normalize=True)

@@ -1,14 +1,15 @@
 """Qdrant treated as a dependency: every call within a deadline, behind a circuit breaker,
 its failures as UNAVAILABLE, and readiness that follows a Qdrant server.
 
-qdrant-client calls are synchronous, so they run on one thread of their own, which also
-serialises access to the embedded store. The caller waits for at most its remaining
-deadline, or timeout_s when it brings none. A call still queued when its caller gives up is
-dropped; one already running finishes on the thread (qdrant-client's own timeout, the same
-timeout_s, bounds a call to a server), so a write its caller saw fail may still land, which
-is harmless because writes are by id. Qdrant unreachable, timing out or answering 5xx
-(or the embedded store's disk failing) is `NotReady` with reason VECTOR_STORE_UNAVAILABLE;
-those count against the breaker, while a refusal of the request itself does not.
+qdrant-client calls are synchronous, so they run on one thread (the server's, from
+MeshServer.executor, shut down after the drain), which also serialises access to the
+embedded store. The caller waits for at most its remaining deadline, or timeout_s when
+it brings none. A call still queued when its caller gives up is dropped; one already
+running finishes on the thread (qdrant-client's own timeout, the same timeout_s, bounds
+a call to a server), so a write its caller saw fail may still land, which is harmless
+because writes are by id. Qdrant unreachable, timing out or answering 5xx (or the
+embedded store's disk failing) is `NotReady` with reason VECTOR_STORE_UNAVAILABLE; those
+count against the breaker, while a refusal of the request itself does not.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import logging
 import sqlite3
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -51,7 +52,9 @@ def display(url: str) -> str:
 
 
 class StoreCalls:
-    def __init__(self, where: str, timeout_s: float, breaker: BreakerSettings) -> None:
+    def __init__(
+        self, where: str, timeout_s: float, breaker: BreakerSettings, thread: Executor
+    ) -> None:
         self.where = where
         self.timeout_s = timeout_s
         # A call is slow only when it took its whole timeout: a large batch written to the
@@ -59,7 +62,7 @@ class StoreCalls:
         self.breaker = CircuitBreaker(
             f"qdrant:{where}", breaker.model_copy(update={"slow_call_s": timeout_s})
         )
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix="qdrant")
+        self.thread = thread  # one thread: the embedded store takes one caller at a time
 
     async def run(self, work: Callable[..., T], *args: Any) -> T:
         """`work(*args)` on the store's thread, as a dependency call: see the module doc."""
@@ -134,10 +137,6 @@ class StoreCalls:
             f"the vector store ({self.where}) failed {name}: {type(error).__name__}",
             reason=UNAVAILABLE,
         )
-
-    def close(self) -> None:
-        """Waits for the call still running, if any; calls still queued are dropped."""
-        self.thread.shutdown(wait=True, cancel_futures=True)
 
 
 class ServerProbe:

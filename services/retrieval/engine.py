@@ -151,7 +151,6 @@ class KnowledgeBase:
             await asyncio.get_running_loop().run_in_executor(
                 self.calls.thread, self.store.client.close
             )
-        await asyncio.to_thread(self.calls.close)
 
     async def embed(self, texts: list[str]) -> list[list[float]]:
         vectors: list[list[float]] = []

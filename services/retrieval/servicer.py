@@ -348,6 +348,7 @@ async def setup(server: MeshServer) -> None:
         display(settings.url) if settings.url else "embedded",
         settings.timeout_s,
         server.settings.client.breaker,
+        server.executor("qdrant"),
     )
     dependencies = Dependencies(server)
     engine = KnowledgeBase(settings, calls, dependencies.embed, dependencies.rerank)

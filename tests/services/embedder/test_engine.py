@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -47,18 +48,20 @@ EngineFactory = Callable[..., tuple[EmbedEngine, Observed]]
 @pytest.fixture
 async def make_engine(onnx_encoder: Encoder) -> AsyncIterator[EngineFactory]:
     engines: list[EmbedEngine] = []
+    model_thread = ThreadPoolExecutor(1)
 
     def make(max_batch_texts: int = 64, max_wait_s: float = 0.05) -> tuple[EmbedEngine, Observed]:
         observed = Observed(onnx_encoder)
         budget = EmbedderSettings().max_batch_tokens  # 256: 28 of SENTENCES (9 tokens) per pass
         encoder = Encoder(onnx_encoder.model, onnx_encoder.tokenizer, observed, budget)
-        engines.append(EmbedEngine(encoder, max_batch_texts, max_wait_s))
+        engines.append(EmbedEngine(encoder, max_batch_texts, max_wait_s, model_thread))
         engines[-1].start()
         return engines[-1], observed
 
     yield make
     for engine in engines:
         await engine.close()
+    model_thread.shutdown()
 
 
 def _rows(encoder: Encoder, texts: list[str]) -> list[list[int]]:

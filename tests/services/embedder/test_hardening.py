@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -81,13 +82,14 @@ async def test_tokenizing_many_bytes_never_runs_on_the_event_loop(
 
     monkeypatch.setattr(onnx_encoder.tokenizer, "tokenize", recorded)
     servicer = EmbedderServicer()
-    servicer.engine = EmbedEngine(onnx_encoder, max_batch_texts=64, max_wait_s=0.002)
-    servicer.engine.start()
-    try:
-        request = embedder_pb2.EmbedRequest(inputs=["🙂" * 200] * MAX_INPUTS, truncate=True)
-        response = await servicer.Embed(request, None)
-    finally:
-        await servicer.engine.close()
+    with ThreadPoolExecutor(1) as model_thread:
+        servicer.engine = EmbedEngine(onnx_encoder, 64, max_wait_s=0.002, model_thread=model_thread)
+        servicer.engine.start()
+        try:
+            request = embedder_pb2.EmbedRequest(inputs=["🙂" * 200] * MAX_INPUTS, truncate=True)
+            response = await servicer.Embed(request, None)
+        finally:
+            await servicer.engine.close()
     assert len(response.embeddings) == MAX_INPUTS
     assert threads and threading.get_ident() not in threads
 

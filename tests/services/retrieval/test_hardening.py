@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -282,7 +283,8 @@ def _down() -> None:
 
 
 async def test_only_the_stores_own_failures_open_its_breaker():
-    calls = StoreCalls("test", 5, BreakerSettings(window_size=4, minimum_calls=4))
+    thread = ThreadPoolExecutor(1)
+    calls = StoreCalls("test", 5, BreakerSettings(window_size=4, minimum_calls=4), thread)
     try:
         for work, raised in [(_missing, NotFound), (_refused, UnexpectedResponse)] * 4:
             with pytest.raises(raised):
@@ -297,11 +299,12 @@ async def test_only_the_stores_own_failures_open_its_breaker():
         error = await _refusal(calls.run(_missing))
         assert (error.code(), _reason(error)) == (grpc.StatusCode.UNAVAILABLE, "CIRCUIT_OPEN")
     finally:
-        calls.close()
+        thread.shutdown()
 
 
 async def test_a_store_call_that_hangs_ends_at_its_timeout_or_the_callers_deadline():
-    calls = StoreCalls("test", 0.5, BreakerSettings())
+    thread = ThreadPoolExecutor(1)
+    calls = StoreCalls("test", 0.5, BreakerSettings(), thread)
     release = threading.Event()
     try:
         started = time.monotonic()
@@ -314,21 +317,21 @@ async def test_a_store_call_that_hangs_ends_at_its_timeout_or_the_callers_deadli
         assert time.monotonic() - started < 10
     finally:
         release.set()
-        calls.close()
+        thread.shutdown()
 
 
 async def test_calls_before_the_store_opens_are_unavailable_not_internal(tmp_path):
     async def never(*args: Any) -> Any:
         raise AssertionError("no call reaches a dependency before the store opens")
 
-    calls = StoreCalls("test", 5, BreakerSettings())
-    engine = KnowledgeBase(RetrievalSettings(path=tmp_path), calls, never, never)
-    servicer = RetrievalServicer(engine, max_message_bytes=4 * 1024 * 1024)
-    with pytest.raises(NotReady):
-        await servicer.Search(retrieval_pb2.SearchRequest(collection="docs", query="x"), None)
-    with pytest.raises(NotReady):
-        await servicer.Delete(retrieval_pb2.DeleteRequest(collection="docs", ids=["a"]), None)
-    calls.close()
+    with ThreadPoolExecutor(1) as thread:
+        calls = StoreCalls("test", 5, BreakerSettings(), thread)
+        engine = KnowledgeBase(RetrievalSettings(path=tmp_path), calls, never, never)
+        servicer = RetrievalServicer(engine, max_message_bytes=4 * 1024 * 1024)
+        with pytest.raises(NotReady):
+            await servicer.Search(retrieval_pb2.SearchRequest(collection="docs", query="x"), None)
+        with pytest.raises(NotReady):
+            await servicer.Delete(retrieval_pb2.DeleteRequest(collection="docs", ids=["a"]), None)
 
 
 # ---- malformed input is the caller's, and named ----

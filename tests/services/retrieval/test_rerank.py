@@ -12,6 +12,7 @@ import ast
 import hashlib
 import inspect
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -99,7 +100,10 @@ async def knowledge(tmp_path_factory) -> AsyncIterator[tuple[KnowledgeBase, list
     async def rerank(query: str, documents: list[tuple[str, str]], top_n: int):
         return await rerankers[0](query, documents, top_n)
 
-    engine = KnowledgeBase(settings, StoreCalls("test", 10, BreakerSettings()), fake_embed, rerank)
+    thread = ThreadPoolExecutor(1)
+    engine = KnowledgeBase(
+        settings, StoreCalls("test", 10, BreakerSettings(), thread), fake_embed, rerank
+    )
     await engine.open(lambda: open_store(settings, settings.path))
     assert engine.dimensions == 8
     assert await engine.create("docs", "cosine", sparse=True, on_disk=False)
@@ -113,6 +117,7 @@ async def knowledge(tmp_path_factory) -> AsyncIterator[tuple[KnowledgeBase, list
     assert (done.received, done.upserted, done.unchanged) == (30, 30, 0)
     yield engine, rerankers
     await engine.close()
+    thread.shutdown()
 
 
 async def test_the_engine_orders_a_reranked_search_by_the_reranker(knowledge):
