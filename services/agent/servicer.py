@@ -37,8 +37,6 @@ MAX_ALLOWED_TOOLS = 64
 MAX_ELEMENT_VIOLATIONS = 8
 MAX_ITERATIONS = 25
 MAX_ANSWER_TOKENS = 2048
-# The caller's client identity, set by the edge (the name of its API key). Passed on to
-# the tools, so what they keep per client (idempotency keys) is the caller's.
 PLANNERS = {
     loop.Planner.MODEL: agent_pb2.PLANNER_LLM,
     loop.Planner.RULES: agent_pb2.PLANNER_FALLBACK,
