@@ -1,18 +1,20 @@
-"""gateway: the OpenAI-compatible HTTP API (chat, completions, embeddings, models) in
-front of the mesh, with API keys; it reaches the services only through mesh channels."""
+"""gateway: the OpenAI-compatible HTTP API (chat, completions, embeddings, images,
+models) in front of the mesh, with API keys, per-tenant limits and a usage ledger; it
+reaches the services only through mesh channels."""
 
 from mesh.registry import ServiceSpec
 
 SPEC = ServiceSpec(
     name="gateway",
     default_port=50110,
-    description="OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, ...",
+    description="OpenAI-compatible HTTP API: /v1/chat/completions, /v1/embeddings, ...",
     setup="services.gateway.service:setup",
     options="services.gateway.settings:GatewayOptions",
     # Its own gRPC surface is only the runtime's (health, GetInfo); the HTTP requests take
     # these slots, each a stream that mostly waits on generation.
     max_concurrency=256,
-    dependencies=("generation", "embedder"),
+    # Readiness waits for generation and the embedder; diffusion serves images when up.
+    dependencies=("generation", "embedder", "diffusion"),
     # OpenAI's own paths, as the `openai` SDK and curl scripts call them. Not all of /v1/:
     # the edge's transcoded JSON routes (/v1/generate, /v1/chat, /v1/embed, ...) live
     # there too.
@@ -20,6 +22,7 @@ SPEC = ServiceSpec(
         "/v1/chat/completions",
         "/v1/completions",
         "/v1/embeddings",
+        "/v1/images/generations",
         "/v1/models",
         "/v1/models/",
     ),

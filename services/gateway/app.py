@@ -20,11 +20,14 @@ from services.gateway.completions import Completions
 from services.gateway.embeddings import Embeddings
 from services.gateway.errors import ApiError, from_validation, model_not_found
 from services.gateway.front import PRINCIPAL, Front
+from services.gateway.images import Images
 from services.gateway.keys import KeyStore, OpenAccess, Principal
+from services.gateway.limits import Limiter
 from services.gateway.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
+    ImageRequest,
 )
 
 _HTTP_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
@@ -38,8 +41,10 @@ def build_app(
     *,
     completions: Completions,
     embeddings: Embeddings,
+    images: Images,
     catalog: Catalog,
     keys: KeyStore | OpenAccess,
+    limiter: Limiter,
     budget_s: float,
     ready: Callable[[], bool],
 ) -> ASGIApp:
@@ -71,6 +76,10 @@ def build_app(
     async def embed(body: EmbeddingRequest, request: Request) -> Response:
         return embeddings.embed(body, _principal(request))
 
+    @app.post("/v1/images/generations")
+    async def generate_images(body: ImageRequest, request: Request) -> Response:
+        return images.generate(body, _principal(request))
+
     @app.get("/v1/models")
     async def models() -> dict[str, object]:
         return {"object": "list", "data": catalog.as_openai()}
@@ -81,6 +90,11 @@ def build_app(
             if entry["id"] == model:
                 return entry
         raise model_not_found(model, [str(entry["id"]) for entry in catalog.as_openai()])
+
+    @app.get("/v1/usage")
+    async def usage(request: Request) -> dict[str, object]:
+        """The ledger: an `admin` key sees every tenant, any other key its own."""
+        return {"object": "list", "data": await limiter.usage(_principal(request))}
 
     @app.get("/health/live")
     async def live() -> dict[str, str]:

@@ -2,7 +2,10 @@
 dependencies themselves (readiness, and GetInfo's model names), never configured twice.
 
 The generation service's models answer chat and completions, the embedder's answer
-embeddings. A dependency that restarts with another model is seen at the next refresh.
+embeddings, diffusion's answer image generations. A dependency that restarts with another
+model is seen at the next refresh. The gateway is ready while generation and the embedder
+are; diffusion is optional (a mesh without it serves text and embeddings, and its image
+models appear once it answers).
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from mesh.health import probe
 from mesh.info import get_info
 
 # Dependency -> the API surface its models serve.
-SURFACES = {"generation": "chat", "embedder": "embedding"}
+SURFACES = {"generation": "chat", "embedder": "embedding", "diffusion": "image"}
+# The dependencies readiness waits for.
+REQUIRED = frozenset({"generation", "embedder"})
 
 
 @dataclass
@@ -46,7 +51,9 @@ class Catalog:
         for name, found in zip(names, looks, strict=True):
             if found is not None:
                 self.models[SURFACES[name]] = found
-        self.ready = all(found is not None for found in looks)
+        self.ready = all(
+            found is not None for name, found in zip(names, looks, strict=True) if name in REQUIRED
+        )
         return self.ready
 
     def as_openai(self) -> list[dict[str, object]]:

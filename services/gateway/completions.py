@@ -7,6 +7,11 @@ events or body, and the router's field paths become OpenAI's parameter names. A 
 first message is awaited before the response starts, so a request the mesh refuses gets
 its real status (400, 429, ...) rather than a 200 stream that ends in an error; after
 that, a failure is an error event and then [DONE].
+
+Each request is admitted against its tenant's limits first (limits.py): a tenant with
+token limits reserves its prompt estimate plus `max_tokens` (or the limiter's
+`reserve_tokens`, then sent as the request's max_new_tokens), settled to the real usage at
+the end.
 """
 
 from __future__ import annotations
@@ -22,11 +27,11 @@ from fastapi.responses import JSONResponse
 from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 from mesh import caller, request_id
-from services.gateway import metrics
 from services.gateway.admission import Slots
 from services.gateway.catalog import Catalog
 from services.gateway.errors import ApiError, from_rpc, model_not_found
 from services.gateway.keys import Principal
+from services.gateway.limits import Limiter, Reservation, prompt_estimate
 from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.responses import Exchange, Guarded
 from services.gateway.sse import DONE, ChatShape, TextShape, finish_reason, frame
@@ -117,6 +122,17 @@ class _Run:
     shape: Shape
     params: dict[str, str]
     tenant: str
+    limiter: Limiter
+    prompt_estimate: int = 0
+    streamed_tokens: int = 0
+    used: int | None = None
+
+    def spent(self) -> int:
+        """What to settle the reservation to: the real usage once known; else the prompt
+        and the tokens streamed before a failure; nothing when no token came."""
+        if self.used is not None:
+            return self.used
+        return self.prompt_estimate + self.streamed_tokens if self.streamed_tokens else 0
 
 
 class Completions:
@@ -126,11 +142,13 @@ class Completions:
         catalog: Catalog,
         slots: Slots,
         send_timeout_s: float,
+        limiter: Limiter,
     ) -> None:
         self.stub = stub
         self.catalog = catalog
         self.slots = slots
         self.send_timeout_s = send_timeout_s
+        self.limiter = limiter
 
     def _check(self, body: Body) -> None:
         body.refuse_unsupported()
@@ -142,37 +160,72 @@ class Completions:
         self._check(body)
         request = chat_request(body)
         shape = ChatShape(body.model, int(time.time()), body.include_usage)
+        chars = sum(len(m.content) for m in request.messages)
         return self._guarded(
-            "/v1/chat/completions", self.stub.Chat, request, body, shape, principal
+            "/v1/chat/completions", self.stub.Chat, request, body, shape, principal, chars
         )
 
     def completion(self, body: CompletionRequest, principal: Principal) -> Guarded:
         self._check(body)
         request = completion_request(body)
         shape = TextShape(body.model, int(time.time()), body.include_usage)
-        return self._guarded("/v1/completions", self.stub.Generate, request, body, shape, principal)
+        chars = len(request.prompt)
+        return self._guarded(
+            "/v1/completions", self.stub.Generate, request, body, shape, principal, chars
+        )
+
+    def _reserve(self, request: Any, body: Body, who: Principal, chars: int) -> tuple[int, int]:
+        """(prompt estimate, tokens to reserve); a tenant with token limits gets its
+        completion capped at what it reserved."""
+        prompt = prompt_estimate(chars)
+        if not self.limiter.counts_tokens(who):
+            return prompt, 0
+        length = body.length()
+        completion = length[1] if length else self.limiter.reserve_tokens
+        request.stopping.max_new_tokens = completion
+        return prompt, prompt + completion
 
     def _guarded(
-        self, route: str, method: Any, request: Any, body: Body, shape: Shape, who: Principal
+        self,
+        route: str,
+        method: Any,
+        request: Any,
+        body: Body,
+        shape: Shape,
+        who: Principal,
+        chars: int,
     ) -> Guarded:
+        prompt, reserve = self._reserve(request, body, who, chars)
+
         async def work(exchange: Exchange) -> None:
-            async with self.slots.held(route, streaming=body.stream):
-                call = method(request, metadata=((caller.METADATA_KEY, who.tenant),))
-                run = _Run(call, body, shape, params_of(body), who.tenant)
-                try:
-                    if body.stream:
-                        await _stream(exchange, run)
-                    else:
-                        await _whole(exchange, run)
-                finally:
-                    call.cancel()  # a no-op once the call ended; else decode stops now
+            reservation: Reservation = await self.limiter.admit(who, reserve)
+            run = None
+            try:
+                async with self.slots.held(route, streaming=body.stream):
+                    call = method(request, metadata=((caller.METADATA_KEY, who.tenant),))
+                    run = _Run(call, body, shape, params_of(body), who.tenant, self.limiter, prompt)
+                    try:
+                        if body.stream:
+                            await _stream(exchange, run)
+                        else:
+                            await _whole(exchange, run)
+                    finally:
+                        call.cancel()  # a no-op once the call ended; else decode stops now
+            finally:
+                await reservation.settle(0 if run is None else run.spent())
 
         return Guarded(work, route=route, send_timeout_s=self.send_timeout_s)
 
 
-def _record(run: _Run, complete: generation_pb2.GenerationComplete) -> None:
+async def _record(run: _Run, complete: generation_pb2.GenerationComplete) -> None:
     usage = complete.usage
-    metrics.record_usage(run.tenant, run.body.model, usage.prompt_tokens, usage.completion_tokens)
+    run.used = usage.prompt_tokens + usage.completion_tokens
+    await run.limiter.record(
+        run.tenant,
+        run.body.model,
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+    )
 
 
 async def _whole(exchange: Exchange, run: _Run) -> None:
@@ -182,13 +235,14 @@ async def _whole(exchange: Exchange, run: _Run) -> None:
         async for message in run.call:
             if message.HasField("chunk"):
                 text.append(message.chunk.text)
+                run.streamed_tokens += len(message.chunk.token_ids)
             else:
                 complete = message.complete
     except grpc.aio.AioRpcError as error:
         raise from_rpc(error, run.params) from None
     if complete is None:
         raise _unfinished()
-    _record(run, complete)
+    await _record(run, complete)
     body = run.shape.whole("".join(text), finish_reason(complete.finish_reason), complete.usage)
     await exchange.whole(JSONResponse(body))
 
@@ -212,6 +266,7 @@ async def _stream(exchange: Exchange, run: _Run) -> None:
     try:
         while message is not None:
             if message.HasField("chunk"):
+                run.streamed_tokens += len(message.chunk.token_ids)
                 if message.chunk.text:
                     await exchange.write(frame(shape.text_event(message.chunk.text)))
             else:
@@ -223,7 +278,7 @@ async def _stream(exchange: Exchange, run: _Run) -> None:
         if complete is None:
             await exchange.write(frame(_unfinished().body()))
         else:
-            _record(run, complete)
+            await _record(run, complete)
             await exchange.write(frame(shape.finish_event(finish_reason(complete.finish_reason))))
             if shape.include_usage:
                 await exchange.write(frame(shape.usage_event(complete.usage)))

@@ -17,11 +17,11 @@ from fastapi.responses import JSONResponse
 
 from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
 from mesh import caller
-from services.gateway import metrics
 from services.gateway.admission import Slots
 from services.gateway.catalog import Catalog
 from services.gateway.errors import from_rpc, model_not_found, unsupported
 from services.gateway.keys import Principal
+from services.gateway.limits import Limiter, prompt_estimate
 from services.gateway.openai_types import EmbeddingRequest
 from services.gateway.responses import Exchange, Guarded
 
@@ -49,7 +49,9 @@ class Embeddings:
         catalog: Catalog,
         slots: Slots,
         send_timeout_s: float,
+        limiter: Limiter,
     ) -> None:
+        self.limiter = limiter
         self.stub = stub
         self.catalog = catalog
         self.slots = slots
@@ -71,20 +73,29 @@ class Embeddings:
             except grpc.aio.AioRpcError as error:
                 raise from_rpc(error, _params(offset, len(batch))) from None
 
+        estimate = prompt_estimate(sum(map(len, texts)))
+        reserve = estimate if self.limiter.counts_tokens(principal) else 0
+
         async def work(exchange: Exchange) -> None:
-            async with self.slots.held(ROUTE, streaming=False):
-                try:
-                    async with asyncio.TaskGroup() as group:
-                        calls = [group.create_task(one(o)) for o in range(0, len(texts), BATCH)]
-                except ExceptionGroup as failed:
-                    raise failed.exceptions[0] from None
-            responses = [call.result() for call in calls]
+            reservation = await self.limiter.admit(principal, reserve)
+            used = 0
+            try:
+                async with self.slots.held(ROUTE, streaming=False):
+                    try:
+                        async with asyncio.TaskGroup() as group:
+                            calls = [group.create_task(one(o)) for o in range(0, len(texts), BATCH)]
+                    except ExceptionGroup as failed:
+                        raise failed.exceptions[0] from None
+                responses = [call.result() for call in calls]
+                used = sum(response.usage.prompt_tokens for response in responses)
+            finally:
+                await reservation.settle(used)
             dimensions = responses[0].dimensions
             if body.dimensions not in (None, dimensions):
                 raise unsupported("dimensions", f"this model's vectors have {dimensions}")
             vectors = [list(e.values) for response in responses for e in response.embeddings]
-            tokens = sum(response.usage.prompt_tokens for response in responses)
-            metrics.record_usage(principal.tenant, body.model, tokens, 0)
+            tokens = used
+            await self.limiter.record(principal.tenant, body.model, prompt_tokens=tokens)
             data = [
                 {"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
                 for i, v in enumerate(vectors)

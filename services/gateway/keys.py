@@ -9,6 +9,11 @@ JSON (`{"keys": [...]}`) or TOML (`[[keys]]`), chosen by the file's suffix:
     sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
     tenant = "acme"
     scopes = ["generate", "embed"]
+
+    [tenants.acme]               # optional limits per tenant (services/gateway/limits.py)
+    requests_per_minute = 60
+    tokens_per_minute = 20000
+    token_budget = 1000000       # lifetime: prompt + completion tokens, never refilled
 """
 
 from __future__ import annotations
@@ -31,12 +36,30 @@ ALL_SCOPES: frozenset[str] = frozenset(Scope.__args__)  # type: ignore[attr-defi
 ANONYMOUS = "anonymous"
 
 
+class TenantLimits(BaseModel):
+    """A tenant's limits; each one unset is no limit. The per-minute ones are token
+    buckets (their whole minute is the burst, refilled continuously); the budget counts
+    prompt + completion tokens over the tenant's lifetime in the limits store (raise it
+    here to top it up)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    tokens_per_minute: int | None = Field(default=None, ge=1)
+    token_budget: int | None = Field(default=None, ge=0)
+
+
+NO_LIMITS = TenantLimits()
+
+
 @dataclass(frozen=True)
 class Principal:
-    """Who a request is for: the tenant its key belongs to and what it may do."""
+    """Who a request is for: the tenant its key belongs to, what it may do and within
+    which limits."""
 
     tenant: str
     scopes: frozenset[str]
+    limits: TenantLimits = NO_LIMITS
 
 
 class KeyEntry(BaseModel):
@@ -51,6 +74,7 @@ class KeyFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     keys: list[KeyEntry] = Field(default_factory=list)
+    tenants: dict[str, TenantLimits] = Field(default_factory=dict)
 
 
 def digest(key: str) -> str:
@@ -61,8 +85,11 @@ def digest(key: str) -> str:
 def _parse(path: Path) -> dict[str, Principal]:
     text = path.read_text()
     data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    entries = KeyFile.model_validate(data).keys
-    return {e.sha256: Principal(e.tenant, frozenset(e.scopes)) for e in entries}
+    parsed = KeyFile.model_validate(data)
+    return {
+        e.sha256: Principal(e.tenant, frozenset(e.scopes), parsed.tenants.get(e.tenant, NO_LIMITS))
+        for e in parsed.keys
+    }
 
 
 class KeyStore:

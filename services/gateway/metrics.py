@@ -30,7 +30,29 @@ TOKENS = Counter(
 )
 
 
-def record_usage(tenant: str, model: str, prompt_tokens: int, completion_tokens: int) -> None:
+USAGE_REQUESTS = Counter(
+    "aimesh_gateway_usage_requests_total",
+    "The usage ledger: requests served, by tenant and model.",
+    ["tenant", "model"],
+)
+IMAGES = Counter(
+    "aimesh_gateway_images_total",
+    "The usage ledger: images generated, by tenant and model.",
+    ["tenant", "model"],
+)
+LIMITED = Counter(
+    "aimesh_gateway_limited_total",
+    "Requests refused by a tenant's limit (requests_per_minute, tokens_per_minute, token_budget).",
+    ["tenant", "limit"],
+)
+
+
+def record_usage(
+    tenant: str, model: str, prompt_tokens: int, completion_tokens: int, images: int = 0
+) -> None:
+    USAGE_REQUESTS.labels(tenant, model).inc()
     TOKENS.labels(tenant, model, "prompt").inc(prompt_tokens)
     if completion_tokens:
         TOKENS.labels(tenant, model, "completion").inc(completion_tokens)
+    if images:
+        IMAGES.labels(tenant, model).inc(images)

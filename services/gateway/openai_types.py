@@ -175,3 +175,37 @@ class EmbeddingRequest(_Body):
         if not all(isinstance(item, str) for item in self.input):
             raise invalid("input", "token ids are not supported; send text")
         return list(self.input)  # type: ignore[arg-type]
+
+
+class ImageRequest(_Body):
+    """POST /v1/images/generations. `seed`, `steps` and `conditioning` are aimesh's
+    extensions (the openai SDK sends them in `extra_body`)."""
+
+    model: str = Field(min_length=1)
+    prompt: str = Field(max_length=1024)
+    n: int = Field(default=1, ge=1, le=100)
+    size: str | None = Field(default=None, pattern=r"^(auto|[1-9][0-9]{0,4}x[1-9][0-9]{0,4})$")
+    response_format: Literal["b64_json", "url"] | None = None
+    output_format: Literal["png"] | None = None
+    quality: str | None = None
+    user: str | None = None
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    steps: int | None = Field(default=None, ge=1)
+    conditioning: dict[str, float] | None = None
+
+    def dimensions(self) -> tuple[int, int] | None:
+        """(width, height) asked for; None for the model's own size."""
+        if self.size in (None, "auto"):
+            return None
+        width, height = self.size.split("x")
+        return int(width), int(height)
+
+    def refuse_unsupported(self) -> None:
+        if self.response_format == "url":
+            raise unsupported(
+                "response_format",
+                "url is not supported (this server keeps no images): use b64_json",
+            )
+        if self.quality not in (None, "auto", "standard"):
+            raise unsupported("quality", "only 'standard' is supported")
+        _refuse_set(self, ("style", "background", "output_compression", "stream", "partial_images"))

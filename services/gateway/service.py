@@ -1,6 +1,6 @@
 """The gateway process: a MeshServer (gRPC health, GetInfo, metrics, JSON logs, drain)
 that also serves the OpenAI HTTP API, calling generation and the embedder through its
-mesh channels (trace, request id, deadline, breaker).
+mesh channels (trace, request id, deadline, breaker), and diffusion for images.
 
 Liveness answers as soon as the process listens, the HTTP /health/live too; readiness
 (gRPC and /health/ready) waits until every dependency is ready and has said which
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from aimesh.diffusion.v1 import diffusion_pb2_grpc
 from aimesh.llm.v1 import generation_pb2_grpc
 from aimesh.retrieval.v1 import embedder_pb2_grpc
 from mesh.server import MeshServer
@@ -21,8 +22,11 @@ from services.gateway.catalog import SURFACES, Catalog
 from services.gateway.completions import GENERATION, Completions
 from services.gateway.embeddings import EMBEDDER, Embeddings
 from services.gateway.http_server import HttpServer
+from services.gateway.images import DIFFUSION, Images
 from services.gateway.keys import KeyStore, OpenAccess
+from services.gateway.limits import Limiter
 from services.gateway.settings import GatewayOptions
+from services.gateway.store import open_store
 
 log = logging.getLogger(__name__)
 
@@ -31,17 +35,28 @@ async def setup(server: MeshServer) -> HttpServer:
     options = server.options_as(GatewayOptions)
     catalog = Catalog({name: server.dependency_target(name) for name in SURFACES})
     slots = Slots(server.admission)
+    store = open_store(options.limits_store)
+    limiter = Limiter(store, window_s=options.limit_window_s, reserve_tokens=options.reserve_tokens)
     completions = Completions(
         generation_pb2_grpc.GenerationServiceStub(server.channel_to("generation", GENERATION)),
         catalog,
         slots,
         options.send_timeout_s,
+        limiter,
     )
     embeddings = Embeddings(
         embedder_pb2_grpc.EmbedderServiceStub(server.channel_to("embedder", EMBEDDER)),
         catalog,
         slots,
         options.send_timeout_s,
+        limiter,
+    )
+    images = Images(
+        diffusion_pb2_grpc.DiffusionServiceStub(server.channel_to("diffusion", DIFFUSION)),
+        catalog,
+        slots,
+        options.send_timeout_s,
+        limiter,
     )
     if options.api_keys_file is None:
         log.warning("no api_keys_file: every HTTP caller is the tenant 'anonymous'")
@@ -53,8 +68,10 @@ async def setup(server: MeshServer) -> HttpServer:
         build_app(
             completions=completions,
             embeddings=embeddings,
+            images=images,
             catalog=catalog,
             keys=keys,
+            limiter=limiter,
             budget_s=options.request_timeout_s,
             ready=lambda: catalog.ready and not http.draining,
         ),
@@ -74,4 +91,5 @@ async def setup(server: MeshServer) -> HttpServer:
     server.add_warmup(wait_for_dependencies)
     server.add_readiness_probe(catalog.refresh)
     server.add_shutdown(http.stop)
+    server.add_shutdown(store.close)
     return http

@@ -45,6 +45,7 @@ OPENAI_MATCHES = [
     {"path": "/v1/chat/completions"},
     {"path": "/v1/completions"},
     {"path": "/v1/embeddings"},
+    {"path": "/v1/images/generations"},
     {"path": "/v1/models"},
     {"prefix": "/v1/models/"},
 ]

