@@ -162,8 +162,10 @@ async def _start_edge(
         await edge_process.stop(proxy)
         return None
     edge = settings.edge
+    http = [path for spec in specs for path in spec.edge_http_paths]
+    also = f", and {', '.join(http)} as they are" if http else ""
     console.print(
-        f"[green]edge[/green] gRPC, gRPC-Web and JSON on http://{edge.host}:{edge.port}; "
+        f"[green]edge[/green] gRPC, gRPC-Web and JSON{also} on http://{edge.host}:{edge.port}; "
         f"admin http://127.0.0.1:{edge.admin_port}"
     )
     return proxy
