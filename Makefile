@@ -33,8 +33,11 @@ lint: install
 	elif git rev-parse --verify --quiet HEAD~1 >/dev/null; then \
 		$(VENV)/bin/buf breaking --against '.git#ref=HEAD~1'; fi
 
+# The unit and service tiers on two workers (as make test-fast), then the system tier on
+# one: its meshes, Envoy and Triton take both cores each.
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not slow and not system" -n 2 --dist loadfile
+	$(PY) -m pytest -m "not slow and system"
 
 # Unit and service tests (no whole mesh, Envoy, Triton or kustomize): under 3 minutes,
 # two workers (one per core here), each test file on one worker so its fixtures are shared.
