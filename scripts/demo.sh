@@ -52,6 +52,34 @@ grpcurl -plaintext -H 'authorization: Bearer demo-key' -max-time 60 \
 echo "== through Envoy without a key: refused at the edge"
 curl -sS -o /dev/null -w 'HTTP %{http_code}\n' -d '{"inputs": ["hi"]}' 127.0.0.1:8080/v1/embed
 
+echo; echo "== the openai SDK, unmodified, through Envoy to the gateway: models, a streamed chat, embeddings, an image"
+python - <<'PY'
+import base64
+
+from openai import OpenAI
+
+client = OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="demo-key")
+print("models:", [model.id for model in client.models.list()])
+stream = client.chat.completions.create(
+    model="SmolLM2-135M-Instruct",
+    messages=[{"role": "user", "content": "Name three primary colours."}],
+    max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True},
+)
+for chunk in stream:
+    if chunk.choices:
+        print(chunk.choices[0].delta.content or "", end="", flush=True)
+    elif chunk.usage:
+        print(f"\n(usage: {chunk.usage.prompt_tokens} prompt + "
+              f"{chunk.usage.completion_tokens} completion tokens)")
+vectors = client.embeddings.create(
+    model="sentence-transformers/all-MiniLM-L6-v2", input=["a cat sat on the mat"]
+)
+print("embedding dimensions:", len(vectors.data[0].embedding))
+image = client.images.generate(model="digits", prompt="7", n=1, response_format="b64_json")
+png = base64.b64decode(image.data[0].b64_json)
+print(f"image: a {len(png)}-byte PNG" if png.startswith(b"\x89PNG") else "image: not a PNG")
+PY
+
 echo; echo "== the knowledge base: the stdlib's own docs, embedded once (about a minute the first time)"
 aimesh ingest
 aimesh search --rerank --top-k 3 "how do I copy a nested list?"
