@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 
-.PHONY: install test test-fast lint protos demo bench bench-llm bench-retrieval bench-diffusion bench-agent bench-edge bench-triton bench-llm-peers llama-server fuzz chaos clean
+.PHONY: install test test-fast lint protos demo bench bench-llm bench-retrieval bench-diffusion bench-agent bench-edge bench-gateway bench-triton bench-llm-peers llama-server fuzz chaos clean
 
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -90,6 +90,9 @@ bench-agent: install
 
 bench-edge: install
 	$(PY) -m loadtest.edge --seconds 5 --rounds 2 --out docs/benchmarks.md
+
+bench-gateway: install
+	$(PY) -m loadtest.gateway --seconds 4 --rounds 2 --out docs/benchmarks.md
 
 bench-triton: install
 	$(PY) -m loadtest.triton --seconds 4 --rounds 2 --out docs/benchmarks.md
