@@ -48,8 +48,18 @@ class HttpServer:
         """Binds now (the port is known at once, also when 0 was asked for) and serves
         in a task, which the caller should watch."""
         # Bound here rather than by uvicorn, whose bind_socket exits the process on failure.
+        # IPPROTO_TCP named, as uvicorn does: asyncio sets TCP_NODELAY on accepted sockets
+        # only when their proto says TCP, and without it a response's header and body
+        # writes meet the client's delayed ACK (+40 ms per request on a kept-alive
+        # connection, measured).
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
-        sock = socket.create_server((self.config.host, self.config.port), family=family)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.config.host, self.config.port))
+        except OSError:
+            sock.close()
+            raise
         self.port = sock.getsockname()[1]
         self.task = asyncio.create_task(self.server.serve(sockets=[sock]), name="http")
         log.info("http listening", extra={"address": f"{self.config.host}:{self.port}"})
