@@ -27,13 +27,12 @@ from fastapi.responses import JSONResponse
 from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 from mesh import caller, request_id
-from services.gateway.admission import Slots
-from services.gateway.catalog import Catalog
 from services.gateway.errors import ApiError, from_rpc, model_not_found
 from services.gateway.keys import Principal
 from services.gateway.limits import Limiter, Reservation, prompt_estimate
 from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.responses import Exchange, Guarded
+from services.gateway.shared import Shared
 from services.gateway.sse import DONE, ChatShape, TextShape, finish_reason, frame
 
 GENERATION = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
@@ -136,23 +135,13 @@ class _Run:
 
 
 class Completions:
-    def __init__(
-        self,
-        stub: generation_pb2_grpc.GenerationServiceStub,
-        catalog: Catalog,
-        slots: Slots,
-        send_timeout_s: float,
-        limiter: Limiter,
-    ) -> None:
+    def __init__(self, stub: generation_pb2_grpc.GenerationServiceStub, shared: Shared) -> None:
         self.stub = stub
-        self.catalog = catalog
-        self.slots = slots
-        self.send_timeout_s = send_timeout_s
-        self.limiter = limiter
+        self.shared = shared
 
     def _check(self, body: Body) -> None:
         body.refuse_unsupported()
-        known = self.catalog.serving("chat")
+        known = self.shared.catalog.serving("chat")
         if body.model not in known:
             raise model_not_found(body.model, known)
 
@@ -178,10 +167,10 @@ class Completions:
         """(prompt estimate, tokens to reserve); a tenant with token limits gets its
         completion capped at what it reserved."""
         prompt = prompt_estimate(chars)
-        if not self.limiter.counts_tokens(who):
+        if not self.shared.limiter.counts_tokens(who):
             return prompt, 0
         length = body.length()
-        completion = length[1] if length else self.limiter.reserve_tokens
+        completion = length[1] if length else self.shared.limiter.reserve_tokens
         request.stopping.max_new_tokens = completion
         return prompt, prompt + completion
 
@@ -198,12 +187,13 @@ class Completions:
         prompt, reserve = self._reserve(request, body, who, chars)
 
         async def work(exchange: Exchange) -> None:
-            reservation: Reservation = await self.limiter.admit(who, reserve)
+            reservation: Reservation = await self.shared.limiter.admit(who, reserve)
             run = None
             try:
-                async with self.slots.held(route, streaming=body.stream):
+                async with self.shared.slots.held(route, streaming=body.stream):
                     call = method(request, metadata=((caller.METADATA_KEY, who.tenant),))
-                    run = _Run(call, body, shape, params_of(body), who.tenant, self.limiter, prompt)
+                    limiter = self.shared.limiter
+                    run = _Run(call, body, shape, params_of(body), who.tenant, limiter, prompt)
                     try:
                         if body.stream:
                             await _stream(exchange, run)
@@ -214,7 +204,7 @@ class Completions:
             finally:
                 await reservation.settle(0 if run is None else run.spent())
 
-        return Guarded(work, route=route, send_timeout_s=self.send_timeout_s)
+        return Guarded(work, route=route, send_timeout_s=self.shared.send_timeout_s)
 
 
 async def _record(run: _Run, complete: generation_pb2.GenerationComplete) -> None:

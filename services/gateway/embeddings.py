@@ -17,13 +17,12 @@ from fastapi.responses import JSONResponse
 
 from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
 from mesh import caller
-from services.gateway.admission import Slots
-from services.gateway.catalog import Catalog
 from services.gateway.errors import from_rpc, model_not_found, unsupported
 from services.gateway.keys import Principal
-from services.gateway.limits import Limiter, prompt_estimate
+from services.gateway.limits import prompt_estimate
 from services.gateway.openai_types import EmbeddingRequest
 from services.gateway.responses import Exchange, Guarded
+from services.gateway.shared import Shared
 
 EMBEDDER = embedder_pb2.DESCRIPTOR.services_by_name["EmbedderService"]
 ROUTE = "/v1/embeddings"
@@ -43,22 +42,12 @@ def _encoded(values: list[float], encoding: str) -> list[float] | str:
 
 
 class Embeddings:
-    def __init__(
-        self,
-        stub: embedder_pb2_grpc.EmbedderServiceStub,
-        catalog: Catalog,
-        slots: Slots,
-        send_timeout_s: float,
-        limiter: Limiter,
-    ) -> None:
-        self.limiter = limiter
+    def __init__(self, stub: embedder_pb2_grpc.EmbedderServiceStub, shared: Shared) -> None:
         self.stub = stub
-        self.catalog = catalog
-        self.slots = slots
-        self.send_timeout_s = send_timeout_s
+        self.shared = shared
 
     def embed(self, body: EmbeddingRequest, principal: Principal) -> Guarded:
-        known = self.catalog.serving("embedding")
+        known = self.shared.catalog.serving("embedding")
         if body.model not in known:
             raise model_not_found(body.model, known)
         texts = body.texts()
@@ -74,13 +63,13 @@ class Embeddings:
                 raise from_rpc(error, _params(offset, len(batch))) from None
 
         estimate = prompt_estimate(sum(map(len, texts)))
-        reserve = estimate if self.limiter.counts_tokens(principal) else 0
+        reserve = estimate if self.shared.limiter.counts_tokens(principal) else 0
 
         async def work(exchange: Exchange) -> None:
-            reservation = await self.limiter.admit(principal, reserve)
+            reservation = await self.shared.limiter.admit(principal, reserve)
             used = 0
             try:
-                async with self.slots.held(ROUTE, streaming=False):
+                async with self.shared.slots.held(ROUTE, streaming=False):
                     try:
                         async with asyncio.TaskGroup() as group:
                             calls = [group.create_task(one(o)) for o in range(0, len(texts), BATCH)]
@@ -95,7 +84,7 @@ class Embeddings:
                 raise unsupported("dimensions", f"this model's vectors have {dimensions}")
             vectors = [list(e.values) for response in responses for e in response.embeddings]
             tokens = used
-            await self.limiter.record(principal.tenant, body.model, prompt_tokens=tokens)
+            await self.shared.limiter.record(principal.tenant, body.model, prompt_tokens=tokens)
             data = [
                 {"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
                 for i, v in enumerate(vectors)
@@ -104,4 +93,4 @@ class Embeddings:
             answer = {"object": "list", "data": data, "model": responses[0].model, "usage": usage}
             await exchange.whole(JSONResponse(answer))
 
-        return Guarded(work, route=ROUTE, send_timeout_s=self.send_timeout_s)
+        return Guarded(work, route=ROUTE, send_timeout_s=self.shared.send_timeout_s)

@@ -19,13 +19,11 @@ from fastapi.responses import JSONResponse
 
 from aimesh.diffusion.v1 import diffusion_pb2, diffusion_pb2_grpc
 from mesh import caller, request_id
-from services.gateway.admission import Slots
-from services.gateway.catalog import Catalog
 from services.gateway.errors import ApiError, from_rpc, model_not_found
 from services.gateway.keys import Principal
-from services.gateway.limits import Limiter
 from services.gateway.openai_types import ImageRequest
 from services.gateway.responses import Exchange, Guarded
+from services.gateway.shared import Shared
 
 DIFFUSION = diffusion_pb2.DESCRIPTOR.services_by_name["DiffusionService"]
 ROUTE = "/v1/images/generations"
@@ -61,40 +59,30 @@ def generate_request(body: ImageRequest) -> diffusion_pb2.GenerateRequest:
 
 
 class Images:
-    def __init__(
-        self,
-        stub: diffusion_pb2_grpc.DiffusionServiceStub,
-        catalog: Catalog,
-        slots: Slots,
-        send_timeout_s: float,
-        limiter: Limiter,
-    ) -> None:
+    def __init__(self, stub: diffusion_pb2_grpc.DiffusionServiceStub, shared: Shared) -> None:
         self.stub = stub
-        self.catalog = catalog
-        self.slots = slots
-        self.send_timeout_s = send_timeout_s
-        self.limiter = limiter
+        self.shared = shared
 
     def generate(self, body: ImageRequest, principal: Principal) -> Guarded:
         body.refuse_unsupported()
-        known = self.catalog.serving("image")
+        known = self.shared.catalog.serving("image")
         if body.model not in known:
             raise model_not_found(body.model, known)
         request = generate_request(body)
 
         async def work(exchange: Exchange) -> None:
             # Images cost no tokens: only requests_per_minute applies.
-            reservation = await self.limiter.admit(principal, 0)
+            reservation = await self.shared.limiter.admit(principal, 0)
             try:
-                async with self.slots.held(ROUTE, streaming=False):
+                async with self.shared.slots.held(ROUTE, streaming=False):
                     images = await self._images(request, principal)
             finally:
                 await reservation.settle(0)
-            await self.limiter.record(principal.tenant, body.model, images=len(images))
+            await self.shared.limiter.record(principal.tenant, body.model, images=len(images))
             data = [{"b64_json": base64.b64encode(image.png).decode()} for image in images]
             await exchange.whole(JSONResponse({"created": int(time.time()), "data": data}))
 
-        return Guarded(work, route=ROUTE, send_timeout_s=self.send_timeout_s)
+        return Guarded(work, route=ROUTE, send_timeout_s=self.shared.send_timeout_s)
 
     async def _images(
         self, request: diffusion_pb2.GenerateRequest, principal: Principal

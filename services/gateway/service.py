@@ -26,6 +26,7 @@ from services.gateway.images import DIFFUSION, Images
 from services.gateway.keys import KeyStore, OpenAccess
 from services.gateway.limits import Limiter
 from services.gateway.settings import GatewayOptions
+from services.gateway.shared import Shared
 from services.gateway.store import open_store
 
 log = logging.getLogger(__name__)
@@ -37,26 +38,16 @@ async def setup(server: MeshServer) -> HttpServer:
     slots = Slots(server.admission)
     store = open_store(options.limits_store)
     limiter = Limiter(store, window_s=options.limit_window_s, reserve_tokens=options.reserve_tokens)
+    shared = Shared(catalog, slots, limiter, options.send_timeout_s)
     completions = Completions(
         generation_pb2_grpc.GenerationServiceStub(server.channel_to("generation", GENERATION)),
-        catalog,
-        slots,
-        options.send_timeout_s,
-        limiter,
+        shared,
     )
     embeddings = Embeddings(
-        embedder_pb2_grpc.EmbedderServiceStub(server.channel_to("embedder", EMBEDDER)),
-        catalog,
-        slots,
-        options.send_timeout_s,
-        limiter,
+        embedder_pb2_grpc.EmbedderServiceStub(server.channel_to("embedder", EMBEDDER)), shared
     )
     images = Images(
-        diffusion_pb2_grpc.DiffusionServiceStub(server.channel_to("diffusion", DIFFUSION)),
-        catalog,
-        slots,
-        options.send_timeout_s,
-        limiter,
+        diffusion_pb2_grpc.DiffusionServiceStub(server.channel_to("diffusion", DIFFUSION)), shared
     )
     if options.api_keys_file is None:
         log.warning("no api_keys_file: every HTTP caller is the tenant 'anonymous'")
