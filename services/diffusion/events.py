@@ -65,22 +65,27 @@ class JobEvents:
             return (self._progress is not None) + len(self._previews) + len(self._images)
 
     async def drain(self) -> AsyncIterator[Event]:
-        """What is waiting at each wake-up until closed: previews, the newest progress, then
-        images, so the last step's Progress always comes before the first Image."""
+        """What is waiting, one event at a time until closed: previews, the newest
+        progress, then images, so the last step's Progress always comes before the first
+        Image. Each event is taken from the bounded queues only when the reader asks for
+        it, so a reader that stops holds at most one event beyond those bounds."""
         while True:
             await self._ready.wait()
-            with self._lock:
-                self._ready.clear()
-                self._waking = False
-                batch = [*self._previews]
-                if self._progress is not None:
-                    batch.append(self._progress)
-                batch.extend(self._images)
-                self._previews.clear()
-                self._images.clear()
-                self._progress = None
-                closed = self._closed
-            for event in batch:
+            while (event := self._take()) is not None:
                 yield event
-            if closed:
+            if self._closed:
                 return
+
+    def _take(self) -> Event | None:
+        """The next waiting event; None when there is none, and the next push wakes."""
+        with self._lock:
+            if self._previews:
+                return self._previews.popleft()
+            if self._progress is not None:
+                event, self._progress = self._progress, None
+                return event
+            if self._images:
+                return self._images.popleft()
+            self._ready.clear()
+            self._waking = False
+            return None
