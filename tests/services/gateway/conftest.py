@@ -18,6 +18,7 @@ import pytest
 
 from mesh.config import MeshSettings, ServiceSettings
 from mesh.server import MeshServer
+from services.gateway.http_server import HttpServer
 from services.gateway.keys import digest
 from services.gateway.service import setup
 from tests.conftest import free_port
@@ -59,6 +60,7 @@ class Gateway:
     embedder: FakeEmbedder
     diffusion: FakeDiffusion
     keys_file: Path
+    listener: HttpServer
     clients: list[openai.AsyncOpenAI] = field(default_factory=list)
 
     def sdk(self, key: str = KEY, max_retries: int = 0) -> openai.AsyncOpenAI:
@@ -112,7 +114,8 @@ async def start_gateway(
     http = await setup(server)
     await server.start()
     url = f"http://127.0.0.1:{http.port}"
-    return Gateway(server, url, generation, embedder, diffusion, keys_file), [server, *fakes]
+    gateway = Gateway(server, url, generation, embedder, diffusion, keys_file, http)
+    return gateway, [server, *fakes]
 
 
 @pytest.fixture

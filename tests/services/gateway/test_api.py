@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import httpx
 import openai
@@ -367,3 +368,14 @@ async def test_readiness_follows_the_dependencies(tmp_path):
     finally:
         for each in (server, embedder, diffusion):
             await each.drain(0)
+
+
+async def test_accepted_connections_send_without_delay(gateway):
+    """TCP_NODELAY on every accepted socket: without it a response's header and body
+    writes wait for the client's delayed ACK, 40 ms a request on a kept-alive connection
+    (make bench-gateway measured it)."""
+    async with gateway.http() as client:
+        assert (await client.get("/v1/models")).status_code == 200
+        (connection,) = gateway.listener.server.server_state.connections
+        sock = connection.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
