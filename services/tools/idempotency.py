@@ -60,11 +60,8 @@ class IdempotencyKeys:
 
     def _expire(self) -> None:
         now = self._clock()
-        while self._entries:
-            slot, oldest = next(iter(self._entries.items()))
-            if oldest.expires > now:
-                return
-            del self._entries[slot]
+        while self._entries and next(iter(self._entries.values())).expires <= now:
+            self._entries.popitem(last=False)
 
     def claim(self, client: str, key: str, call: str) -> tuple[Entry, bool]:
         """(entry, True): this call runs and must `settle(entry, ...)`. (entry, False): an
