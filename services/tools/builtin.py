@@ -37,8 +37,14 @@ def progress(done: float, total: float | None, message: str) -> tools_pb2.Progre
     return event
 
 
-def passages_text(passages: list[dict[str, Any]]) -> str:
-    return "\n\n".join(f"[{p['id']}] {p['text'][:PASSAGE_CHARS]}" for p in passages)
+async def search(context: ToolContext, what: str, **request: Any) -> retrieval_pb2.SearchResponse:
+    """A search of the knowledge collection; a failure is a ToolError saying `what` failed."""
+    retrieval = retrieval_pb2_grpc.RetrievalServiceStub(context.channel("retrieval", RETRIEVAL))
+    collection = context.settings.knowledge_collection
+    try:
+        return await retrieval.Search(retrieval_pb2.SearchRequest(collection=collection, **request))
+    except grpc.aio.AioRpcError as error:
+        raise unavailable(what, error) from None
 
 
 async def knowledge_search(
@@ -46,35 +52,28 @@ async def knowledge_search(
 ) -> AsyncIterator[ToolEvent]:
     """Hybrid search, reranked by retrieval itself; when rerank is down, retrieval answers
     in its own order with a note, passed on to the model."""
-    query, top_k = arguments["query"], int(arguments.get("top_k", 5))
-    rerank = arguments.get("rerank", True)
-    retrieval = retrieval_pb2_grpc.RetrievalServiceStub(context.channel("retrieval", RETRIEVAL))
+    query = arguments["query"]
     yield progress(0, 1, "searching the knowledge base")
-    try:
-        found = await retrieval.Search(
-            retrieval_pb2.SearchRequest(
-                collection=context.settings.knowledge_collection,
-                query=query,
-                top_k=top_k,
-                mode=retrieval_pb2.SEARCH_MODE_HYBRID,
-                rerank=rerank,
-            )
-        )
-    except grpc.aio.AioRpcError as error:
-        raise unavailable("knowledge search", error) from None
+    found = await search(
+        context,
+        "knowledge search",
+        query=query,
+        top_k=int(arguments.get("top_k", 5)),
+        mode=retrieval_pb2.SEARCH_MODE_HYBRID,
+        rerank=arguments.get("rerank", True),
+    )
     passages = [{"id": h.id, "text": h.text, "score": h.score} for h in found.hits]
     if not passages:
         raise ToolError(f"no passage in the knowledge base matches {query!r}")
-    if not found.note:
-        yield ToolOutput(passages_text(passages), {"passages": passages})
+    text = "\n\n".join(f"[{p['id']}] {p['text'][:PASSAGE_CHARS]}" for p in passages)
+    if found.note:
+        yield ToolOutput(f"{found.note}\n\n{text}", {"passages": passages, "note": found.note})
     else:
-        text = f"{found.note}\n\n{passages_text(passages)}"
-        yield ToolOutput(text, {"passages": passages, "note": found.note})
+        yield ToolOutput(text, {"passages": passages})
 
 
 async def python_doc(arguments: dict[str, Any], context: ToolContext) -> AsyncIterator[ToolEvent]:
     name = arguments["name"]
-    retrieval = retrieval_pb2_grpc.RetrievalServiceStub(context.channel("retrieval", RETRIEVAL))
     exact = retrieval_pb2.Filter(
         must=[
             retrieval_pb2.Condition(key="title", keyword=name),
@@ -82,19 +81,15 @@ async def python_doc(arguments: dict[str, Any], context: ToolContext) -> AsyncIt
         ]
     )
     yield progress(0, 1, f"looking up {name}")
-    try:
-        found = await retrieval.Search(
-            retrieval_pb2.SearchRequest(
-                collection=context.settings.knowledge_collection,
-                query=name,
-                top_k=50,
-                filter=exact,
-                with_payload=True,
-                mode=retrieval_pb2.SEARCH_MODE_DENSE,
-            )
-        )
-    except grpc.aio.AioRpcError as error:
-        raise unavailable("documentation lookup", error) from None
+    found = await search(
+        context,
+        "documentation lookup",
+        query=name,
+        top_k=50,
+        filter=exact,
+        with_payload=True,
+        mode=retrieval_pb2.SEARCH_MODE_DENSE,
+    )
     if not found.hits:
         raise ToolError(f"the stdlib has no documented name {name!r}; try knowledge_search")
     parts = sorted(found.hits, key=lambda h: h.payload.fields["part"].number_value)
@@ -175,18 +170,18 @@ async def calculator(arguments: dict[str, Any], context: ToolContext) -> AsyncIt
     yield await asyncio.to_thread(evaluate, arguments["expression"])
 
 
-def _object(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+def _object(properties: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
+    """A closed object schema; every property is required unless `required` names some."""
     return {
         "type": "object",
         "properties": properties,
-        "required": required,
+        "required": list(properties) if required is None else required,
         "additionalProperties": False,
     }
 
 
 PASSAGE = _object(
-    {"id": {"type": "string"}, "text": {"type": "string"}, "score": {"type": "number"}},
-    ["id", "text", "score"],
+    {"id": {"type": "string"}, "text": {"type": "string"}, "score": {"type": "number"}}
 )
 READ_ONLY = tools_pb2.ToolAnnotations(read_only=True, idempotent=True)
 
@@ -225,15 +220,13 @@ BUILTIN = (
         ),
         input_schema=_object(
             {"name": {"type": "string", "pattern": r"^[A-Za-z_][A-Za-z0-9_.]*$", "maxLength": 200}},
-            ["name"],
         ),
         output_schema=_object(
             {
                 "name": {"type": "string"},
                 "passage_ids": {"type": "array", "items": {"type": "string"}},
                 "text": {"type": "string"},
-            },
-            ["name", "passage_ids", "text"],
+            }
         ),
         annotations=READ_ONLY,
         body=python_doc,
@@ -264,8 +257,7 @@ BUILTIN = (
                 "seeds": {"type": "array", "items": {"type": "number"}},
                 "width": {"type": "integer"},
                 "height": {"type": "integer"},
-            },
-            ["job_id", "model", "seeds", "width", "height"],
+            }
         ),
         annotations=tools_pb2.ToolAnnotations(read_only=True, idempotent=False),
         body=generate_image,
@@ -288,16 +280,14 @@ BUILTIN = (
                     "maxLength": MAX_EXPRESSION,
                     "pattern": EXPRESSION_PATTERN,
                 }
-            },
-            ["expression"],
+            }
         ),
         output_schema=_object(
             {
                 "expression": {"type": "string"},
                 "value": {"type": "number"},
                 "exact": {"type": "string"},
-            },
-            ["expression", "value", "exact"],
+            }
         ),
         annotations=READ_ONLY,
         body=calculator,
