@@ -30,16 +30,12 @@ def output_result(output: ToolOutput) -> tools_pb2.CallToolResult:
 
 
 async def run_tool(
-    tool: ToolDefinition,
-    arguments: dict[str, Any],
-    context: ToolContext,
-    *,
-    timeout_s: float,
-    idle_timeout_s: float,
+    tool: ToolDefinition, arguments: dict[str, Any], context: ToolContext
 ) -> AsyncIterator[tools_pb2.CallToolResponse]:
     """Progress messages, then exactly one result. Every way a tool can fail (ToolError,
-    no sign of life for idle_timeout_s, running past timeout_s) is a result with is_error,
-    written for the model; only cancellation and bugs propagate."""
+    no sign of life for its idle limit, running past its time limit) is a result with
+    is_error, written for the model; only cancellation and bugs propagate."""
+    timeout_s, idle_timeout_s = tool.limits(context.settings)
     started = time.monotonic()
     body = tool.body(arguments, context)
     result: tools_pb2.CallToolResult | None = None

@@ -12,7 +12,7 @@ import grpc
 
 from aimesh.tools.v1 import tools_pb2, tools_pb2_grpc
 from mesh import request_id
-from mesh.failures import NotFound
+from mesh.failures import FieldViolation, InvalidInput, NotFound
 from mesh.server import MeshServer
 from mesh.validation import Violations
 from services.tools.builtin import BUILTIN
@@ -39,7 +39,7 @@ def describe(tool: ToolDefinition, settings: ToolsSettings) -> tools_pb2.Tool:
         input_schema=tool.input_schema,
         output_schema=tool.output_schema,
         annotations=tool.annotations,
-        timeout_ms=int(settings.limits(tool.name, tool.timeout_s, tool.idle_timeout_s)[0] * 1000),
+        timeout_ms=int(tool.limits(settings)[0] * 1000),
     )
 
 
@@ -53,16 +53,11 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
     async def ListTools(
         self, request: tools_pb2.ListToolsRequest, context: grpc.aio.ServicerContext
     ) -> tools_pb2.ListToolsResponse:
-        violations = Violations()
-        cursor = request.cursor
+        cursor = request.cursor or "0"  # none: the first page
         start = int(cursor) if CURSOR.fullmatch(cursor) else -1
-        violations.check(
-            cursor == "" or 0 <= start <= len(self.tools),
-            "cursor",
-            "must be a next_cursor this service returned",
-        )
-        violations.raise_if_any()
-        start = max(start, 0)
+        if not 0 <= start <= len(self.tools):
+            refusal = FieldViolation("cursor", "must be a next_cursor this service returned")
+            raise InvalidInput([refusal])
         names = sorted(self.tools)[start : start + PAGE_SIZE]
         end = start + len(names)
         return tools_pb2.ListToolsResponse(
@@ -77,30 +72,27 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
         tool = self._tool(request)
         arguments = arguments_of(request.arguments)
         check_arguments(tool.input_schema, arguments).raise_if_any()
-        key = request.idempotency_key
-        if not key:
-            async for message in self._run(tool, arguments):
-                yield message
-            return
-        canonical = json.dumps([tool.name, arguments], sort_keys=True)
-        call = hashlib.sha256(canonical.encode()).hexdigest()
-        client = client_of(context)
-        while True:
-            entry, runs_here = self.keys.claim(client, key, call)
-            if runs_here:
-                break
-            result = await asyncio.shield(entry.result)
-            if result is not None:
-                yield tools_pb2.CallToolResponse(result=result)
-                return
+        key, entry = request.idempotency_key, None
+        if key:
+            canonical = json.dumps([tool.name, arguments], sort_keys=True)
+            call = hashlib.sha256(canonical.encode()).hexdigest()
+            while True:
+                entry, runs_here = self.keys.claim(client_of(context), key, call)
+                if runs_here:
+                    break
+                result = await asyncio.shield(entry.result)
+                if result is not None:
+                    yield tools_pb2.CallToolResponse(result=result)
+                    return
         result = None
         try:
-            async for message in self._run(tool, arguments):
+            async for message in run_tool(tool, arguments, self.context):
                 if message.HasField("result") and not message.result.is_error:
                     result = message.result
                 yield message
         finally:
-            self.keys.settle(entry, result)
+            if entry is not None:
+                self.keys.settle(entry, result)
 
     def _tool(self, request: tools_pb2.CallToolRequest) -> ToolDefinition:
         """The named tool, after the name and key are checked cheaply: either may be
@@ -125,10 +117,6 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
                 resource_name=name,
             )
         return tool
-
-    def _run(self, tool: ToolDefinition, arguments: dict) -> AsyncIterator:
-        limit, idle = self.context.settings.limits(tool.name, tool.timeout_s, tool.idle_timeout_s)
-        return run_tool(tool, arguments, self.context, timeout_s=limit, idle_timeout_s=idle)
 
 
 async def setup(server: MeshServer) -> None:

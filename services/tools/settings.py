@@ -20,11 +20,6 @@ class ToolsSettings(ServiceOptions):
     # The absolute cap on any call, whatever a tool's own limit or override says.
     max_call_s: float = Field(default=300, gt=0)
 
-    def limits(self, name: str, timeout_s: float, idle_timeout_s: float) -> tuple[float, float]:
-        """A tool's (time limit, idle limit) after overrides and the cap."""
-        limit = min(self.timeout_s.get(name, timeout_s), self.max_call_s)
-        return limit, min(self.idle_timeout_s.get(name, idle_timeout_s), limit)
-
 
 def tools_settings(settings: MeshSettings) -> ToolsSettings:
     return ToolsSettings.of(settings, "tools")

@@ -55,3 +55,8 @@ class ToolDefinition:
     # when it has run timeout_s in all, whatever its progress.
     timeout_s: float
     idle_timeout_s: float
+
+    def limits(self, settings: ToolsSettings) -> tuple[float, float]:
+        """(time limit, idle limit) after the settings' overrides and cap."""
+        limit = min(settings.timeout_s.get(self.name, self.timeout_s), settings.max_call_s)
+        return limit, min(settings.idle_timeout_s.get(self.name, self.idle_timeout_s), limit)
