@@ -30,13 +30,6 @@ def unavailable(what: str, error: grpc.aio.AioRpcError) -> ToolError:
     return ToolError(f"{what} failed ({error.code().name}): {problems or error.details()}")
 
 
-def progress(done: float, total: float | None, message: str) -> tools_pb2.Progress:
-    event = tools_pb2.Progress(progress=done, message=message)
-    if total is not None:
-        event.total = total
-    return event
-
-
 async def search(context: ToolContext, what: str, **request: Any) -> retrieval_pb2.SearchResponse:
     """A search of the knowledge collection; a failure is a ToolError saying `what` failed."""
     retrieval = retrieval_pb2_grpc.RetrievalServiceStub(context.channel("retrieval", RETRIEVAL))
@@ -53,7 +46,7 @@ async def knowledge_search(
     """Hybrid search, reranked by retrieval itself; when rerank is down, retrieval answers
     in its own order with a note, passed on to the model."""
     query = arguments["query"]
-    yield progress(0, 1, "searching the knowledge base")
+    yield tools_pb2.Progress(progress=0, total=1, message="searching the knowledge base")
     found = await search(
         context,
         "knowledge search",
@@ -80,7 +73,7 @@ async def python_doc(arguments: dict[str, Any], context: ToolContext) -> AsyncIt
             retrieval_pb2.Condition(key="source", keyword="stdlib"),
         ]
     )
-    yield progress(0, 1, f"looking up {name}")
+    yield tools_pb2.Progress(progress=0, total=1, message=f"looking up {name}")
     found = await search(
         context,
         "documentation lookup",
@@ -118,16 +111,15 @@ async def generate_image(
             kind = event.WhichOneof("event")
             if kind == "queued":
                 job_id = event.queued.job_id
-                where = (
-                    "running"
-                    if event.queued.position == 0
-                    else f"queued, position {event.queued.position}"
-                )
-                yield progress(0, None, f"image job {where}")
+                position = event.queued.position
+                where = f"queued, position {position}" if position else "running"
+                yield tools_pb2.Progress(progress=0, message=f"image job {where}")
             elif kind == "progress":
                 step = event.progress
-                yield progress(
-                    step.step, step.total_steps, f"denoising step {step.step}/{step.total_steps}"
+                yield tools_pb2.Progress(
+                    progress=step.step,
+                    total=step.total_steps,
+                    message=f"denoising step {step.step}/{step.total_steps}",
                 )
             elif kind == "image":
                 images.append(event.image)
