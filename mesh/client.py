@@ -17,11 +17,10 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.descriptor_pb2 import MethodOptions
 
-from mesh import tracing
+from mesh import interceptors, tracing
 from mesh.breaker import CircuitBreaker
 from mesh.config import ClientSettings, MeshSettings, TransportSettings
 from mesh.deadline import DeadlinePolicy
-from mesh.interceptors import MeshClientInterceptor
 
 _IDEMPOTENT_LEVELS = frozenset({MethodOptions.NO_SIDE_EFFECTS, MethodOptions.IDEMPOTENT})
 
@@ -96,23 +95,14 @@ def create_channel(
     """A channel with the mesh's interceptors; TLS when `credentials` are given."""
     client = settings.client
     breaker = breaker or CircuitBreaker(target, client.breaker)
-    deadlines = DeadlinePolicy(
-        margin_s=client.deadline_margin_s,
-        margin_ratio=client.deadline_margin_ratio,
-        default_unary_s=client.default_unary_deadline_s,
-        default_stream_s=client.default_stream_deadline_s,
-        per_method_s=client.method_deadlines_s,
-    )
-    interceptors = [
+    chain = [
         *tracing.client_interceptors(),
-        *MeshClientInterceptor(deadlines, breaker).client_interceptors(),
+        *interceptors.client_interceptors(DeadlinePolicy(client), breaker),
     ]
     options = channel_options(settings, services)
     if credentials is not None:
-        return grpc.aio.secure_channel(
-            target, credentials, options=options, interceptors=interceptors
-        )
-    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+        return grpc.aio.secure_channel(target, credentials, options=options, interceptors=chain)
+    return grpc.aio.insecure_channel(target, options=options, interceptors=chain)
 
 
 class ChannelPool:

@@ -15,12 +15,13 @@ call keeps the exact deadline and cancels it on time.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
 import grpc
 
+from mesh.config import ClientSettings
 from mesh.errors import local_error, status
 from mesh.rpc import method_name
 
@@ -59,32 +60,23 @@ def record(context: grpc.aio.ServicerContext) -> None:
 class DeadlinePolicy:
     """Gives every outgoing call a deadline derived from the budget it was made under."""
 
-    def __init__(
-        self,
-        *,
-        margin_s: float,
-        margin_ratio: float,
-        default_unary_s: float,
-        default_stream_s: float,
-        per_method_s: Mapping[str, float] | None = None,
-    ) -> None:
-        self.margin_s = margin_s
-        self.margin_ratio = margin_ratio
-        self.default_unary_s = default_unary_s
-        self.default_stream_s = default_stream_s
-        self.per_method_s = dict(per_method_s or {})
+    def __init__(self, client: ClientSettings) -> None:
+        self.client = client
 
     def timeout_for(self, details: grpc.aio.ClientCallDetails, *, streaming: bool) -> float:
+        client = self.client
         method = method_name(details)
         left = remaining()
         candidates = [] if details.timeout is None else [details.timeout]
         if left is not None:
-            candidates.append(left * (1 - self.margin_ratio) - self.margin_s)
+            candidates.append(left * (1 - client.deadline_margin_ratio) - client.deadline_margin_s)
         if candidates:
             timeout = min(candidates)
         else:
-            fallback = self.default_stream_s if streaming else self.default_unary_s
-            timeout = self.per_method_s.get(method, fallback)
+            fallback = (
+                client.default_stream_deadline_s if streaming else client.default_unary_deadline_s
+            )
+            timeout = client.method_deadlines_s.get(method, fallback)
         if timeout <= 0:
             raise local_error(
                 status(

@@ -28,7 +28,6 @@ from mesh.errors import fail, local_error
 from mesh.failures import Failure, InvalidInput
 from mesh.metrics import MethodMetrics
 from mesh.rpc import (
-    ClientInterceptor,
     StreamBehavior,
     UnaryBehavior,
     carried,
@@ -170,13 +169,17 @@ class MeshServerInterceptor(grpc.aio.ServerInterceptor):
         return handle
 
 
-class MeshClientInterceptor(ClientInterceptor):
+class MeshClientInterceptor:
     """Request id, deadline and circuit breaker for every call on one channel.
 
     Unary calls are awaited here, inside the interceptor task. Awaiting the call itself (not
     its code(), as the upstream tracing interceptor does, contrib #3271) is what lets grpc
     cancel the RPC when the caller's task is cancelled. Streams are observed through a
     done callback, so a long stream costs nothing per message.
+
+    grpc.aio files each interceptor object under the first arity it subclasses (an elif
+    chain in Channel.__init__), so a channel gets one of the subclasses below per arity
+    (`client_interceptors`), sharing the policy and the breaker.
     """
 
     def __init__(self, deadlines: DeadlinePolicy, breaker: CircuitBreaker) -> None:
@@ -253,3 +256,28 @@ class MeshClientInterceptor(ClientInterceptor):
     intercept_stream_unary = _unary
     intercept_unary_stream = _stream
     intercept_stream_stream = _stream
+
+
+class _UnaryUnary(MeshClientInterceptor, grpc.aio.UnaryUnaryClientInterceptor):
+    pass
+
+
+class _UnaryStream(MeshClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+    pass
+
+
+class _StreamUnary(MeshClientInterceptor, grpc.aio.StreamUnaryClientInterceptor):
+    pass
+
+
+class _StreamStream(MeshClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
+    pass
+
+
+def client_interceptors(
+    deadlines: DeadlinePolicy, breaker: CircuitBreaker
+) -> list[grpc.aio.ClientInterceptor]:
+    return [
+        arity(deadlines, breaker)
+        for arity in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)
+    ]

@@ -1,4 +1,4 @@
-"""Small helpers interceptors share: method names, handler wrapping, arity adapters.
+"""Small helpers interceptors share: method names, handler wrapping, metadata.
 
 grpc.aio server interceptors only see the method name and metadata; anything that needs
 the ServicerContext (deadline, status code, abort) has to wrap the handler's behaviour.
@@ -117,66 +117,6 @@ def wrap_handler(
     if handler.stream_unary:
         return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary), **codecs)
     return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream), **codecs)
-
-
-class ClientInterceptor:
-    """One concern applied to every arity; `client_interceptors()` registers it four times.
-
-    grpc.aio files each interceptor object under the first arity it subclasses (an elif
-    chain in Channel.__init__), so one object cannot serve all four; these adapters do.
-    """
-
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(details, request)
-
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(details, request)
-
-    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return await continuation(details, requests)
-
-    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return await continuation(details, requests)
-
-    def client_interceptors(self) -> list[grpc.aio.ClientInterceptor]:
-        return [
-            _UnaryUnary(self),
-            _UnaryStream(self),
-            _StreamUnary(self),
-            _StreamStream(self),
-        ]
-
-
-class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
-    def __init__(self, concern: ClientInterceptor) -> None:
-        self.intercept = concern.intercept_unary_unary
-
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await self.intercept(continuation, details, request)
-
-
-class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-    def __init__(self, concern: ClientInterceptor) -> None:
-        self.intercept = concern.intercept_unary_stream
-
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await self.intercept(continuation, details, request)
-
-
-class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-    def __init__(self, concern: ClientInterceptor) -> None:
-        self.intercept = concern.intercept_stream_unary
-
-    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return await self.intercept(continuation, details, requests)
-
-
-class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
-    def __init__(self, concern: ClientInterceptor) -> None:
-        self.intercept = concern.intercept_stream_stream
-
-    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return await self.intercept(continuation, details, requests)
 
 
 def incoming(context: grpc.aio.ServicerContext, key: str, max_length: int) -> str | None:
