@@ -179,6 +179,14 @@ def http_port_of(spec: ServiceSpec, settings: MeshSettings) -> int | None:
     return options.http_port
 
 
+def api_keys_file_of(spec: ServiceSpec, settings: MeshSettings) -> Path | None:
+    """Where a service that checks API keys itself reads them (its `api_keys_file`): the
+    pod mounts Secret aimesh-<name>-keys there, so keys rotate without a new image or a
+    restart (the kubelet swaps the file; the service re-reads it)."""
+    options = spec.load_options().of(settings, spec.name)
+    return options.api_keys_file if isinstance(options, HttpServiceOptions) else None
+
+
 def _labels(name: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": name}
 
@@ -257,6 +265,14 @@ def deployment(spec: ServiceSpec, settings: MeshSettings, sizing: Sizing) -> dic
         },
         "volumeMounts": [{"name": "config", "mountPath": "/etc/aimesh", "readOnly": True}],
     }
+    volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": "aimesh-config"}}]
+    keys_file = api_keys_file_of(spec, settings)
+    if keys_file is not None:
+        # The whole directory, not a subPath: a subPath mount never sees a rotated Secret.
+        container["volumeMounts"].append(
+            {"name": "api-keys", "mountPath": str(keys_file.parent), "readOnly": True}
+        )
+        volumes.append({"name": "api-keys", "secret": {"secretName": f"aimesh-{name}-keys"}})
     metadata: dict[str, Any] = {"name": name, "labels": _labels(name)}
     if sizing.gpu:
         metadata["labels"] = {**_labels(name), ACCELERATOR_LABEL: "gpu"}
@@ -294,7 +310,7 @@ def deployment(spec: ServiceSpec, settings: MeshSettings, sizing: Sizing) -> dic
                         }
                     ],
                     "containers": [container],
-                    "volumes": [{"name": "config", "configMap": {"name": "aimesh-config"}}],
+                    "volumes": volumes,
                 },
             },
         },

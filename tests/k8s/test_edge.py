@@ -1,6 +1,7 @@
 """The Envoy edge: its config rendered at pod start by `aimesh edge render` into a volume
 Envoy reads, its keys from the Secret (never the placeholder), and its image and keys
-replaceable from an overlay of one's own, as docs/deploy.md says."""
+replaceable from an overlay of one's own, as docs/deploy.md says; the gateway's own keys
+from theirs."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ from pathlib import PurePosixPath
 import pytest
 
 from mesh import tracing
+from mesh.config import MeshSettings, ServiceSettings
 from mesh.edge import envoy
 from mesh.registry import discover
+from services.gateway.keys import KeyFile
 from tests.k8s.conftest import (
     HTTP_SERVICES,
     K8S,
     NAMESPACE,
+    config_toml,
     containers,
     documents,
     env_of,
@@ -177,3 +181,28 @@ secretGenerator:
         for c in containers(of_kind(docs, "Deployment")[name])
     }
     assert images == {"team/aimesh:42", "envoyproxy/envoy:v1.40.0"}
+
+
+def test_the_gateway_reads_its_keys_from_a_secret_the_edge_defers_to(overlay, deployed):
+    """The gateway's api_keys_file lies in a mounted Secret directory (no subPath, so a
+    rotated Secret reaches the running pod); the committed Secret holds no key, so the
+    OpenAI paths refuse every call until an operator replaces it; and the edge, rendered
+    with the same config, leaves those paths' keys to the gateway."""
+    assert "gateway" in deployed
+    keys_file = config_toml()["services"]["gateway"]["api_keys_file"]
+    (container,) = containers(of_kind(overlay, "Deployment")["gateway"])
+    directory, name = keys_file.rsplit("/", 1)
+    (mount,) = (m for m in container["volumeMounts"] if m["mountPath"] == directory)
+    assert "subPath" not in mount and mount["readOnly"]
+    (volume,) = (
+        v for v in pod_spec(of_kind(overlay, "Deployment")["gateway"])["volumes"]
+        if v["name"] == mount["name"]
+    )  # fmt: skip
+    secret = of_kind(overlay, "Secret")[volume["secret"]["secretName"]]
+    committed = KeyFile.model_validate_json(base64.b64decode(secret["data"][name]))
+    assert committed.keys == []
+    settings = MeshSettings.model_construct(
+        services={"gateway": ServiceSettings.model_validate(config_toml()["services"]["gateway"])}
+    )
+    (gateway,) = envoy.upstreams_for([discover()["gateway"]], settings)
+    assert gateway.http is not None and gateway.http.own_keys
