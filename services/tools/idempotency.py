@@ -2,8 +2,8 @@
 
 Own code, not a cache library: besides expiry it must let a second call with the same
 key wait for a first one still running, and refuse a key reused for different arguments.
-Keys are scoped by the calling client, so one client's key never replays another's
-result. Every entry lives the same window, so insertion order is expiry order: expiring
+Keys are scoped by the calling client (mesh.caller), so one client's key never replays
+another's result. Every entry lives the same window, so insertion order is expiry order: expiring
 pops from the front (O(1) amortised) and the size bound evicts the oldest first. An
 evicted or expired entry whose call still runs is only forgotten by the store; its
 caller settles the Entry it holds, so the calls already waiting on it still get the result.
@@ -17,25 +17,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import grpc
-
 from aimesh.tools.v1 import tools_pb2
 from mesh.failures import AlreadyExists
 
 MAX_KEY_BYTES = 128
-# Set by the edge on every call it forwards: the name of the caller's API key.
-CLIENT_HEADER = "x-aimesh-client"
-# The scope of calls from inside the mesh, which carry no client header.
-ANONYMOUS = ""
 
 Slot = tuple[str, str]  # (client, key)
-
-
-def client_of(context: grpc.aio.ServicerContext) -> str:
-    for key, value in context.invocation_metadata() or ():
-        if key == CLIENT_HEADER:
-            return str(value)
-    return ANONYMOUS
 
 
 @dataclass(eq=False)

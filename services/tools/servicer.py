@@ -11,15 +11,15 @@ from collections.abc import AsyncIterator
 import grpc
 
 from aimesh.tools.v1 import tools_pb2, tools_pb2_grpc
-from mesh import request_id
+from mesh import caller, request_id
 from mesh.failures import FieldViolation, InvalidInput, NotFound
 from mesh.server import MeshServer
 from mesh.validation import Violations
 from services.tools.builtin import BUILTIN
-from services.tools.idempotency import MAX_KEY_BYTES, IdempotencyKeys, client_of
+from services.tools.idempotency import MAX_KEY_BYTES, IdempotencyKeys
 from services.tools.runner import run_tool
 from services.tools.schema import arguments_of, check_arguments
-from services.tools.settings import ToolsSettings, tools_settings
+from services.tools.settings import ToolsSettings
 from services.tools.tool import ToolContext, ToolDefinition
 
 SERVICE = tools_pb2.DESCRIPTOR.services_by_name["ToolsService"]
@@ -77,7 +77,7 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
             canonical = json.dumps([tool.name, arguments], sort_keys=True)
             call = hashlib.sha256(canonical.encode()).hexdigest()
             while True:
-                entry, runs_here = self.keys.claim(client_of(context), key, call)
+                entry, runs_here = self.keys.claim(caller.current(), key, call)
                 if runs_here:
                     break
                 result = await asyncio.shield(entry.result)
@@ -120,7 +120,7 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
 
 
 async def setup(server: MeshServer) -> None:
-    settings = tools_settings(server.settings)
+    settings = server.options_as(ToolsSettings)
     context = ToolContext(settings, server.channel_to)
     server.add_service(
         tools_pb2_grpc.add_ToolsServiceServicer_to_server,

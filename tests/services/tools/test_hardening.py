@@ -25,13 +25,14 @@ from hypothesis import strategies as st
 
 from aimesh.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 from aimesh.tools.v1 import tools_pb2
+from mesh import caller
 from mesh.client import ChannelPool, create_channel
 from mesh.config import MeshSettings
 from mesh.errors import field_violations, status_for_failure
 from mesh.failures import AlreadyExists, Failure, InvalidInput
 from services.tools import builtin
 from services.tools.builtin import BUILTIN
-from services.tools.idempotency import CLIENT_HEADER, IdempotencyKeys
+from services.tools.idempotency import IdempotencyKeys
 from services.tools.schema import MAX_DEPTH
 from services.tools.servicer import ToolsServicer
 from services.tools.settings import ToolsSettings
@@ -42,10 +43,10 @@ pytestmark = pytest.mark.service
 
 
 class FakeContext:
-    """What CallTool reads from a grpc.aio.ServicerContext: the invocation metadata."""
+    """What the server interceptor reads from a grpc.aio.ServicerContext: the metadata."""
 
     def __init__(self, client: str | None = None) -> None:
-        self.metadata = () if client is None else ((CLIENT_HEADER, client),)
+        self.metadata = () if client is None else ((caller.METADATA_KEY, client),)
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self.metadata
@@ -75,7 +76,9 @@ def call(tool: str, key: str = "", **arguments: Any) -> tools_pb2.CallToolReques
 async def result_of(
     servicer: ToolsServicer, request: tools_pb2.CallToolRequest, client: str | None = None
 ) -> tools_pb2.CallToolResult:
-    messages = [m async for m in servicer.CallTool(request, FakeContext(client))]
+    context = FakeContext(client)
+    caller.adopt(context)  # as the server interceptor does
+    messages = [m async for m in servicer.CallTool(request, context)]
     assert messages[-1].HasField("result")
     return messages[-1].result
 
