@@ -62,10 +62,6 @@ async def run_tool(
     finally:
         await body.aclose()
     elapsed = time.monotonic() - started
-    result.timing.CopyFrom(
-        common_pb2.Timing(
-            stages=[stage(tool.name, elapsed, common_pb2.STAGE_KIND_COMPUTE, "tools")],
-            total_ns=int(elapsed * 1e9),
-        )
-    )
+    result.timing.stages.append(stage(tool.name, elapsed, common_pb2.STAGE_KIND_COMPUTE, "tools"))
+    result.timing.total_ns = int(elapsed * 1e9)
     yield tools_pb2.CallToolResponse(result=result)
