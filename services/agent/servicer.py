@@ -21,7 +21,7 @@ from mesh.timing import stage
 from mesh.validation import Violations
 from services.agent import loop
 from services.agent.planner import Observation, Tool, ToolStep
-from services.agent.settings import AgentSettings, agent_settings
+from services.agent.settings import AgentSettings
 
 SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
 TOOLS = tools_pb2.DESCRIPTOR.services_by_name["ToolsService"]
@@ -244,5 +244,5 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
 
 
 async def setup(server: MeshServer) -> None:
-    servicer = AgentServicer(server, agent_settings(server.settings))
+    servicer = AgentServicer(server, server.options_as(AgentSettings))
     server.add_service(agent_pb2_grpc.add_AgentServiceServicer_to_server, servicer, SERVICE)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from mesh.config import MeshSettings, ServiceOptions
+from mesh.config import ServiceOptions
 
 
 class AgentSettings(ServiceOptions):
@@ -28,7 +28,3 @@ class AgentSettings(ServiceOptions):
     plan_timeout_s: float = Field(default=5.0, gt=0)
     repetition_penalty: float = Field(default=1.0, ge=1)
     passages_in_prompt: int = Field(default=4, ge=1, le=20)
-
-
-def agent_settings(settings: MeshSettings) -> AgentSettings:
-    return AgentSettings.of(settings, "agent")

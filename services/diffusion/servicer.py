@@ -29,7 +29,7 @@ from services.diffusion.jobs import Job, JobQueue
 from services.diffusion.metrics import JOBS
 from services.diffusion.requests import plan_job
 from services.diffusion.runner import RunTimes, Throttle, run_job
-from services.diffusion.settings import DiffusionSettings, diffusion_settings
+from services.diffusion.settings import DiffusionSettings
 
 SERVICE = diffusion_pb2.DESCRIPTOR.services_by_name["DiffusionService"]
 log = logging.getLogger(__name__)
@@ -245,7 +245,7 @@ def warm_up(model: DiffusionModel) -> None:
 
 async def setup(server: MeshServer) -> DiffusionServicer:
     """Registers the service; returns the servicer so tests can watch its job queue."""
-    settings = diffusion_settings(server.settings)
+    settings = server.options_as(DiffusionSettings)
     servicer = DiffusionServicer(settings, server.executor("jobs", settings.slots))
     server.add_service(diffusion_pb2_grpc.add_DiffusionServiceServicer_to_server, servicer, SERVICE)
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from mesh.config import MeshSettings, ServiceOptions
+from mesh.config import ServiceOptions
 from mesh.triton import TritonSettings
 
 
@@ -48,7 +48,3 @@ class DiffusionSettings(ServiceOptions):
         if self.terrain_backend == "triton" and self.triton is None:
             raise ValueError("terrain_backend 'triton' needs a [services.diffusion.triton] section")
         return self
-
-
-def diffusion_settings(settings: MeshSettings) -> DiffusionSettings:
-    return DiffusionSettings.of(settings, "diffusion")

@@ -31,7 +31,7 @@ from mesh.validation import Violations
 from services.embedder.backends import TritonBackend
 from services.embedder.encoder import Encoder
 from services.embedder.engine import EmbedEngine
-from services.embedder.settings import embedder_settings
+from services.embedder.settings import EmbedderSettings
 from services.shared.minilm import Side, Tokenized
 
 SERVICE = embedder_pb2.DESCRIPTOR.services_by_name["EmbedderService"]
@@ -138,7 +138,7 @@ async def setup(server: MeshServer) -> None:
     """Registers the servicer now; loads the model in a thread in the warm-up (exporting
     its ONNX graph takes ~10 s the first time, and liveness must answer meanwhile), then
     embeds one text through the batching engine before readiness."""
-    settings = embedder_settings(server.settings)
+    settings = server.options_as(EmbedderSettings)
     servicer = EmbedderServicer()
     server.add_service(embedder_pb2_grpc.add_EmbedderServiceServicer_to_server, servicer, SERVICE)
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from mesh.config import MeshSettings, ServiceOptions
+from mesh.config import ServiceOptions
 from mesh.triton import TritonSettings
 
 
@@ -39,7 +39,3 @@ class EmbedderSettings(ServiceOptions):
         if self.backend == "triton" and self.triton is None:
             raise ValueError("backend 'triton' needs a [services.embedder.triton] section")
         return self
-
-
-def embedder_settings(settings: MeshSettings) -> EmbedderSettings:
-    return EmbedderSettings.of(settings, "embedder")

@@ -38,7 +38,7 @@ from services.rerank.scorers import (
     Scorer,
     over_length,
 )
-from services.rerank.settings import RerankSettings, rerank_settings
+from services.rerank.settings import RerankSettings
 from services.rerank.triton_scorer import TritonScorer
 
 SERVICE = rerank_pb2.DESCRIPTOR.services_by_name["RerankService"]
@@ -201,7 +201,7 @@ class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
 async def setup(server: MeshServer) -> None:
     """Registers the servicer now; loads and warms the scorer before readiness. On Triton,
     readiness waits for the model there and then follows Triton's ModelReady."""
-    settings = rerank_settings(server.settings)
+    settings = server.options_as(RerankSettings)
     servicer = RerankServicer(server.executor("model"))
     server.add_service(rerank_pb2_grpc.add_RerankServiceServicer_to_server, servicer, SERVICE)
     remote: list[TritonScorer] = []

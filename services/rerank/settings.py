@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from mesh.config import MeshSettings, ServiceOptions
+from mesh.config import ServiceOptions
 from mesh.triton import TritonSettings
 
 
@@ -38,7 +38,3 @@ class RerankSettings(ServiceOptions):
                 "cross_encoder runs in process; backend 'triton' serves minilm-late-interaction"
             )
         return self
-
-
-def rerank_settings(settings: MeshSettings) -> RerankSettings:
-    return RerankSettings.of(settings, "rerank")

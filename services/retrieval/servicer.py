@@ -39,7 +39,7 @@ from services.retrieval.engine import (
     Query,
     RerankUnavailable,
 )
-from services.retrieval.settings import retrieval_settings
+from services.retrieval.settings import RetrievalSettings
 from services.retrieval.store import RESERVED_PREFIX, open_store
 
 log = logging.getLogger(__name__)
@@ -343,7 +343,7 @@ def _hit_messages(hits: list[Hit]) -> list[retrieval_pb2.Hit]:
 
 
 async def setup(server: MeshServer) -> None:
-    settings = retrieval_settings(server.settings)
+    settings = server.options_as(RetrievalSettings)
     calls = StoreCalls(
         display(settings.url) if settings.url else "embedded",
         settings.timeout_s,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from mesh.config import MeshSettings, ServiceOptions
+from mesh.config import ServiceOptions
 
 
 class RetrievalSettings(ServiceOptions):
@@ -26,7 +26,3 @@ class RetrievalSettings(ServiceOptions):
     # can promote a document that one retriever ranks low.
     prefetch_factor: int = Field(default=4, ge=1)
     embed_batch: int = Field(default=32, ge=1, le=32)
-
-
-def retrieval_settings(settings: MeshSettings) -> RetrievalSettings:
-    return RetrievalSettings.of(settings, "retrieval")

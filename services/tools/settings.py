@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from mesh.config import MeshSettings, ServiceOptions
+from mesh.config import ServiceOptions
 
 
 class ToolsSettings(ServiceOptions):
@@ -19,7 +19,3 @@ class ToolsSettings(ServiceOptions):
     idle_timeout_s: dict[str, float] = Field(default_factory=dict)
     # The absolute cap on any call, whatever a tool's own limit or override says.
     max_call_s: float = Field(default=300, gt=0)
-
-
-def tools_settings(settings: MeshSettings) -> ToolsSettings:
-    return ToolsSettings.of(settings, "tools")

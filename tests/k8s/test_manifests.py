@@ -12,7 +12,7 @@ import pytest
 from mesh.config import MeshSettings
 from mesh.registry import discover, options_problems
 from services.llm.settings import llm_settings
-from services.retrieval.settings import retrieval_settings
+from services.retrieval.settings import RetrievalSettings
 from tests.k8s.conftest import (
     GPU_SERVICES,
     HTTP_SERVICES,
@@ -270,7 +270,7 @@ def test_mounted_config_is_valid_and_names_every_service(overlay, deployed, monk
     assert options_problems(SPECS.values(), settings) == []
     assert set(settings.engines) <= {"llm"}
     llm_settings(settings)
-    url = urlsplit(retrieval_settings(settings).url)
+    url = urlsplit(RetrievalSettings.of(settings, "retrieval").url)
     qdrant, namespace = url.hostname.split(".")[:2]
     assert namespace == NAMESPACE
     assert url.port in [p["port"] for p in services[qdrant]["spec"]["ports"]]

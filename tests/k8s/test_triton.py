@@ -23,12 +23,12 @@ from pydantic import BaseModel
 from tritonclient.grpc import model_config_pb2
 
 from loadtest.triton_server import REQUIREMENTS as TESTED_SERVER_REQUIREMENTS
-from mesh.config import MeshSettings
+from mesh.config import MeshSettings, ServiceOptions
 from mesh.triton import TritonSettings
-from services.diffusion.settings import DiffusionSettings, diffusion_settings
-from services.embedder.settings import EmbedderSettings, embedder_settings
+from services.diffusion.settings import DiffusionSettings
+from services.embedder.settings import EmbedderSettings
 from services.generation.settings import RouterOptions
-from services.rerank.settings import RerankSettings, rerank_settings
+from services.rerank.settings import RerankSettings
 from tests.conftest import ROOT
 from tests.k8s.conftest import (
     K8S,
@@ -63,11 +63,6 @@ WORKER_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAu
 TRACE_CONFIG = "--trace-config="
 
 
-def router_options(settings: MeshSettings) -> RouterOptions:
-    """[services.generation] as MeshServer hands them to the router's setup()."""
-    return RouterOptions.of(settings, "generation")
-
-
 def embedder_on_triton(engine: EmbedderSettings) -> TritonSettings | None:
     assert engine.backend == "triton"
     return engine.triton
@@ -95,8 +90,8 @@ class OnTriton:
     model: str
     # Its settings in the environment (and nothing else there is new).
     env_prefix: str
-    # Its settings as the service reads and validates them with its own class ...
-    read: Callable[[MeshSettings], BaseModel]
+    # Its own settings class, which reads and validates them as the service does ...
+    options: type[ServiceOptions]
     # ... and their Triton section, once checked that they choose the Triton backend.
     triton: Callable[[BaseModel], TritonSettings | None]
     # What else the option changes on its Deployment (see differences()).
@@ -110,18 +105,18 @@ ON_TRITON = {
     "embedder": OnTriton(
         "sentence_embedding",
         "AIMESH_SERVICES__EMBEDDER__",
-        embedder_settings,
+        EmbedderSettings,
         embedder_on_triton,
         RESOURCES,
     ),
     "rerank": OnTriton(
-        "token_embedding", "AIMESH_SERVICES__RERANK__", rerank_settings, rerank_on_triton, RESOURCES
+        "token_embedding", "AIMESH_SERVICES__RERANK__", RerankSettings, rerank_on_triton, RESOURCES
     ),
     # Off the GPU nodes: digits runs on the CPU (test_diffusion_leaves_the_gpu_nodes...).
     "diffusion": OnTriton(
         "terrain_denoiser",
         "AIMESH_SERVICES__DIFFUSION__",
-        diffusion_settings,
+        DiffusionSettings,
         diffusion_on_triton,
         RESOURCES | {"pod.tolerations", "pod.nodeSelector", "spec.strategy"},
     ),
@@ -129,7 +124,7 @@ ON_TRITON = {
     "generation": OnTriton(
         "text_generation",
         "AIMESH_SERVICES__GENERATION__",
-        router_options,
+        RouterOptions,
         generation_on_triton,
         frozenset({"container.env"}),
         streams=True,
@@ -456,7 +451,9 @@ def test_service_runs_its_model_on_triton(rendered, name, monkeypatch, tmp_path)
     a model of the repository."""
     docs = rendered[OPTION]
     service = ON_TRITON[name]
-    settings = service.triton(service.read(service_settings(docs, name, monkeypatch, tmp_path)))
+    settings = service.triton(
+        service.options.of(service_settings(docs, name, monkeypatch, tmp_path), name)
+    )
     assert isinstance(settings, TritonSettings)
     assert settings.model == service.model
     assert settings.model in MODELS
@@ -490,7 +487,7 @@ def test_the_router_keeps_its_service_settings_and_streams_as_long_as_the_mesh_d
     service = settings.service("generation")
     from_file = config_toml()["services"]["generation"]
     assert {key: getattr(service, key) for key in from_file} == from_file
-    options = router_options(settings)
+    options = RouterOptions.of(settings, "generation")
     assert options.triton is not None
     assert options.triton.timeout_s == settings.client.default_stream_deadline_s
     # Nothing left that would send it to prefill or decode.
@@ -529,7 +526,9 @@ def test_diffusion_leaves_the_gpu_nodes_and_runs_digits_on_the_cpus_it_requests(
 ):
     docs = rendered[OPTION]
     deployment = of_kind(docs, "Deployment")["diffusion"]
-    engine = diffusion_settings(service_settings(docs, "diffusion", monkeypatch, tmp_path))
+    engine = DiffusionSettings.of(
+        service_settings(docs, "diffusion", monkeypatch, tmp_path), "diffusion"
+    )
     assert engine.device == "cpu"
     (container,) = containers(deployment)
     assert engine.threads is not None
@@ -571,11 +570,13 @@ def test_the_documented_toml_is_what_the_pods_read(rendered, monkeypatch, tmp_pa
     documented = tmp_path / "documented.toml"
     documented.write_text(block)
     for name, service in ON_TRITON.items():
-        in_pod = service.read(service_settings(rendered[OPTION], name, monkeypatch, tmp_path))
+        in_pod = service.options.of(
+            service_settings(rendered[OPTION], name, monkeypatch, tmp_path), name
+        )
         for variable in [v for v in os.environ if v.startswith("AIMESH_")]:
             monkeypatch.delenv(variable)
         monkeypatch.setenv("AIMESH_CONFIG", str(documented))
-        assert service.read(MeshSettings()) == in_pod, name
+        assert service.options.of(MeshSettings(), name) == in_pod, name
 
 
 def test_the_documented_health_check_names_every_service_the_option_runs():

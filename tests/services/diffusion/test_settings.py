@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from mesh.config import MeshSettings
-from services.diffusion.settings import DiffusionSettings, diffusion_settings
+from services.diffusion.settings import DiffusionSettings
 
 pytestmark = pytest.mark.unit
 
@@ -49,9 +49,9 @@ def test_a_triton_section_without_a_model_or_with_a_zero_timeout_is_refused():
 def test_terrain_on_triton_can_be_configured_from_the_environment(monkeypatch):
     monkeypatch.setenv("AIMESH_SERVICES__DIFFUSION__TERRAIN_BACKEND", "triton")
     with pytest.raises(ValidationError, match=r"services\.diffusion\.triton"):
-        diffusion_settings(MeshSettings())
+        DiffusionSettings.of(MeshSettings(), "diffusion")
     monkeypatch.setenv("AIMESH_SERVICES__DIFFUSION__TRITON__URL", "triton:8001")
     monkeypatch.setenv("AIMESH_SERVICES__DIFFUSION__TRITON__MODEL", "terrain_denoiser")
-    settings = diffusion_settings(MeshSettings())
+    settings = DiffusionSettings.of(MeshSettings(), "diffusion")
     assert settings.triton is not None
     assert (settings.triton.url, settings.triton.model) == ("triton:8001", "terrain_denoiser")

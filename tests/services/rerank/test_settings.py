@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from mesh.config import MeshSettings
-from services.rerank.settings import RerankSettings, rerank_settings
+from services.rerank.settings import RerankSettings
 
 pytestmark = pytest.mark.unit
 
@@ -23,7 +23,7 @@ def test_the_default_scores_in_process():
 
 def test_the_triton_backend_reads_its_section_from_the_mesh_config():
     mesh = MeshSettings(services={"rerank": {"backend": "triton", "triton": TRITON}})
-    settings = rerank_settings(mesh)
+    settings = RerankSettings.of(mesh, "rerank")
     assert settings.triton is not None
     assert (settings.triton.url, settings.triton.model) == ("triton:8001", "token_embedding")
     assert settings.triton.timeout_s == 30.0
