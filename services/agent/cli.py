@@ -75,11 +75,8 @@ def ask(
     timeout: Annotated[float, typer.Option(help="seconds for the whole run")] = 60.0,
 ) -> None:
     """Ask the agent: it plans, calls tools in parallel, and answers with citations."""
-    options = agent_pb2.RunOptions()
-    if max_iterations is not None:
-        options.max_iterations = max_iterations
-    if seed is not None:
-        options.seed = seed
+    # None leaves an optional field unset: the agent's default.
+    options = agent_pb2.RunOptions(max_iterations=max_iterations, seed=seed)
     request = agent_pb2.RunRequest(question=question, options=options)
     result, trace_id = run_command("ask", lambda: _ask(request, not as_json), timeout_s=timeout)
     result["trace_id"] = result["trace_id"] or trace_id

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import asdict
 from itertools import islice
 
 import grpc
@@ -133,18 +134,18 @@ class MeshGeneration:
     async def generate(
         self, messages: list[dict[str, str]], sampling: loop.Sampling, timeout_s: float
     ) -> AsyncIterator[str | loop.Usage]:
+        # None leaves an optional field (seed, max_new_tokens) unset: the model's default.
         parameters = sampling_pb2.SamplingParameters(
-            temperature=sampling.temperature, choices=sampling.choices
+            temperature=sampling.temperature, seed=sampling.seed, choices=sampling.choices
         )
-        if sampling.seed is not None:
-            parameters.seed = sampling.seed
         if sampling.repetition_penalty is not None:
             parameters.repetition_penalty = sampling.repetition_penalty
         request = generation_pb2.ChatRequest(
-            request_id=self.request_id, messages=messages, sampling=parameters
+            request_id=self.request_id,
+            messages=messages,
+            sampling=parameters,
+            stopping=sampling_pb2.StoppingCriteria(max_new_tokens=sampling.max_new_tokens),
         )
-        if sampling.max_new_tokens is not None:
-            request.stopping.max_new_tokens = sampling.max_new_tokens
         chat = None
         try:
             # The budget applies to the call as it starts; the stream is read outside it.
@@ -196,22 +197,13 @@ def response(event: loop.Event) -> agent_pb2.RunResponse:
 
 
 def final(state: loop.RunState) -> agent_pb2.Final:
+    compute, call = common_pb2.STAGE_KIND_COMPUTE, common_pb2.STAGE_KIND_CALL
     stages = [
-        stage(
-            hop.name,
-            hop.seconds,
-            common_pb2.STAGE_KIND_COMPUTE if hop.service == "agent" else common_pb2.STAGE_KIND_CALL,
-            hop.service,
-        )
+        stage(hop.name, hop.seconds, compute if hop.service == "agent" else call, hop.service)
         for hop in state.hops
     ]
-    usage = state.usage
     return agent_pb2.Final(
-        usage=common_pb2.Usage(
-            prompt_tokens=usage.prompt_tokens,
-            completion_tokens=usage.completion_tokens,
-            total_tokens=usage.total_tokens,
-        ),
+        usage=common_pb2.Usage(**asdict(state.usage)),
         timing=common_pb2.Timing(stages=stages, total_ns=int(state.elapsed_s() * 1e9)),
         iterations=state.iterations,
         trace_id=tracing.current_trace_id(),
