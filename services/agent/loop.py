@@ -20,7 +20,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from mesh.validation import Violations
+from mesh.failures import FieldViolation, InvalidInput
 from services.agent import llm_planner, planner, prompts
 from services.agent.planner import Observation, Tool, ToolStep
 from services.agent.settings import AgentSettings
@@ -172,9 +172,8 @@ def select_tools(names: Sequence[str], available: Mapping[str, Tool]) -> dict[st
     unknown = list(dict.fromkeys(n for n in names if n not in available))
     if unknown:
         shown, known = ", ".join(unknown[:MAX_NAMED]), ", ".join(sorted(available))
-        violations = Violations()
-        violations.add("options.allowed_tools", f"unknown tools {shown}; known: {known}")
-        violations.raise_if_any()
+        refusal = FieldViolation("options.allowed_tools", f"unknown tools {shown}; known: {known}")
+        raise InvalidInput([refusal])
     chosen = set(names)
     return {name: tool for name, tool in available.items() if not chosen or name in chosen}
 

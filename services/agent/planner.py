@@ -67,18 +67,13 @@ class Tool:
         bound = self._bound(argument, "maxLength")
         return None if bound is None else max(int(bound), 0)
 
-    def admits(self, arguments: Mapping[str, Any]) -> bool:
-        """Whether each argument keeps within the lengths (of a string) or the range (of a
-        number) the schema gives it; the tool validates the rest."""
+    def admits(self, arguments: Mapping[str, str]) -> bool:
+        """Whether each argument (the rules fill in text only) keeps within the lengths the
+        schema gives it; the tool validates the rest."""
         for argument, value in arguments.items():
-            if isinstance(value, str):
-                size, low, high = len(value), "minLength", "maxLength"
-            elif isinstance(value, int | float) and not isinstance(value, bool):
-                size, low, high = value, "minimum", "maximum"
-            else:
-                continue
-            least, most = self._bound(argument, low), self._bound(argument, high)
-            if (least is not None and size < least) or (most is not None and size > most):
+            least = self._bound(argument, "minLength") or 0
+            most = self._bound(argument, "maxLength")
+            if len(value) < least or (most is not None and len(value) > most):
                 return False
         return True
 

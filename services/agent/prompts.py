@@ -87,10 +87,7 @@ def fallback_answer(observations: list[Observation]) -> str:
     useful = [o for o in observations if not o.is_error]
     if not useful:
         return "I could not answer: every tool I tried failed or ran out of time."
-    parts = []
-    for observation in useful:
-        if observation.step.name == CALCULATOR:
-            parts.append(f"The calculator gives {observation.text}.")
+    parts = [f"The calculator gives {o.text}." for o in useful if o.step.name == CALCULATOR]
     found = passages(useful)
     if found:
         parts.append(
