@@ -238,11 +238,9 @@ class Loop:
         try:
             async with asyncio.timeout(plan_s):
                 choice = await self._choose(text, tools, plan_s)
-        except TimeoutError:
-            notes.append("the planning model failed (DEADLINE_EXCEEDED); planned by rules")
-            return rules, Planner.RULES
-        except Unavailable as error:
-            notes.append(f"the planning model failed ({error.reason}); planned by rules")
+        except (TimeoutError, Unavailable) as error:
+            reason = error.reason if isinstance(error, Unavailable) else "DEADLINE_EXCEEDED"
+            notes.append(f"the planning model failed ({reason}); planned by rules")
             return rules, Planner.RULES
         if choice == llm_planner.ANSWER:
             return [], Planner.MODEL

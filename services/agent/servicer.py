@@ -70,15 +70,12 @@ def check_request(request: agent_pb2.RunRequest) -> None:
 
 
 def question_of(request: agent_pb2.RunRequest) -> loop.Question:
+    """The checked request as the loop's Question (a max_iterations set is at least 1)."""
     options = request.options
     return loop.Question(
         text=request.question,
         allowed_tools=tuple(options.allowed_tools),
-        max_iterations=(
-            options.max_iterations
-            if options.HasField("max_iterations")
-            else loop.DEFAULT_ITERATIONS
-        ),
+        max_iterations=options.max_iterations or loop.DEFAULT_ITERATIONS,
         max_new_tokens=options.max_new_tokens,
         temperature=options.temperature,
         seed=options.seed if options.HasField("seed") else None,
