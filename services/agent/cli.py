@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from typing import Annotated
 
 import typer
@@ -32,8 +31,7 @@ async def _ask(request: agent_pb2.RunRequest, stream: bool) -> dict:
             if kind == "answer_delta":
                 answer += event.answer_delta.text
                 if stream:
-                    sys.stdout.write(event.answer_delta.text)
-                    sys.stdout.flush()
+                    typer.echo(event.answer_delta.text, nl=False)
             elif kind == "tool_call":
                 call = event.tool_call
                 tools[call.call_id] = {

@@ -258,12 +258,8 @@ class Loop:
         """The model's pick among `tools` and llm_planner.ANSWER."""
         sampling = Sampling(choices=llm_planner.choices(tools))
         reply = self.generation.generate(llm_planner.messages(text, tools), sampling, timeout_s)
-        chosen = ""
         async with aclosing(reply) as pieces:
-            async for piece in pieces:
-                if isinstance(piece, str):
-                    chosen += piece
-        return chosen
+            return "".join([piece async for piece in pieces if isinstance(piece, str)])
 
     async def _act(
         self, question: Question, tools: dict[str, Tool], state: RunState, tools_until: float
