@@ -31,10 +31,7 @@ def clipped(text: str) -> str:
 
 def schema_path(error_path: Any) -> str:
     """`arguments.items[2].name` for the instance path ['items', 2, 'name']."""
-    path = "arguments"
-    for part in error_path:
-        path += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return path
+    return "arguments" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error_path)
 
 
 class _Reader:
