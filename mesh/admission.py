@@ -100,15 +100,16 @@ class Admission:
 
     async def enter(self, method: str, *, streaming: bool) -> float:
         """Takes a slot, waiting in the queue if needed; returns the time spent queued."""
+        queued = self._slots.locked()
+        if queued and self._waiting >= self.max_queue:
+            raise self._refuse(
+                "QUEUE_FULL",
+                f"{self.service} is at capacity ({self.max_concurrency} running, "
+                f"{self._waiting} queued)",
+            )
+        self._check_budget(method, streaming=streaming)
         waited = 0.0
-        if self._slots.locked():
-            if self._waiting >= self.max_queue:
-                raise self._refuse(
-                    "QUEUE_FULL",
-                    f"{self.service} is at capacity ({self.max_concurrency} running, "
-                    f"{self._waiting} queued)",
-                )
-            self._check_budget(method, streaming=streaming)
+        if queued:
             started = time.monotonic()
             self._waiting += 1
             self._queued_gauge.set(self._waiting)
@@ -119,7 +120,6 @@ class Admission:
                 self._queued_gauge.set(self._waiting)
             waited = time.monotonic() - started
         else:
-            self._check_budget(method, streaming=streaming)
             await self._slots.acquire()  # a free slot: returns without suspending
         self._in_flight += 1
         self._in_flight_gauge.set(self._in_flight)

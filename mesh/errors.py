@@ -236,9 +236,7 @@ def field_violations(error: grpc.aio.AioRpcError) -> list[FieldViolation]:
 
 def retry_delay_s(error: grpc.aio.AioRpcError) -> float | None:
     info = _unpack(error, error_details_pb2.RetryInfo)
-    if info is None:
-        return None
-    return info.retry_delay.ToNanoseconds() / 1e9
+    return None if info is None else info.retry_delay.ToNanoseconds() / 1e9
 
 
 def local_error(result: grpc.Status) -> grpc.aio.AioRpcError:

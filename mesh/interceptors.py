@@ -50,10 +50,6 @@ def checked(request: Any) -> Any:
 Gate = Callable[[], Failure | None]
 
 
-def _open() -> None:
-    return None
-
-
 class MeshServerInterceptor(grpc.aio.ServerInterceptor):
     """Applies request id, deadline, metrics, errors and admission to every non-probe call.
 
@@ -63,9 +59,7 @@ class MeshServerInterceptor(grpc.aio.ServerInterceptor):
     loading, a background task dead), so no servicer needs a guard of its own.
     """
 
-    def __init__(
-        self, admission: Admission, exempt_methods: Iterable[str] = (), gate: Gate = _open
-    ) -> None:
+    def __init__(self, admission: Admission, exempt_methods: Iterable[str], gate: Gate) -> None:
         self.admission = admission
         self.exempt_methods = frozenset(exempt_methods)
         self.gate = gate

@@ -8,7 +8,7 @@ function (and with it torch, models and so on).
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -54,14 +54,10 @@ class ServiceSpec:
     options: str | None = None
 
     def load_options(self) -> type[ServiceOptions]:
-        if self.options is None:
-            return ServiceOptions
-        module_name, _, name = self.options.partition(":")
-        return getattr(importlib.import_module(module_name), name)
+        return ServiceOptions if self.options is None else pkgutil.resolve_name(self.options)
 
     def load_setup(self) -> Callable[[MeshServer], Awaitable[None]]:
-        module_name, _, function = self.setup.partition(":")
-        return getattr(importlib.import_module(module_name), function)
+        return pkgutil.resolve_name(self.setup)
 
 
 def options_problems(specs: Iterable[ServiceSpec], settings: MeshSettings) -> list[str]:
