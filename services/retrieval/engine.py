@@ -15,7 +15,6 @@ decided, and has the reranker pick top_k from those; when the reranker is unavai
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -28,7 +27,7 @@ from services.retrieval import bm25
 from services.retrieval.calls import StoreCalls
 from services.retrieval.fusion import reciprocal_rank_fusion
 from services.retrieval.settings import RetrievalSettings
-from services.retrieval.store import CollectionInfo, Found, Prepared, Store, content_hash
+from services.retrieval.store import CollectionInfo, Found, Incoming, Store
 
 Mode = Literal["dense", "sparse", "hybrid"]
 # One call to the embedder: at most `embed_batch` texts in, their vectors out, in order.
@@ -46,11 +45,6 @@ def rerank_candidates(top_k: int) -> int:
     return max(top_k * RERANK_DEPTH, MIN_RERANK_CANDIDATES)
 
 
-def derived_id(text: str) -> str:
-    """The id of a document sent without one: the same text always gets the same id."""
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
 class RerankUnavailable(NotReady):
     """The reranker cannot answer now (down, overloaded, out of time, breaker open); `cause`
     names how, e.g. "UNAVAILABLE". A search answers in retrieval order instead."""
@@ -60,22 +54,6 @@ class RerankUnavailable(NotReady):
     def __init__(self, cause: str) -> None:
         super().__init__(f"reranking unavailable ({cause})")
         self.cause = cause
-
-
-@dataclass(frozen=True)
-class Incoming:
-    """One validated document of an upsert, hashed."""
-
-    doc_id: str
-    text: str
-    payload: dict[str, Any]
-    digest: str
-
-    @classmethod
-    def of(cls, doc_id: str, text: str, payload: dict[str, Any]) -> Incoming:
-        """With its id derived from the text when empty: CPU work, so call it in a thread."""
-        doc_id = doc_id or derived_id(text)
-        return cls(doc_id, text, payload, content_hash(text, payload))
 
 
 @dataclass(frozen=True)
@@ -187,14 +165,15 @@ class KnowledgeBase:
             unchanged += len(documents) - len(changed)
             if not changed:
                 continue
+            texts = [doc.text for doc in changed]
             embed_started = time.perf_counter()
-            vectors = await self.embed([doc.text for doc in changed])
+            vectors = await self.embed(texts)
             embed_s += time.perf_counter() - embed_started
-            prepared = await asyncio.to_thread(_prepare, changed, vectors, sparse)
+            bm25_vectors = await asyncio.to_thread(_bm25, texts) if sparse else None
             write_started = time.perf_counter()
-            await self._in_store("upsert", collection, prepared)
+            await self._in_store("upsert", collection, changed, vectors, bm25_vectors)
             write_s += time.perf_counter() - write_started
-            upserted += len(prepared)
+            upserted += len(changed)
         return Upserted(received, upserted, unchanged, ids, embed_s, write_s)
 
     # ---- search ----
@@ -276,16 +255,6 @@ class KnowledgeBase:
         return await self._in_store("delete_matching", collection, query_filter)
 
 
-def _prepare(changed: list[Incoming], vectors: list[list[float]], sparse: bool) -> list[Prepared]:
-    """The points to write, BM25 vectors included: CPU work, run in a worker thread."""
-    return [
-        Prepared(
-            doc_id=doc.doc_id,
-            text=doc.text,
-            payload=doc.payload,
-            digest=doc.digest,
-            dense=vector,
-            sparse=bm25.document_vector(doc.text) if sparse else None,
-        )
-        for doc, vector in zip(changed, vectors, strict=True)
-    ]
+def _bm25(texts: list[str]) -> list[tuple[list[int], list[float]]]:
+    """BM25 document vectors: CPU work, run in a worker thread."""
+    return [bm25.document_vector(text) for text in texts]

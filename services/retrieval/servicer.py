@@ -33,14 +33,13 @@ from services.retrieval.calls import ServerProbe, StoreCalls, display
 from services.retrieval.engine import (
     DEFAULT_TOP_K,
     Hit,
-    Incoming,
     KnowledgeBase,
     Mode,
     Query,
     RerankUnavailable,
 )
 from services.retrieval.settings import RetrievalSettings
-from services.retrieval.store import RESERVED_PREFIX, open_store
+from services.retrieval.store import RESERVED_PREFIX, Incoming, open_store
 
 log = logging.getLogger(__name__)
 

@@ -53,6 +53,11 @@ def content_hash(text: str, payload: dict[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()
 
 
+def derived_id(text: str) -> str:
+    """The id of a document sent without one: the same text always gets the same id."""
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
 @dataclass(frozen=True)
 class CollectionInfo:
     vector_size: int
@@ -63,13 +68,19 @@ class CollectionInfo:
 
 
 @dataclass(frozen=True)
-class Prepared:
+class Incoming:
+    """One validated document of an upsert, hashed."""
+
     doc_id: str
     text: str
     payload: dict[str, Any]
     digest: str
-    dense: list[float]
-    sparse: tuple[list[int], list[float]] | None
+
+    @classmethod
+    def of(cls, doc_id: str, text: str, payload: dict[str, Any]) -> Incoming:
+        """With its id derived from the text when empty: CPU work, so call it in a thread."""
+        doc_id = doc_id or derived_id(text)
+        return cls(doc_id, text, payload, content_hash(text, payload))
 
 
 @dataclass(frozen=True)
@@ -108,12 +119,8 @@ class Store:
         """True when created; False when it already exists with exactly these settings."""
         if self.client.collection_exists(collection):
             have = self.info(collection)
-            if (have.vector_size, have.distance, have.sparse, have.on_disk) != (
-                size,
-                distance,
-                sparse,
-                on_disk,
-            ):
+            asked = (size, distance, sparse, on_disk)
+            if (have.vector_size, have.distance, have.sparse, have.on_disk) != asked:
                 raise AlreadyExists(
                     f"collection {collection!r} exists with vector_size={have.vector_size}, "
                     f"distance={have.distance}, sparse={have.sparse}, on_disk={have.on_disk}"
@@ -141,13 +148,20 @@ class Store:
         )
         return {p.payload[ID_KEY]: p.payload[HASH_KEY] for p in points if p.payload}
 
-    def upsert(self, collection: str, documents: list[Prepared]) -> None:
-        """Writes one batch, waiting until it is applied, so an acknowledged batch stays."""
+    def upsert(
+        self,
+        collection: str,
+        documents: list[Incoming],
+        dense: list[list[float]],
+        sparse: list[tuple[list[int], list[float]]] | None,
+    ) -> None:
+        """Writes one batch, waiting until it is applied, so an acknowledged batch stays;
+        `sparse`, the documents' BM25 vectors, when the collection has that index."""
         points = []
-        for doc in documents:
-            vector: dict[str, Any] = {DENSE: doc.dense}
-            if doc.sparse is not None:
-                vector[SPARSE] = models.SparseVector(indices=doc.sparse[0], values=doc.sparse[1])
+        for i, doc in enumerate(documents):
+            vector: dict[str, Any] = {DENSE: dense[i]}
+            if sparse is not None:
+                vector[SPARSE] = models.SparseVector(indices=sparse[i][0], values=sparse[i][1])
             payload = {**doc.payload, ID_KEY: doc.doc_id, TEXT_KEY: doc.text, HASH_KEY: doc.digest}
             points.append(
                 models.PointStruct(id=point_id(doc.doc_id), vector=vector, payload=payload)

@@ -13,8 +13,8 @@ from google.protobuf import struct_pb2
 
 from aimesh.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 from mesh.errors import field_violations
-from services.retrieval.engine import derived_id
 from services.retrieval.servicer import SERVICE
+from services.retrieval.store import derived_id
 from tests.harness import InProcess
 from tests.services.retrieval.conftest import start_retrieval
 
