@@ -51,6 +51,10 @@ def display(url: str) -> str:
     return f"{parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
 
 
+def _deadline_exceeded(message: str, reason: str) -> grpc.aio.AioRpcError:
+    return local_error(status(grpc.StatusCode.DEADLINE_EXCEEDED, message, reason=reason))
+
+
 class StoreCalls:
     def __init__(
         self, where: str, timeout_s: float, breaker: BreakerSettings, thread: Executor
@@ -68,13 +72,7 @@ class StoreCalls:
         """`work(*args)` on the store's thread, as a dependency call: see the module doc."""
         left = deadline.remaining()
         if left is not None and left <= 0:
-            raise local_error(
-                status(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    "no time left to call the vector store",
-                    reason="BUDGET_SPENT",
-                )
-            )
+            raise _deadline_exceeded("no time left to call the vector store", "BUDGET_SPENT")
         timeout_s = self.timeout_s if left is None else min(left, self.timeout_s)
         name = getattr(work, "__name__", "call")
         refusal = self.breaker.before_call(name)
@@ -94,13 +92,10 @@ class StoreCalls:
                 outcome = classify(
                     grpc.StatusCode.DEADLINE_EXCEEDED, timeout_s, self.breaker.settings
                 )
-                raise local_error(
-                    status(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"the vector store ({self.where}) did not answer {name} in the "
-                        "caller's deadline",
-                        reason="VECTOR_STORE_DEADLINE",
-                    )
+                raise _deadline_exceeded(
+                    f"the vector store ({self.where}) did not answer {name} in the caller's "
+                    "deadline",
+                    "VECTOR_STORE_DEADLINE",
                 ) from None
             outcome = Outcome.FAILURE
             raise NotReady(
@@ -143,27 +138,26 @@ class ServerProbe:
     """Whether a Qdrant server answers, asked asynchronously so a hung server holds no
     thread: the readiness of retrieval in URL mode."""
 
-    def __init__(self, url: str, api_key: str | None, timeout_s: float = 1.0) -> None:
-        self.timeout_s = timeout_s
+    def __init__(self, url: str, api_key: str | None) -> None:
         self._client = AsyncQdrantClient(
             url=url, api_key=api_key, timeout=1, check_compatibility=False
         )
 
     async def answers(self) -> bool:
         try:
-            await asyncio.wait_for(self._client.info(), self.timeout_s)
+            await asyncio.wait_for(self._client.info(), 1.0)
         except Exception:  # any failure to answer is "not ready"; never raise into readiness
             return False
         return True
 
-    async def wait(self, where: str, log_every_s: float = 30.0, interval_s: float = 1.0) -> None:
-        """Returns once the server answers, logging now and then while it does not."""
+    async def wait(self, where: str) -> None:
+        """Returns once the server answers, logging every 30 s while it does not."""
         logged_at: float | None = None
         while not await self.answers():
-            if logged_at is None or time.monotonic() - logged_at >= log_every_s:
+            if logged_at is None or time.monotonic() - logged_at >= 30:
                 log.warning("waiting for the vector store", extra={"where": where})
                 logged_at = time.monotonic()
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(1)
 
     async def close(self) -> None:
         await self._client.close()
