@@ -60,9 +60,7 @@ class ServiceSettings(BaseModel):
 
 def _is_text(annotation: Any) -> bool:
     """Whether a field's type takes a plain string (an environment value as it is)."""
-    if annotation is str:
-        return True
-    return any(_is_text(arg) for arg in typing.get_args(annotation))
+    return annotation is str or any(_is_text(arg) for arg in typing.get_args(annotation))
 
 
 class ServiceOptions(BaseModel):

@@ -19,9 +19,7 @@ async def probe(target: str, service: str = "", timeout_s: float = 1.0) -> str:
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
             )
         except grpc.aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.NOT_FOUND:
-                return "NOT_FOUND"
-            return UNREACHABLE
+            return "NOT_FOUND" if error.code() == grpc.StatusCode.NOT_FOUND else UNREACHABLE
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
