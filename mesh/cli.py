@@ -177,9 +177,8 @@ def _print_endpoints(
     cold_starts: dict[str, float | None],
     infos: list[GetInfoResponse | None],
 ) -> None:
-    table = Table(title="aimesh services")
-    for column in ("service", "address", "metrics", "pid", "state", "cold start", "models"):
-        table.add_column(column)
+    columns = ("service", "address", "metrics", "pid", "state", "cold start", "models")
+    table = Table(*columns, title="aimesh services")
     for child, info in zip(children, infos, strict=True):
         name = child.spec.name
         port = settings.port_of(name, child.spec.default_port)
@@ -227,9 +226,7 @@ def health(
         return list(await asyncio.gather(*(one(spec) for spec in specs)))
 
     rows = asyncio.run(run())
-    table = Table(title="aimesh health")
-    for column in ("service", "address", "live", "ready", "models"):
-        table.add_column(column)
+    table = Table("service", "address", "live", "ready", "models", title="aimesh health")
     for name, target, live, ready, info in rows:
         colour = "green" if ready == "SERVING" else "red"
         table.add_row(name, target, live, f"[{colour}]{ready}[/{colour}]", _models(info))
