@@ -152,18 +152,14 @@ class RunState:
     observations: list[Observation] = field(default_factory=list)
     hops: list[Hop] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    planners: set[Planner] = field(default_factory=set)
+    # RULES once any iteration was planned by the rules.
+    planner: Planner = Planner.MODEL
     iterations: int = 0
     answer: str = ""
     usage: Usage = field(default_factory=Usage)
 
     def elapsed_s(self) -> float:
         return time.monotonic() - self.started
-
-    @property
-    def planner(self) -> Planner:
-        """RULES when any iteration was planned by the rules."""
-        return Planner.RULES if Planner.RULES in self.planners else Planner.MODEL
 
 
 def select_tools(names: Sequence[str], available: Mapping[str, Tool]) -> dict[str, Tool]:
@@ -269,8 +265,8 @@ class Loop:
         while True:
             planned = time.monotonic()
             steps, made_by = await self._plan(question, tools, state, tools_until - planned)
-            if steps or not state.observations:
-                state.planners.add(made_by)
+            if made_by is Planner.RULES and (steps or not state.observations):
+                state.planner = Planner.RULES
             state.hops.append(Hop("plan", time.monotonic() - planned, "agent"))
             if not steps:
                 if not state.observations:
