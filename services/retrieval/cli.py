@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
-from itertools import islice
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated
 
@@ -16,7 +15,7 @@ from mesh.client import create_channel
 from mesh.commands import run_command
 from mesh.config import MeshSettings
 from mesh.registry import discover
-from services.retrieval.corpus import Passage, dedupe, file_passages, stdlib_passages
+from services.retrieval.corpus import dedupe, file_passages, stdlib_passages
 
 DEFAULT_COLLECTION = "knowledge"
 UPLOAD_BATCH = 64
@@ -29,16 +28,6 @@ MODES = {
 
 def _target(settings: MeshSettings, name: str) -> str:
     return settings.target_of(name, discover()[name].default_port)
-
-
-def _document(passage: Passage) -> retrieval_pb2.Document:
-    return retrieval_pb2.Document(id=passage.id, text=passage.text, payload=passage.payload)
-
-
-def _batches(passages: list[Passage]) -> Iterator[list[Passage]]:
-    iterator = iter(passages)
-    while batch := list(islice(iterator, UPLOAD_BATCH)):
-        yield batch
 
 
 def ingest(
@@ -70,9 +59,14 @@ def ingest(
                 task = progress.add_task(collection, total=len(passages))
 
                 async def messages() -> AsyncIterator[retrieval_pb2.UpsertRequest]:
-                    for batch in _batches(passages):
+                    for start in range(0, len(passages), UPLOAD_BATCH):
+                        batch = passages[start : start + UPLOAD_BATCH]
+                        documents = [
+                            retrieval_pb2.Document(id=p.id, text=p.text, payload=p.payload)
+                            for p in batch
+                        ]
                         yield retrieval_pb2.UpsertRequest(
-                            collection=collection, documents=[_document(p) for p in batch]
+                            collection=collection, documents=documents
                         )
                         progress.advance(task, len(batch))
 

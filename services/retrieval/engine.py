@@ -27,7 +27,7 @@ from services.retrieval import bm25
 from services.retrieval.calls import StoreCalls
 from services.retrieval.fusion import reciprocal_rank_fusion
 from services.retrieval.settings import RetrievalSettings
-from services.retrieval.store import CollectionInfo, Found, Incoming, Store
+from services.retrieval.store import Found, Incoming, Store
 
 Mode = Literal["dense", "sparse", "hybrid"]
 # One call to the embedder: at most `embed_batch` texts in, their vectors out, in order.
@@ -137,9 +137,6 @@ class KnowledgeBase:
             vectors.extend(await self._embed(texts[start : start + batch]))
         return vectors
 
-    async def info(self, collection: str) -> CollectionInfo:
-        return await self._in_store("info", collection)
-
     async def create(self, collection: str, distance: str, sparse: bool, on_disk: bool) -> bool:
         """True when created; False when it exists with exactly these settings."""
         return await self._in_store(
@@ -152,7 +149,7 @@ class KnowledgeBase:
         """Writes each batch's new or changed documents (embedded, with BM25 vectors when
         the collection has a sparse index); a batch the iterator refuses ends the upsert
         with every batch before it written and nothing of it."""
-        sparse = (await self.info(collection)).sparse
+        sparse = (await self._in_store("info", collection)).sparse
         received = upserted = unchanged = 0
         ids: list[str] = []
         embed_s = write_s = 0.0
@@ -179,7 +176,7 @@ class KnowledgeBase:
     # ---- search ----
 
     async def search(self, query: Query) -> Searched:
-        info = await self.info(query.collection)
+        info = await self._in_store("info", query.collection)
         mode = query.mode or ("hybrid" if info.sparse else "dense")
         if mode != "dense" and not info.sparse:
             raise InvalidInput(
@@ -249,7 +246,7 @@ class KnowledgeBase:
         self, collection: str, ids: list[str], query_filter: models.Filter | None
     ) -> int:
         """Deletes the documents of `ids`, or else those matching the filter; how many."""
-        await self.info(collection)
+        await self._in_store("info", collection)
         if ids:
             return await self._in_store("delete_ids", collection, ids)
         return await self._in_store("delete_matching", collection, query_filter)

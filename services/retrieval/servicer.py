@@ -24,7 +24,7 @@ from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
 from mesh import request_id
 from mesh.failures import FieldViolation, InvalidInput
-from mesh.health import probe as probe_health
+from mesh.health import wait_until_serving
 from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
@@ -361,14 +361,10 @@ async def setup(server: MeshServer) -> None:
     async def warm_up() -> None:
         # Ready only once documents can be embedded: the collection's vector size is the
         # embedder's, learnt from one real call when the store opens.
-        waiting_since = time.monotonic()
         # Around the mesh channel: an embedder still starting must not open its breaker.
         embedder = server.dependency_target("embedder")
-        while await probe_health(embedder, "embedder") != "SERVING":
-            if time.monotonic() - waiting_since >= 60:
-                log.warning("waiting for the embedder")
-                waiting_since = time.monotonic()
-            await asyncio.sleep(0.2)
+        while not await wait_until_serving(embedder, "embedder", timeout_s=60):
+            log.warning("waiting for the embedder")
         await engine.open(lambda: open_store(settings, server.settings.cache_dir))
         if probe is not None:
             await probe.wait(calls.where)
