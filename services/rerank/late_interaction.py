@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from services.rerank.settings import RerankSettings
 from services.shared.minilm import TextTokenizer, normalized, pad
 
 
@@ -46,13 +47,13 @@ class LateInteraction:
 
     name = "minilm-late-interaction"
 
-    def __init__(self, path: Path, alpha: float, document_tokens: int, pass_tokens: int) -> None:
+    def __init__(self, path: Path, settings: RerankSettings) -> None:
         config = json.loads((path / "tokenizer_config.json").read_text())
         self.max_tokens: int = config["model_max_length"]
-        self.alpha = alpha
-        self.pass_tokens = pass_tokens
+        self.alpha = settings.alpha
+        self.pass_tokens = settings.pass_tokens
         self._queries = TextTokenizer(path, self.max_tokens)
-        self._documents = TextTokenizer(path, document_tokens)
+        self._documents = TextTokenizer(path, settings.document_tokens)
 
     def token_count(self, query: str, document: str) -> int:
         (pair,) = self._queries.tokenize([query + " " + document], None)

@@ -21,6 +21,7 @@ from typing import Protocol
 
 from mesh.failures import FieldViolation
 from services.rerank.late_interaction import LateInteraction
+from services.rerank.settings import RerankSettings
 
 
 class TokenLimited(Protocol):
@@ -42,16 +43,14 @@ class Scorer(TokenLimited, Protocol):
 class LateInteractionScorer(LateInteraction):
     """minilm-late-interaction with its transformer on torch, in this process."""
 
-    def __init__(
-        self, path: Path, alpha: float = 0.3, document_tokens: int = 128, pass_tokens: int = 2048
-    ) -> None:
+    def __init__(self, path: Path, settings: RerankSettings) -> None:
         # torch and transformers take seconds to import: load time only, and never in a
         # process whose transformer runs on Triton.
         import torch
 
         from services.rerank.token_model import load_token_states
 
-        super().__init__(path, alpha, document_tokens, pass_tokens)
+        super().__init__(path, settings)
         self._torch = torch
         self._model = load_token_states(path)
 

