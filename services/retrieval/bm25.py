@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import zlib
-from collections import Counter
+from collections import Counter, defaultdict
 
 K1 = 1.2
 B = 0.75
@@ -57,10 +57,9 @@ def document_vector(text: str) -> tuple[list[int], list[float]]:
     counts = Counter(terms(text))
     length = sum(counts.values())
     norm = K1 * (1 - B + B * length / AVERAGE_LENGTH)
-    weights: dict[int, float] = {}
+    weights: defaultdict[int, float] = defaultdict(float)
     for term, tf in counts.items():
-        index = _index(term)
-        weights[index] = weights.get(index, 0.0) + tf * (K1 + 1) / (tf + norm)
+        weights[_index(term)] += tf * (K1 + 1) / (tf + norm)
     return list(weights), list(weights.values())
 
 

@@ -21,6 +21,7 @@ import re
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import takewhile
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
@@ -323,12 +324,7 @@ def _is_alias(owner: Any, attr: str, obj: Any) -> bool:
 def _private_bases(cls: type) -> list[type]:
     """The private classes (`_io._IOBase`, `_socket.socket`) cls inherits from before the
     first public one."""
-    bases = []
-    for base in cls.__mro__[1:]:
-        if base is object or not _is_private(base):
-            break
-        bases.append(base)
-    return bases
+    return list(takewhile(_is_private, cls.__mro__[1:]))  # object is public
 
 
 def _is_private(cls: type) -> bool:

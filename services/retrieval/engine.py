@@ -194,19 +194,15 @@ class KnowledgeBase:
         search_started = time.perf_counter()
         if mode != "sparse":
             ranked["dense"] = await self._in_store(
-                "search", query.collection, dense_query, "dense", depth, query.query_filter
+                "search", query.collection, dense_query, depth, query.query_filter
             )
         if mode != "dense":
             indices, values = await asyncio.to_thread(bm25.query_vector, query.text)
             ranked["sparse"] = []  # a query of stopwords alone has no terms, so no keyword hits
             if indices:
+                sparse_query = models.SparseVector(indices=indices, values=values)
                 ranked["sparse"] = await self._in_store(
-                    "search",
-                    query.collection,
-                    models.SparseVector(indices=indices, values=values),
-                    "bm25",
-                    depth,
-                    query.query_filter,
+                    "search", query.collection, sparse_query, depth, query.query_filter
                 )
         search_s = time.perf_counter() - search_started
         hits = await asyncio.to_thread(self._fused, ranked, mode, wanted, query)

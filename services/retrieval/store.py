@@ -181,14 +181,14 @@ class Store:
         self,
         collection: str,
         query: list[float] | models.SparseVector,
-        using: str,
         limit: int,
         query_filter: models.Filter | None,
     ) -> list[Found]:
+        """The best `limit` documents by the dense vector, or by BM25 for a sparse query."""
         result = self.client.query_points(
             collection,
             query=query,
-            using=using,
+            using=SPARSE if isinstance(query, models.SparseVector) else DENSE,
             limit=limit,
             query_filter=query_filter,
             with_payload=True,
