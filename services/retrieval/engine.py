@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from qdrant_client import models
@@ -25,7 +25,7 @@ from qdrant_client import models
 from mesh.failures import FieldViolation, InvalidInput, NotReady
 from services.retrieval import bm25
 from services.retrieval.calls import StoreCalls
-from services.retrieval.fusion import reciprocal_rank_fusion
+from services.retrieval.fusion import Hit, reciprocal_rank_fusion
 from services.retrieval.settings import RetrievalSettings
 from services.retrieval.store import Found, Incoming, Store
 
@@ -76,16 +76,6 @@ class Query:
     threshold: float | None = None
     with_payload: bool = False
     rerank: bool = False
-
-
-@dataclass(frozen=True)
-class Hit:
-    doc_id: str
-    score: float
-    text: str
-    payload: dict[str, Any] | None
-    # retriever name ("dense", "sparse") -> (1-based rank, that retriever's score)
-    sources: dict[str, tuple[int, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -226,12 +216,12 @@ class KnowledgeBase:
         """Fused, thresholded hits, at most `limit`: runs in a worker thread. With one
         retriever, fusion keeps its order; hybrid scores are the fused ones."""
         hits = []
-        for entry in reciprocal_rank_fusion(ranked, self.settings.rrf_k):
-            score = entry.score if mode == "hybrid" else entry.hit.score
+        for hit in reciprocal_rank_fusion(ranked, self.settings.rrf_k):
+            score = hit.score if mode == "hybrid" else hit.sources[mode][1]
             if query.threshold is not None and score < query.threshold:
                 continue
-            payload = entry.hit.payload if query.with_payload else None
-            hits.append(Hit(entry.hit.doc_id, score, entry.hit.text, payload, entry.sources))
+            payload = hit.payload if query.with_payload else None
+            hits.append(replace(hit, score=score, payload=payload))
             if len(hits) == limit:
                 break
         return hits
