@@ -36,10 +36,7 @@ class TritonGeneration:
         self.model = model
 
     def unsupported(
-        self,
-        sampling: sampling_pb2.SamplingParameters,
-        stopping: sampling_pb2.StoppingCriteria,
-        violations: Violations,
+        self, sampling: sampling_pb2.SamplingParameters, violations: Violations
     ) -> None:
         reason = f"is not supported by the Triton model {self.model.settings.model!r}"
         violations.check(not sampling.choices, "sampling.choices", reason)

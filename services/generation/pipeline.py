@@ -63,10 +63,7 @@ class Pipeline:
         self.releaser = KvReleaser(channels)
 
     def unsupported(
-        self,
-        sampling: sampling_pb2.SamplingParameters,
-        stopping: sampling_pb2.StoppingCriteria,
-        violations: Violations,
+        self, sampling: sampling_pb2.SamplingParameters, violations: Violations
     ) -> None:
         """Every option of the API runs here."""
 

@@ -48,10 +48,7 @@ class Engine(Protocol):
     """What generates the tokens: aimesh's prefill and decode workers, or Triton."""
 
     def unsupported(
-        self,
-        sampling: sampling_pb2.SamplingParameters,
-        stopping: sampling_pb2.StoppingCriteria,
-        violations: Violations,
+        self, sampling: sampling_pb2.SamplingParameters, violations: Violations
     ) -> None:
         """Adds a violation for each option of the request this engine cannot honour."""
 
@@ -66,14 +63,6 @@ class Engine(Protocol):
         """Token ids as they are generated; `outcome` is filled in as it goes. Closing
         the stream early cancels the generation."""
         ...
-
-
-def _workers(server: MeshServer, options: RouterOptions) -> tuple[list[str], list[str]]:
-    """Prefill and decode workers: the options' lists, else the declared dependency."""
-    return (
-        options.prefill or [server.dependency_target("prefill")],
-        options.decode or [server.dependency_target("decode")],
-    )
 
 
 _KINDS = {
@@ -98,16 +87,13 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         # NOT_READY until it has run): what ids become text with.
         self.text_tokenizer: Tokenizer
 
-    def _text(self, limits: Stopping) -> TextStream:
-        return TextStream(self.text_tokenizer, limits.stop_sequences)
-
     def _check_common(self, request, violations: Violations) -> None:
         if request.model and request.model != self.model_name:
             violations.add(
                 "model", f"unknown model {request.model!r}; this mesh serves {self.model_name!r}"
             )
         sampling_params(request.sampling, _ANY_VOCAB, violations)
-        self.engine.unsupported(request.sampling, request.stopping, violations)
+        self.engine.unsupported(request.sampling, violations)
         choices = request.sampling.choices
         violations.check(
             len(choices) <= MAX_CHOICES and len(set(choices)) == len(choices),
@@ -127,18 +113,20 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
             "stopping.ignore_eos",
             "cannot be combined with sampling.choices",
         )
+        stopping(request.stopping, 0, self.settings, violations)
 
     async def _guided(
         self, rid: str, request, prompt_tokens: int, limits: Stopping
     ) -> tuple[sampling_pb2.SamplingParameters, Stopping]:
         """The request's sampling with its choices tokenized for prefill and decode, and
         room for the longest choice (plus its end token) when no length was asked for."""
-        if not request.sampling.choices:
+        choices = request.sampling.choices
+        if not choices:
             return request.sampling, limits
         sampling = sampling_pb2.SamplingParameters()
         sampling.CopyFrom(request.sampling)
         tokenized = await asyncio.gather(
-            *(self.tokenizer.tokenize_choice(choice, rid) for choice in request.sampling.choices)
+            *(self.tokenizer.tokenize(choice, rid, add_special_tokens=False) for choice in choices)
         )
         for ids in tokenized:
             sampling.choice_token_ids.add(ids=ids)
@@ -171,13 +159,10 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         violations.check(bool(request.prompt), "prompt", "must not be empty")
         violations.max_length(request.prompt.encode(), "prompt", MAX_PROMPT_BYTES)
         self._check_common(request, violations)
-        stopping(request.stopping, 0, self.settings, violations)
         violations.raise_if_any()
         rid = request_id.ensure(request.request_id)
         prompt_ids = await self.tokenizer.tokenize(request.prompt, rid)
-        limits = self._limits(request, prompt_ids, "prompt")
-        tokenize_s = time.perf_counter() - received
-        async for event in self._stream(rid, prompt_ids, request, limits, received, tokenize_s):
+        async for event in self._stream(rid, prompt_ids, request, "prompt", received):
             yield generation_pb2.GenerateResponse(**event)
 
     async def Chat(
@@ -202,25 +187,19 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
             f"contents must be at most {MAX_PROMPT_BYTES} bytes in all, got {total}",
         )
         self._check_common(request, violations)
-        stopping(request.stopping, 0, self.settings, violations)
         violations.raise_if_any()
         rid = request_id.ensure(request.request_id)
         prompt_ids = await self.tokenizer.apply_chat_template(rid, list(request.messages))
-        limits = self._limits(request, prompt_ids, "messages")
-        tokenize_s = time.perf_counter() - received
-        async for event in self._stream(rid, prompt_ids, request, limits, received, tokenize_s):
+        async for event in self._stream(rid, prompt_ids, request, "messages", received):
             yield generation_pb2.ChatResponse(**event)
 
     async def _stream(
-        self,
-        rid: str,
-        prompt_ids: list[int],
-        request,
-        limits: Stopping,
-        received: float,
-        tokenize_s: float,
+        self, rid: str, prompt_ids: list[int], request, field: str, received: float
     ) -> AsyncIterator[dict]:
-        text = self._text(limits)
+        """The generation of a tokenized prompt (`field` names it in a refusal)."""
+        limits = self._limits(request, prompt_ids, field)
+        tokenize_s = time.perf_counter() - received
+        text = TextStream(self.text_tokenizer, limits.stop_sequences)
         sampling, limits = await self._guided(rid, request, len(prompt_ids), limits)
         outcome = Outcome()
         last_token_at: float | None = None
@@ -246,6 +225,7 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
                     break
                 yield {"chunk": generation_pb2.GenerationChunk(text=piece, token_ids=ids)}
         if text.stopped:
+            outcome.finish_reason = sampling_pb2.FINISH_REASON_STOP_SEQUENCE
             yield {"chunk": generation_pb2.GenerationChunk(text=piece, token_ids=ids)}
         else:
             started = time.perf_counter()
@@ -253,8 +233,6 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
             detokenize_s += time.perf_counter() - started
             if tail:
                 yield {"chunk": generation_pb2.GenerationChunk(text=tail)}
-        if text.stopped:
-            outcome.finish_reason = sampling_pb2.FINISH_REASON_STOP_SEQUENCE
         outcome.generated_tokens = max(outcome.generated_tokens, received_tokens)
         outcome.stages["detokenize"] = detokenize_s
         metrics.E2E_REQUEST_LATENCY.observe(time.perf_counter() - received)
@@ -284,7 +262,6 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
 async def setup(server: MeshServer) -> None:
     settings = llm_settings(server.settings)
     options = server.options_as(RouterOptions)
-    prefill, decode = _workers(server, options)
     # The health probes go around the mesh channel, so that a dependency still starting
     # trips no circuit breaker.
     tokenizer_target = server.dependency_target("tokenizer")
@@ -298,6 +275,9 @@ async def setup(server: MeshServer) -> None:
         server.add_readiness_probe(model.ready)
         server.add_shutdown(model.close)
     else:
+        # Several workers of a kind as the options list them, else the declared dependency.
+        prefill = options.prefill or [server.dependency_target("prefill")]
+        decode = options.decode or [server.dependency_target("decode")]
         decode_picker = DecodePicker(decode, server.channels, options.poll_interval_s)
         engine = Pipeline(server.channels, PrefillPicker(prefill, server.channels), decode_picker)
         server.add_warmup(

@@ -15,19 +15,14 @@ class TokenizerClient:
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self._stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
 
-    async def tokenize(self, prompt: str, request_id: str) -> list[int]:
+    async def tokenize(
+        self, text: str, request_id: str, add_special_tokens: bool = True
+    ) -> list[int]:
+        """A prompt's ids; a guided choice's come as they follow the prompt, without
+        special tokens (add_special_tokens=False)."""
         response = await self._stub.Tokenize(
             tokenizer_pb2.TokenizeRequest(
-                request_id=request_id, text=prompt, add_special_tokens=True
-            )
-        )
-        return list(response.token_ids)
-
-    async def tokenize_choice(self, choice: str, request_id: str) -> list[int]:
-        """A guided choice's tokens as they follow the prompt: no special tokens."""
-        response = await self._stub.Tokenize(
-            tokenizer_pb2.TokenizeRequest(
-                request_id=request_id, text=choice, add_special_tokens=False
+                request_id=request_id, text=text, add_special_tokens=add_special_tokens
             )
         )
         return list(response.token_ids)

@@ -33,24 +33,27 @@ class _Worker:
     healthy: bool = True
 
 
+def _open(channels: ChannelPool, target: str) -> bool:
+    """Whether the circuit breaker of `target` is open."""
+    breaker = channels.breakers.get(target)
+    return breaker is not None and breaker.state is State.OPEN
+
+
 class PrefillPicker:
     def __init__(self, targets: list[str], channels: ChannelPool) -> None:
         if not targets:
             raise ValueError("no prefill workers configured")
         self.targets = targets
         self.channels = channels
-        self._turn = itertools.cycle(range(len(targets)))
+        self._turn = itertools.cycle(targets)
 
-    def pick(self, exclude: frozenset[str] = frozenset()) -> str:
-        for _ in range(len(self.targets)):
-            target = self.targets[next(self._turn)]
-            breaker = self.channels.breakers.get(target)
-            if target not in exclude and (breaker is None or breaker.state is not State.OPEN):
+    def pick(self) -> str:
+        """The next worker in turn whose breaker is not open; the first when every one is."""
+        for _ in self.targets:
+            target = next(self._turn)
+            if not _open(self.channels, target):
                 return target
-        candidates = [t for t in self.targets if t not in exclude]
-        if not candidates:
-            raise NotReady("every prefill worker failed this request")
-        return candidates[0]
+        return self.targets[0]
 
 
 class DecodePicker:
@@ -87,7 +90,8 @@ class DecodePicker:
         candidates = [w for w in self.workers.values() if w.target not in exclude]
         if not candidates:
             raise NotReady("every decode worker failed this request")
-        usable = [w for w in candidates if w.healthy and not self._open(w.target)] or candidates
+        usable = [w for w in candidates if w.healthy and not _open(self.channels, w.target)]
+        usable = usable or candidates
         chosen = min(usable, key=lambda w: w.load)
         chosen.load += 1
         return chosen.target
@@ -95,20 +99,14 @@ class DecodePicker:
     def report_failure(self, target: str) -> None:
         self.workers[target].healthy = False
 
-    def _open(self, target: str) -> bool:
-        breaker = self.channels.breakers.get(target)
-        return breaker is not None and breaker.state is State.OPEN
-
     async def poll(self) -> None:
         async def one(worker: _Worker) -> None:
             stub = decode_pb2_grpc.DecodeServiceStub(self._probes[worker.target])
             try:
                 load = await stub.GetLoad(decode_pb2.GetLoadRequest(), timeout=0.5)
-            except grpc.aio.AioRpcError:
-                worker.healthy = False
-                return
-            except Exception:  # a bad answer from one worker must not stop polling the rest
-                log.exception("decode load poll failed", extra={"target": worker.target})
+            except Exception as error:  # one worker's bad answer must not stop polling the rest
+                if not isinstance(error, grpc.aio.AioRpcError):
+                    log.exception("decode load poll failed", extra={"target": worker.target})
                 worker.healthy = False
                 return
             worker.healthy = True
