@@ -8,7 +8,6 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
-import torch
 
 from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import decode_pb2, decode_pb2_grpc, sampling_pb2
@@ -20,10 +19,8 @@ from services.decode.engine import BLOCK_TOKENS, DecodeEngine, Sequence
 from services.decode.settings import DecodeOptions
 from services.decode.sources import PrefillSources
 from services.llm import kv_codec, kv_transfer
-from services.llm.artifacts import resolve_model
-from services.llm.described import described
+from services.llm.described import load_llama
 from services.llm.kv_transfer import HANDLE_ID, HANDLE_ID_RULE, KvReleaser
-from services.llm.llama import Llama, resolve_device, resolve_dtype
 from services.llm.requests import check_prompt, decode_length, end_token, sampling_params
 from services.llm.settings import LlmSettings, llm_settings
 from services.llm.stopping import Finish, StopChecker
@@ -98,15 +95,10 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
         prompt, params = self._validate(request, engine)
         handle = request.kv_handle
         if not await self.sources.allows(handle.address):
-            raise InvalidInput(
-                [
-                    FieldViolation(
-                        "kv_handle.address",
-                        "is not a prefill worker this decode worker pulls from "
-                        "([services.decode.options] prefill)",
-                    )
-                ]
+            problem = (
+                "is not a prefill worker this decode worker pulls from ([services.decode] prefill)"
             )
+            raise InvalidInput([FieldViolation("kv_handle.address", problem)])
         checker = StopChecker(
             max_new_tokens=request.max_new_tokens,
             eos_ids=frozenset(engine.model.config.eos_token_ids),
@@ -147,7 +139,6 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
             first_token=request.first_token_id,
             params=params,
             stop=checker,
-            max_seq_len=engine.max_seq_len,
         )
         engine.submit(sequence)
         try:
@@ -213,12 +204,8 @@ async def setup(server: MeshServer) -> None:
     server.add_service(decode_pb2_grpc.add_DecodeServiceServicer_to_server, worker, DECODE)
 
     def load() -> DecodeEngine:
-        torch.set_num_threads(settings.threads)
-        directory = resolve_model(settings.model, server.settings.cache_dir)
-        device = resolve_device(settings.device)
-        dtype = resolve_dtype(settings.dtype, device)
-        model = Llama.load(directory, dtype, device)
-        server.describe(described(directory, settings, engine="torch", dtype=dtype, device=device))
+        model, info = load_llama(settings, server.settings.cache_dir)
+        server.describe(info)
         return DecodeEngine(model, settings.max_batch_size, settings.max_seq_len)
 
     async def warm_up() -> None:

@@ -1,5 +1,6 @@
 """What an LLM service says of its model in GetInfo (mesh.info): the same description for
-the tokenizer, prefill, decode and the router, from the checked model directory."""
+the tokenizer, prefill, decode and the router, from the checked model directory; and the
+model prefill and decode load to serve, described so."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 
 from mesh.artifacts import artifact_digest
 from mesh.info import ModelInfo
-from services.llm.artifacts import DEFAULT_NAME
+from services.llm.artifacts import DEFAULT_NAME, resolve_model
+from services.llm.llama import Llama, resolve_device, resolve_dtype
 from services.llm.settings import LlmSettings
 
 
@@ -34,3 +36,14 @@ def described(
             "max_new_tokens_limit": str(settings.max_new_tokens_limit),
         },
     )
+
+
+def load_llama(settings: LlmSettings, cache_dir: Path) -> tuple[Llama, ModelInfo]:
+    """The configured model on the device and in the dtype resolved on this machine, and
+    its GetInfo entry. Blocking: call it in a thread."""
+    torch.set_num_threads(settings.threads)
+    directory = resolve_model(settings.model, cache_dir)
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(settings.dtype, device)
+    model = Llama.load(directory, dtype, device)
+    return model, described(directory, settings, engine="torch", dtype=dtype, device=device)

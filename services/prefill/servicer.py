@@ -9,7 +9,6 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
-import torch
 from opentelemetry import propagate
 
 from aimesh.common.v1 import common_pb2
@@ -18,10 +17,8 @@ from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
 from services.llm import kv_codec
-from services.llm.artifacts import resolve_model
-from services.llm.described import described
+from services.llm.described import load_llama
 from services.llm.kv_transfer import HANDLE_ID, HANDLE_ID_RULE
-from services.llm.llama import Llama, resolve_device, resolve_dtype
 from services.llm.requests import check_prompt, end_token, sampling_params
 from services.llm.settings import LlmSettings, llm_settings
 from services.prefill.engine import KvStore, PrefillEngine
@@ -73,11 +70,8 @@ class PrefillWorker(
             request.sampling, config.vocab_size, violations, end_token=end_token(config)
         )
         violations.check(request.lease_ttl_ms >= 0, "lease_ttl_ms", "must not be negative")
-        violations.check(
-            not request.handle_id or HANDLE_ID.fullmatch(request.handle_id) is not None,
-            "handle_id",
-            HANDLE_ID_RULE,
-        )
+        if request.handle_id:  # else the store picks one
+            check_handle_id(request.handle_id, violations)
         violations.raise_if_any()
         ttl_s = min(request.lease_ttl_ms / 1000 or DEFAULT_LEASE_S, MAX_LEASE_S)
 
@@ -165,13 +159,10 @@ async def setup(server: MeshServer) -> None:
     reaper: list[asyncio.Task[None]] = []
 
     def load() -> PrefillEngine:
-        torch.set_num_threads(settings.threads)
-        directory = resolve_model(settings.model, server.settings.cache_dir)
-        device = resolve_device(settings.device)
-        dtype = resolve_dtype(settings.dtype, device)
-        engine = PrefillEngine(Llama.load(directory, dtype, device))
+        model, info = load_llama(settings, server.settings.cache_dir)
+        engine = PrefillEngine(model)
         engine.warm_up()
-        server.describe(described(directory, settings, engine="torch", dtype=dtype, device=device))
+        server.describe(info)
         return engine
 
     async def warm_up() -> None:
