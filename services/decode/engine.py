@@ -48,7 +48,6 @@ class Sequence:
     first_token: int
     params: SamplingParams
     stop: StopChecker
-    max_seq_len: int
     history: list[int] = field(default_factory=list)
     outbox: asyncio.Queue[Emission] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
@@ -260,12 +259,6 @@ class DecodeEngine:
     def warm_up(self) -> None:
         """Model thread: one real step in slot 0, so the first request pays no first-call cost."""
         config = self.model.config
-        kv = [
-            (
-                torch.zeros(config.num_kv_heads, 4, config.head_dim, dtype=self.model.dtype),
-                torch.zeros(config.num_kv_heads, 4, config.head_dim, dtype=self.model.dtype),
-            )
-            for _ in range(config.num_layers)
-        ]
-        self.cache.load(0, kv)
+        zeros = torch.zeros(config.num_kv_heads, 4, config.head_dim, dtype=self.model.dtype)
+        self.cache.load(0, [(zeros, zeros)] * config.num_layers)
         self.model.decode([0], [4], self.cache)

