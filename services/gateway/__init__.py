@@ -13,11 +13,11 @@ SPEC = ServiceSpec(
     # Its own gRPC surface is only the runtime's (health, GetInfo); the HTTP requests take
     # these slots, each a stream that mostly waits on generation.
     max_concurrency=256,
-    # Readiness waits for generation and the embedder; diffusion serves images when up.
-    dependencies=("generation", "embedder", "diffusion"),
-    # OpenAI's own paths, as the `openai` SDK and curl scripts call them. Not all of /v1/:
-    # the edge's transcoded JSON routes (/v1/generate, /v1/chat, /v1/embed, ...) live
-    # there too.
+    # Readiness waits for generation and the embedder; diffusion and rerank serve when up.
+    dependencies=("generation", "embedder", "diffusion", "rerank"),
+    # OpenAI's own paths, as the `openai` SDK and curl scripts call them, and the rerank
+    # path Cohere, Jina and vLLM share. Not all of /v1/: the edge's transcoded JSON routes
+    # (/v1/generate, /v1/chat, /v1/embed, /v1/documents:rerank, ...) live there too.
     edge_http_paths=(
         "/v1/chat/completions",
         "/v1/completions",
@@ -25,5 +25,6 @@ SPEC = ServiceSpec(
         "/v1/images/generations",
         "/v1/models",
         "/v1/models/",
+        "/v1/rerank",
     ),
 )

@@ -1,6 +1,6 @@
-"""The HTTP API: FastAPI routes over the completions, embeddings and catalog handlers,
-behind the Front layer (request id, span, budget, key, metrics), with every error in
-OpenAI's shape. FastAPI/Starlette on uvicorn (httptools) is what vLLM, SGLang and
+"""The HTTP API: FastAPI routes over the completions, embeddings, images, rerank and
+catalog handlers, behind the Front layer (request id, span, budget, key, metrics), with
+every error in OpenAI's shape. FastAPI/Starlette on uvicorn (httptools) is what vLLM, SGLang and
 Triton's OpenAI frontend run: pydantic request models, and an ASGI server whose
 disconnects reach the app."""
 
@@ -28,7 +28,9 @@ from services.gateway.openai_types import (
     CompletionRequest,
     EmbeddingRequest,
     ImageRequest,
+    RerankRequest,
 )
+from services.gateway.rerank import Rerank
 
 _HTTP_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
 
@@ -42,6 +44,7 @@ def build_app(
     completions: Completions,
     embeddings: Embeddings,
     images: Images,
+    rerank: Rerank,
     catalog: Catalog,
     keys: KeyStore | OpenAccess,
     limiter: Limiter,
@@ -79,6 +82,10 @@ def build_app(
     @app.post("/v1/images/generations")
     async def generate_images(body: ImageRequest, request: Request) -> Response:
         return images.generate(body, _principal(request))
+
+    @app.post("/v1/rerank")
+    async def rerank_documents(body: RerankRequest, request: Request) -> Response:
+        return rerank.rerank(body, _principal(request))
 
     @app.get("/v1/models")
     async def models() -> dict[str, object]:

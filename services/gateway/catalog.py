@@ -2,10 +2,10 @@
 dependencies themselves (readiness, and GetInfo's model names), never configured twice.
 
 The generation service's models answer chat and completions, the embedder's answer
-embeddings, diffusion's answer image generations. A dependency that restarts with another
-model is seen at the next refresh. The gateway is ready while generation and the embedder
-are; diffusion is optional (a mesh without it serves text and embeddings, and its image
-models appear once it answers).
+embeddings, diffusion's answer image generations, rerank's answer /v1/rerank. A dependency
+that restarts with another model is seen at the next refresh. The gateway is ready while
+generation and the embedder are; diffusion and rerank are optional (a mesh without them
+serves text and embeddings, and their models appear once they answer).
 """
 
 from __future__ import annotations
@@ -18,7 +18,12 @@ from mesh.health import probe
 from mesh.info import get_info
 
 # Dependency -> the API surface its models serve.
-SURFACES = {"generation": "chat", "embedder": "embedding", "diffusion": "image"}
+SURFACES = {
+    "generation": "chat",
+    "embedder": "embedding",
+    "diffusion": "image",
+    "rerank": "rerank",
+}
 # The dependencies readiness waits for.
 REQUIRED = frozenset({"generation", "embedder"})
 

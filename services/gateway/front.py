@@ -30,6 +30,7 @@ SCOPES = {
     "/v1/chat/completions": "generate",
     "/v1/completions": "generate",
     "/v1/embeddings": "embed",
+    "/v1/rerank": "embed",
     "/v1/images/generations": "images",
 }
 PRINCIPAL = "aimesh.principal"

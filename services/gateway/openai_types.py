@@ -177,6 +177,29 @@ class EmbeddingRequest(_Body):
         return list(self.input)  # type: ignore[arg-type]
 
 
+class RerankDocument(_Body):
+    text: str
+
+
+class RerankRequest(_Body):
+    """POST /v1/rerank, the shape Cohere, Jina and vLLM share: documents as strings or
+    objects with a `text`. Long documents are truncated to the model's length, as theirs
+    are."""
+
+    model: str = Field(min_length=1)
+    query: str = Field(min_length=1)
+    documents: list[str | RerankDocument] = Field(min_length=1, max_length=1000)
+    top_n: int | None = Field(default=None, ge=1)
+    return_documents: bool = True
+    user: str | None = None
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+    def refuse_unsupported(self) -> None:
+        _refuse_set(self, ("rank_fields", "max_chunks_per_doc"))
+
+
 class ImageRequest(_Body):
     """POST /v1/images/generations. `seed`, `steps` and `conditioning` are aimesh's
     extensions (the openai SDK sends them in `extra_body`)."""

@@ -1,6 +1,7 @@
 """The gateway process: a MeshServer (gRPC health, GetInfo, metrics, JSON logs, drain)
 that also serves the OpenAI HTTP API, calling generation and the embedder through its
-mesh channels (trace, request id, deadline, breaker), and diffusion for images.
+mesh channels (trace, request id, deadline, breaker), diffusion for images and rerank for
+/v1/rerank.
 
 Liveness answers as soon as the process listens, the HTTP /health/live too; readiness
 (gRPC and /health/ready) waits until every dependency is ready and has said which
@@ -14,6 +15,7 @@ import logging
 
 from aimesh.diffusion.v1 import diffusion_pb2_grpc
 from aimesh.llm.v1 import generation_pb2_grpc
+from aimesh.rerank.v1 import rerank_pb2_grpc
 from aimesh.retrieval.v1 import embedder_pb2_grpc
 from mesh.server import MeshServer
 from services.gateway.admission import Slots
@@ -25,6 +27,7 @@ from services.gateway.http_server import HttpServer
 from services.gateway.images import DIFFUSION, Images
 from services.gateway.keys import KeyStore, OpenAccess
 from services.gateway.limits import Limiter
+from services.gateway.rerank import RERANK, Rerank
 from services.gateway.settings import GatewayOptions
 from services.gateway.shared import Shared
 from services.gateway.store import open_store
@@ -49,6 +52,7 @@ async def setup(server: MeshServer) -> HttpServer:
     images = Images(
         diffusion_pb2_grpc.DiffusionServiceStub(server.channel_to("diffusion", DIFFUSION)), shared
     )
+    rerank = Rerank(rerank_pb2_grpc.RerankServiceStub(server.channel_to("rerank", RERANK)), shared)
     if options.api_keys_file is None:
         log.warning("no api_keys_file: every HTTP caller is the tenant 'anonymous'")
         keys: KeyStore | OpenAccess = OpenAccess()
@@ -60,6 +64,7 @@ async def setup(server: MeshServer) -> HttpServer:
             completions=completions,
             embeddings=embeddings,
             images=images,
+            rerank=rerank,
             catalog=catalog,
             keys=keys,
             limiter=limiter,

@@ -35,6 +35,7 @@ from services.rerank.scorers import (
     CrossEncoderScorer,
     LateInteractionScorer,
     Scorer,
+    TokenLimited,
     over_length,
 )
 from services.rerank.settings import RerankSettings
@@ -70,6 +71,14 @@ def load_scorer(settings: RerankSettings) -> Scorer:
 def _timed_score(scorer: Scorer, query: str, documents: list[str]) -> tuple[float, list[float]]:
     """When the model thread took the group up (the end of its queueing), and its scores."""
     return time.perf_counter(), scorer.score(query, documents)
+
+
+def pair_tokens(scorer: TokenLimited, query: str, documents: Sequence[str]) -> int:
+    """The usage of one request: the tokens of every (query, document) pair, each at most
+    the model's length, as cross-encoders read them and as Jina and vLLM bill rerank
+    (the late-interaction scorer reads the query once, so it reads fewer). Blocking: a
+    tokenizer pass."""
+    return sum(min(scorer.token_count(query, d), scorer.max_tokens) for d in documents)
 
 
 def _check_request(violations: Violations, request: rerank_pb2.RerankRequest) -> None:
@@ -125,6 +134,9 @@ class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
         started = timed[0][0]
         scores = [score for _, group_scores in timed for score in group_scores]
         inference_s = time.perf_counter() - started
+        tokens = await asyncio.get_running_loop().run_in_executor(
+            self.model_thread, pair_tokens, scorer, request.query, texts
+        )
         shown = scores if request.raw_scores else scorer.to_unit(scores)
         order = sorted(range(len(texts)), key=lambda i: -scores[i])
         if request.top_n:
@@ -141,6 +153,7 @@ class RerankServicer(rerank_pb2_grpc.RerankServiceServicer):
                 for i in order
             ],
             model=scorer.name,
+            usage=common_pb2.Usage(prompt_tokens=tokens, total_tokens=tokens),
             timing=common_pb2.Timing(
                 stages=[
                     stage("queue", started - queued, common_pb2.STAGE_KIND_QUEUE),

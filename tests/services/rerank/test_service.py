@@ -94,3 +94,13 @@ async def test_bad_input_names_the_field(stub, fields, field):
         await stub.Rerank(request(query, **fields))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in {v.field for v in field_violations(caught.value)}
+
+
+async def test_usage_counts_every_pairs_tokens_cut_at_the_models_length(stub):
+    short = await stub.Rerank(request("parse a JSON string"))
+    long_text = "a very long document " * 300
+    cut = await stub.Rerank(
+        request("q", documents=[rerank_pb2.Document(text=long_text)], truncate=True)
+    )
+    assert short.usage.prompt_tokens == short.usage.total_tokens > 3 * 5
+    assert cut.usage.prompt_tokens == 512  # MiniLM's length: the pair was cut there

@@ -27,7 +27,7 @@ from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x61imesh/rerank/v1/rerank.proto\x12\x10\x61imesh.rerank.v1\x1a\x1d\x61imesh/common/v1/common.proto\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/api/field_behavior.proto\"\xd1\x01\n\rRerankRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x05query\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x33\n\tdocuments\x18\x03 \x03(\x0b\x32\x1a.aimesh.rerank.v1.DocumentB\x04\xe2\x41\x01\x02\x12\r\n\x05top_n\x18\x04 \x01(\x05\x12\x10\n\x08truncate\x18\x05 \x01(\x08\x12\x13\n\x0breturn_text\x18\x06 \x01(\x08\x12\x12\n\nraw_scores\x18\x07 \x01(\x08\x12\x18\n\x10return_documents\x18\x08 \x01(\x08\"*\n\x08\x44ocument\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\x04text\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\"z\n\x0eRerankResponse\x12/\n\x07results\x18\x01 \x03(\x0b\x32\x1e.aimesh.rerank.v1.RerankResult\x12\r\n\x05model\x18\x02 \x01(\t\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\"F\n\x0cRerankResult\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\r\n\x05score\x18\x03 \x01(\x02\x12\x0c\n\x04text\x18\x04 \x01(\t2v\n\rRerankService\x12\x65\n\x06Rerank\x12\x1f.aimesh.rerank.v1.RerankRequest\x1a .aimesh.rerank.v1.RerankResponse\"\x18\x90\x02\x01\x82\xd3\xe4\x93\x02\x0f\"\n/v1/rerank:\x01*b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x61imesh/rerank/v1/rerank.proto\x12\x10\x61imesh.rerank.v1\x1a\x1d\x61imesh/common/v1/common.proto\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/api/field_behavior.proto\"\xd1\x01\n\rRerankRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x05query\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x33\n\tdocuments\x18\x03 \x03(\x0b\x32\x1a.aimesh.rerank.v1.DocumentB\x04\xe2\x41\x01\x02\x12\r\n\x05top_n\x18\x04 \x01(\x05\x12\x10\n\x08truncate\x18\x05 \x01(\x08\x12\x13\n\x0breturn_text\x18\x06 \x01(\x08\x12\x12\n\nraw_scores\x18\x07 \x01(\x08\x12\x18\n\x10return_documents\x18\x08 \x01(\x08\"*\n\x08\x44ocument\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\x04text\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\"\xa2\x01\n\x0eRerankResponse\x12/\n\x07results\x18\x01 \x03(\x0b\x32\x1e.aimesh.rerank.v1.RerankResult\x12\r\n\x05model\x18\x02 \x01(\t\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\x12&\n\x05usage\x18\x04 \x01(\x0b\x32\x17.aimesh.common.v1.Usage\"F\n\x0cRerankResult\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\r\n\x05score\x18\x03 \x01(\x02\x12\x0c\n\x04text\x18\x04 \x01(\t2\x80\x01\n\rRerankService\x12o\n\x06Rerank\x12\x1f.aimesh.rerank.v1.RerankRequest\x1a .aimesh.rerank.v1.RerankResponse\"\"\x90\x02\x01\x82\xd3\xe4\x93\x02\x19\"\x14/v1/documents:rerank:\x01*b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,15 +41,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DOCUMENT'].fields_by_name['text']._loaded_options = None
   _globals['_DOCUMENT'].fields_by_name['text']._serialized_options = b'\342A\001\002'
   _globals['_RERANKSERVICE'].methods_by_name['Rerank']._loaded_options = None
-  _globals['_RERANKSERVICE'].methods_by_name['Rerank']._serialized_options = b'\220\002\001\202\323\344\223\002\017\"\n/v1/rerank:\001*'
+  _globals['_RERANKSERVICE'].methods_by_name['Rerank']._serialized_options = b'\220\002\001\202\323\344\223\002\031\"\024/v1/documents:rerank:\001*'
   _globals['_RERANKREQUEST']._serialized_start=146
   _globals['_RERANKREQUEST']._serialized_end=355
   _globals['_DOCUMENT']._serialized_start=357
   _globals['_DOCUMENT']._serialized_end=399
-  _globals['_RERANKRESPONSE']._serialized_start=401
-  _globals['_RERANKRESPONSE']._serialized_end=523
-  _globals['_RERANKRESULT']._serialized_start=525
-  _globals['_RERANKRESULT']._serialized_end=595
-  _globals['_RERANKSERVICE']._serialized_start=597
-  _globals['_RERANKSERVICE']._serialized_end=715
+  _globals['_RERANKRESPONSE']._serialized_start=402
+  _globals['_RERANKRESPONSE']._serialized_end=564
+  _globals['_RERANKRESULT']._serialized_start=566
+  _globals['_RERANKRESULT']._serialized_end=636
+  _globals['_RERANKSERVICE']._serialized_start=639
+  _globals['_RERANKSERVICE']._serialized_end=767
 # @@protoc_insertion_point(module_scope)

@@ -38,14 +38,16 @@ class Document(_message.Message):
     def __init__(self, id: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class RerankResponse(_message.Message):
-    __slots__ = ("results", "model", "timing")
+    __slots__ = ("results", "model", "timing", "usage")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[RerankResult]
     model: str
     timing: _common_pb2.Timing
-    def __init__(self, results: _Optional[_Iterable[_Union[RerankResult, _Mapping]]] = ..., model: _Optional[str] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ...) -> None: ...
+    usage: _common_pb2.Usage
+    def __init__(self, results: _Optional[_Iterable[_Union[RerankResult, _Mapping]]] = ..., model: _Optional[str] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
 
 class RerankResult(_message.Message):
     __slots__ = ("index", "id", "score", "text")
