@@ -1,5 +1,7 @@
-"""The LLM stack and the embedder behind a real Envoy (`aimesh up --edge`), on free ports,
-with a real OTLP collector receiving the spans of every process, Envoy included."""
+"""The LLM stack, the embedder, rerank, diffusion (digits) and the OpenAI gateway behind a
+real Envoy (`aimesh up --edge`), on free ports, with a real OTLP collector receiving the
+spans of every process, Envoy included. The gateway checks its own keys (GATEWAY_KEYS,
+one tenant with a tiny quota); every other route takes the edge's API_KEY."""
 
 from __future__ import annotations
 
@@ -19,9 +21,20 @@ from tests.conftest import (
     subprocess_env,
     wait_all_serving,
 )
+from tests.services.gateway.conftest import write_keys
 
-SERVICES = ("generation", "tokenizer", "prefill", "decode", "embedder")
+SERVICES = (
+    "generation", "tokenizer", "prefill", "decode", "embedder", "rerank", "diffusion", "gateway",
+)  # fmt: skip
 API_KEY = "test-edge-key"
+# The gateway's keys: key -> (tenant, scopes). "tiny" may send one request per
+# LIMIT_WINDOW_S.
+GATEWAY_KEYS = {
+    "sk-everything": ("acme", ["generate", "embed", "images"]),
+    "sk-embed-only": ("embedco", ["embed"]),
+    "sk-tiny": ("tiny", ["generate", "embed"]),
+}
+LIMIT_WINDOW_S = 2
 
 
 @dataclass
@@ -30,6 +43,7 @@ class Edge:
     admin_port: int
     metrics_port: int
     ports: dict[str, int]
+    http_port: int  # the gateway's own HTTP port, behind Envoy
     spans: Path  # the OTLP collector's debug log
     access_log: Path  # Envoy's stdout: one JSON line per request
 
@@ -48,7 +62,11 @@ async def edge(tmp_path_factory) -> AsyncIterator[Edge]:
     spans = logs / "spans.log"
     collector, otlp_port = await start_collector(spans)
     ports = {name: free_port() for name in SERVICES}
-    edge = Edge(free_port(), free_port(), free_port(), ports, spans, logs / "envoy.log")
+    edge = Edge(
+        free_port(), free_port(), free_port(), ports, free_port(), spans, logs / "envoy.log"
+    )
+    keys = logs / "gateway-keys.json"
+    write_keys(keys, GATEWAY_KEYS, {"tiny": {"requests_per_minute": 1}})
     env = subprocess_env(
         OTEL_TRACES_EXPORTER="otlp",
         OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp_port}",
@@ -59,6 +77,11 @@ async def edge(tmp_path_factory) -> AsyncIterator[Edge]:
         AIMESH_EDGE__API_KEYS=f'["{API_KEY}"]',
         **{f"AIMESH_SERVICES__{name.upper()}__PORT": str(port) for name, port in ports.items()},
         **{f"AIMESH_SERVICES__{name.upper()}__METRICS_PORT": "0" for name in SERVICES},
+        AIMESH_SERVICES__DIFFUSION__MODELS='["digits"]',
+        AIMESH_SERVICES__DIFFUSION__DEVICE="cpu",
+        AIMESH_SERVICES__GATEWAY__HTTP_PORT=str(edge.http_port),
+        AIMESH_SERVICES__GATEWAY__API_KEYS_FILE=str(keys),
+        AIMESH_SERVICES__GATEWAY__LIMIT_WINDOW_S=str(LIMIT_WINDOW_S),
     )
     only = [arg for name in SERVICES for arg in ("--only", name)]
     process = await asyncio.create_subprocess_exec(

@@ -1,0 +1,273 @@
+"""Conformance of the OpenAI API as users meet it: the real `openai` SDK and raw httpx
+against `aimesh up --edge` (Envoy in front of the gateway, the real LLM mesh, embedder,
+rerank and digits diffusion), in the spirit of vLLM's and llama.cpp's server tests. Each
+answer is compared with the mesh service's own answer over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from aimesh.llm.v1 import decode_pb2, decode_pb2_grpc, generation_pb2, generation_pb2_grpc
+from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
+from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
+from mesh.client import create_channel
+from mesh.config import MeshSettings
+from services.llm.artifacts import DEFAULT_NAME
+from tests.edge.conftest import LIMIT_WINDOW_S, Edge
+from tests.services.llm.conftest import collected
+
+pytestmark = pytest.mark.system
+
+KEY = "sk-everything"
+EMBEDDING_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def sdk(edge: Edge, key: str = KEY, max_retries: int = 0) -> openai.AsyncOpenAI:
+    """The SDK as a user configures it: base_url and api_key, nothing else."""
+    return openai.AsyncOpenAI(base_url=f"{edge.url}/v1", api_key=key, max_retries=max_retries)
+
+
+def http(edge: Edge, key: str | None = KEY) -> httpx.AsyncClient:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    return httpx.AsyncClient(base_url=edge.url, headers=headers, timeout=120)
+
+
+def local(edge: Edge, service: str):
+    """A mesh channel straight to `service`, around Envoy and the gateway."""
+    return create_channel(f"127.0.0.1:{edge.ports[service]}", MeshSettings())
+
+
+async def _running(edge: Edge) -> int:
+    async with local(edge, "decode") as channel:
+        load = await decode_pb2_grpc.DecodeServiceStub(channel).GetLoad(
+            decode_pb2.GetLoadRequest(), timeout=5
+        )
+    return load.running
+
+
+async def test_models_lists_every_surface(edge):
+    async with sdk(edge) as client:
+        names = [model.id for model in (await client.models.list()).data]
+        one = await client.models.retrieve(DEFAULT_NAME)
+    assert {DEFAULT_NAME, EMBEDDING_MODEL, "digits", "minilm-late-interaction"} <= set(names)
+    assert one.id == DEFAULT_NAME
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 7}])
+async def test_streamed_text_equals_whole_text(edge, sampling):
+    async with sdk(edge) as client:
+        whole = await client.chat.completions.create(
+            model=DEFAULT_NAME, messages=QUESTION, max_tokens=24, **sampling
+        )
+        stream = await client.chat.completions.create(
+            model=DEFAULT_NAME,
+            messages=QUESTION,
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+            **sampling,
+        )
+        chunks = [chunk async for chunk in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and text
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert [r for r in reasons if r] == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert whole.usage.completion_tokens <= 24
+
+
+async def test_raw_events_through_envoy_end_with_one_finish_the_usage_and_done(edge):
+    body = {
+        "model": DEFAULT_NAME,
+        "messages": QUESTION,
+        "max_tokens": 6,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with (
+        http(edge) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        assert response.headers["content-type"].startswith("text/event-stream")
+        parts = [part async for part in response.aiter_raw()]
+    raw = b"".join(parts).decode()
+    assert len(parts) > 1, "the events arrived in one piece: something buffered them"
+    assert raw.endswith("\n\ndata: [DONE]\n\n")
+    chunks = [json.loads(e.removeprefix("data: ")) for e in raw.split("\n\n")[:-2]]
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == "length"
+    assert sum(1 for c in chunks[:-1] if c["choices"][0]["finish_reason"]) == 1
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+async def test_without_include_usage_no_usage_chunk(edge):
+    async with sdk(edge) as client:
+        stream = await client.chat.completions.create(
+            model=DEFAULT_NAME, messages=QUESTION, max_tokens=4, stream=True
+        )
+        chunks = [chunk async for chunk in stream]
+    assert all(c.choices and c.usage is None for c in chunks)
+
+
+async def test_a_completion_is_what_the_generation_service_answers(edge):
+    prompt = "The capital of France is"
+    async with sdk(edge) as client:
+        answer = await client.completions.create(
+            model=DEFAULT_NAME, prompt=prompt, max_tokens=8, temperature=0
+        )
+    async with local(edge, "generation") as channel:
+        _, text, complete = await collected(
+            generation_pb2_grpc.GenerationServiceStub(channel).Generate(
+                generation_pb2.GenerateRequest(
+                    prompt=prompt, stopping={"max_new_tokens": 8}, sampling={"temperature": 0}
+                ),
+                timeout=120,
+            )
+        )
+    assert answer.choices[0].text == text
+    assert answer.usage.prompt_tokens == complete.usage.prompt_tokens
+
+
+async def test_bad_values_are_400s_that_name_the_parameter(edge):
+    async with sdk(edge) as client:
+        with pytest.raises(openai.BadRequestError) as too_long:
+            await client.chat.completions.create(
+                model=DEFAULT_NAME, messages=QUESTION, max_completion_tokens=100_000
+            )
+        with pytest.raises(openai.BadRequestError) as too_hot:
+            await client.chat.completions.create(
+                model=DEFAULT_NAME, messages=QUESTION, temperature=7
+            )
+        with pytest.raises(openai.BadRequestError) as tools:
+            await client.chat.completions.create(
+                model=DEFAULT_NAME,
+                messages=QUESTION,
+                tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            )
+    assert too_long.value.body["param"] == "max_completion_tokens"
+    assert too_hot.value.body["param"] == "temperature"
+    assert tools.value.body["param"] == "tools"
+
+
+async def test_keys_scopes_and_models_are_401_403_404(edge):
+    async with sdk(edge, key="sk-nobody") as nobody, sdk(edge, key="sk-embed-only") as embedder:
+        with pytest.raises(openai.AuthenticationError):
+            await nobody.models.list()
+        with pytest.raises(openai.PermissionDeniedError) as forbidden:
+            await embedder.chat.completions.create(model=DEFAULT_NAME, messages=QUESTION)
+    async with sdk(edge) as client:
+        with pytest.raises(openai.NotFoundError) as unknown:
+            await client.chat.completions.create(model="gpt-4o", messages=QUESTION)
+    assert forbidden.value.body["code"] == "missing_scope"
+    assert unknown.value.body["param"] == "model"
+
+
+async def test_past_a_tiny_quota_429_with_retry_after_which_the_sdk_honours(edge):
+    """The tenant "tiny" may send one request per LIMIT_WINDOW_S."""
+    body = {"model": EMBEDDING_MODEL, "input": "hello"}
+    async with http(edge, "sk-tiny") as client:
+        for _ in range(5):  # the bucket starts full: empty it
+            refused = await client.post("/v1/embeddings", json=body)
+            if refused.status_code == 429:
+                break
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert 0 < int(refused.headers["retry-after-ms"]) <= LIMIT_WINDOW_S * 1000
+    assert int(refused.headers["retry-after"]) >= 1
+    async with sdk(edge, "sk-tiny", max_retries=3) as patient:
+        started = time.monotonic()
+        await patient.embeddings.create(model=EMBEDDING_MODEL, input="waits its turn")
+    assert time.monotonic() - started >= 0.5 * LIMIT_WINDOW_S
+
+
+async def test_embeddings_equal_the_embedders_vectors(edge):
+    texts = ["How do I copy a nested list?", "naïve café 🙂", "gRPC"]
+    async with sdk(edge) as client:
+        answer = await client.embeddings.create(model=EMBEDDING_MODEL, input=texts)
+        encoded = await client.embeddings.create(
+            model=EMBEDDING_MODEL, input=texts, encoding_format="base64"
+        )
+    async with local(edge, "embedder") as channel:
+        direct = await embedder_pb2_grpc.EmbedderServiceStub(channel).Embed(
+            embedder_pb2.EmbedRequest(inputs=texts), timeout=30
+        )
+    expected = np.array([e.values for e in direct.embeddings], dtype=np.float32)
+    np.testing.assert_array_equal(
+        np.array([d.embedding for d in answer.data], np.float32), expected
+    )
+    # Asked for explicitly, base64 comes back as the string (the SDK decodes it only
+    # when it chose the encoding itself): little-endian float32.
+    decoded = [np.frombuffer(base64.b64decode(d.embedding), "<f4") for d in encoded.data]
+    np.testing.assert_array_equal(np.stack(decoded), expected)
+    assert answer.model == direct.model == EMBEDDING_MODEL
+
+
+async def test_rerank_in_coheres_shape_matches_the_rerank_service(edge):
+    query = "how do I remove a folder and its contents?"
+    documents = [
+        "heapq.heappush(heap, item): push item onto the heap.",
+        "shutil.rmtree(path): recursively delete a directory tree.",
+        "json.loads(s): deserialize a str containing a JSON document.",
+    ]
+    async with http(edge) as client:
+        answer = await client.post(
+            "/v1/rerank",
+            json={"model": "minilm-late-interaction", "query": query, "documents": documents},
+        )
+    assert answer.status_code == 200, answer.text
+    async with local(edge, "rerank") as channel:
+        direct = await rerank_pb2_grpc.RerankServiceStub(channel).Rerank(
+            rerank_pb2.RerankRequest(
+                query=query, documents=[rerank_pb2.Document(text=d) for d in documents]
+            ),
+            timeout=30,
+        )
+    results = answer.json()["results"]
+    assert [r["index"] for r in results] == [r.index for r in direct.results]
+    assert results[0]["document"]["text"] == documents[1]
+    assert answer.json()["usage"]["total_tokens"] == direct.usage.prompt_tokens > 0
+
+
+async def test_images_decode_as_pngs(edge):
+    async with sdk(edge) as client:
+        answer = await client.images.generate(
+            model="digits", prompt="3", n=2, extra_body={"seed": 5, "steps": 10}
+        )
+    images = [Image.open(io.BytesIO(base64.b64decode(d.b64_json))) for d in answer.data]
+    assert [(image.format, image.size) for image in images] == [("PNG", (8, 8))] * 2
+
+
+async def test_a_client_that_disconnects_frees_its_decode_slot(edge):
+    body = {
+        "model": DEFAULT_NAME,
+        "messages": [{"role": "user", "content": "Count slowly from one to five hundred."}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
+    async with http(edge) as client:
+        response = await client.send(
+            client.build_request("POST", "/v1/chat/completions", json=body), stream=True
+        )
+        events = (line async for line in response.aiter_lines() if line)
+        for _ in range(3):  # the role event, then text: decode is under way
+            assert (await anext(events)).startswith("data: ")
+        assert await _running(edge) == 1
+        await response.aclose()
+    started = time.monotonic()
+    while await _running(edge):
+        assert time.monotonic() - started < 2.0, "decode slot still busy 2 s after disconnect"
+        await asyncio.sleep(0.02)
