@@ -13,7 +13,8 @@ JSON (`{"keys": [...]}`) or TOML (`[[keys]]`), chosen by the file's suffix:
     [tenants.acme]               # optional limits per tenant (services/gateway/limits.py)
     requests_per_minute = 60
     tokens_per_minute = 20000
-    token_budget = 1000000       # lifetime: prompt + completion tokens, never refilled
+    token_budget = 1000000       # prompt + completion tokens
+    budget_period = "month"      # renewed each UTC calendar month ("day"; "lifetime": never)
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from services.gateway.periods import Period
+
 log = logging.getLogger(__name__)
 
 Scope = Literal["generate", "embed", "images", "admin"]
@@ -39,14 +42,15 @@ ANONYMOUS = "anonymous"
 class TenantLimits(BaseModel):
     """A tenant's limits; each one unset is no limit. The per-minute ones are token
     buckets (their whole minute is the burst, refilled continuously); the budget counts
-    prompt + completion tokens over the tenant's lifetime in the limits store (raise it
-    here to top it up)."""
+    prompt + completion tokens in the limits store over each `budget_period` (a UTC
+    calendar day or month, or the tenant's lifetime; raise it here to top it up)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     requests_per_minute: int | None = Field(default=None, ge=1)
     tokens_per_minute: int | None = Field(default=None, ge=1)
     token_budget: int | None = Field(default=None, ge=0)
+    budget_period: Period = "lifetime"
 
 
 NO_LIMITS = TenantLimits()

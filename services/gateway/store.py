@@ -5,7 +5,8 @@ quota spent through one gateway is spent on all of them).
 Both hold the same state under the same names, keyed by tenant names (never keys):
   bucket   a token bucket: a level that refills continuously at `rate` per second up to
            `capacity` (requests or tokens per minute)
-  budget   tokens spent against a lifetime budget (a counter, never refilled)
+  budget   tokens spent against a budget (a counter, never refilled; a periodic budget
+           has a key per period, which expires a day after the period ends)
   usage    the ledger: requests, prompt and completion tokens, images by tenant and model
 
 `take` is all-or-nothing across the limits it is given: either every bucket and budget
@@ -16,6 +17,7 @@ clocked by the server's TIME, so replicas with skewed clocks agree).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -30,13 +32,14 @@ SEP = "\t"
 
 @dataclass(frozen=True)
 class Limit:
-    """One limit to charge: a bucket (rate > 0) or a lifetime budget (rate == 0)."""
+    """One limit to charge: a bucket (rate > 0) or a budget (rate == 0)."""
 
     name: str  # "requests_per_minute", "tokens_per_minute", "token_budget"
-    key: str  # the store's key: PREFIX + name + ":" + tenant
+    key: str  # the store's key: PREFIX + name + ":" + tenant (+ ":" + period)
     capacity: float
     rate: float  # per second; 0 for a budget
     amount: float  # to take (negative: give back)
+    ttl_s: float = 0.0  # a budget's key is dropped this long after the charge; 0: kept
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,12 @@ class MemoryStore:
     def __init__(self) -> None:
         self._buckets: dict[str, tuple[float, float]] = {}  # key -> (level, at)
         self._spent: dict[str, float] = defaultdict(float)
+        self._expires: dict[str, float] = {}  # budget key -> when it goes (its ttl_s)
         self._usage: dict[tuple[str, str], dict[str, int]] = {}
+
+    def _expire(self, now: float) -> None:
+        for key in [key for key, at in self._expires.items() if at <= now]:
+            del self._expires[key], self._spent[key]
 
     def _level(self, limit: Limit, now: float) -> float:
         level, at = self._buckets.get(limit.key, (limit.capacity, now))
@@ -80,6 +88,7 @@ class MemoryStore:
 
     async def take(self, limits: list[Limit], *, force: bool = False) -> Refusal | None:
         now = time.monotonic()
+        self._expire(now)
         levels = {}
         for limit in limits:
             if limit.rate > 0:
@@ -93,6 +102,8 @@ class MemoryStore:
                 self._buckets[limit.key] = (levels[limit.key] - limit.amount, now)
             else:
                 self._spent[limit.key] += limit.amount
+                if limit.ttl_s > 0:
+                    self._expires[limit.key] = now + limit.ttl_s
         return None
 
     async def record(self, tenant: str, model: str, counts: dict[str, int]) -> None:
@@ -107,10 +118,11 @@ class MemoryStore:
         pass
 
 
-# KEYS: one per limit. ARGV[1]: "1" to force; then capacity, rate, amount per limit.
-# Returns {0} when every limit was charged, else {index of the refusing limit (1-based),
-# wait in ms (-1: never)}. A bucket is a hash {level, at}; it expires once it would be
-# full again, so idle tenants leave nothing behind. A budget is a plain counter.
+# KEYS: one per limit. ARGV[1]: "1" to force; then capacity, rate, amount, ttl in ms per
+# limit. Returns {0} when every limit was charged, else {index of the refusing limit
+# (1-based), wait in ms (-1: never)}. A bucket is a hash {level, at}; it expires once it
+# would be full again, so idle tenants leave nothing behind. A budget is a plain counter,
+# dropped ttl ms after its last charge when it has one (a past period's).
 TAKE = """
 if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
@@ -118,9 +130,9 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local force = ARGV[1] == '1'
 local levels = {}
 for i = 1, #KEYS do
-  local capacity = tonumber(ARGV[i * 3 - 1])
-  local rate = tonumber(ARGV[i * 3])
-  local amount = tonumber(ARGV[i * 3 + 1])
+  local capacity = tonumber(ARGV[i * 4 - 2])
+  local rate = tonumber(ARGV[i * 4 - 1])
+  local amount = tonumber(ARGV[i * 4])
   local level
   if rate > 0 then
     local state = redis.call('HMGET', KEYS[i], 'level', 'at')
@@ -139,9 +151,10 @@ for i = 1, #KEYS do
   end
 end
 for i = 1, #KEYS do
-  local capacity = tonumber(ARGV[i * 3 - 1])
-  local rate = tonumber(ARGV[i * 3])
-  local amount = tonumber(ARGV[i * 3 + 1])
+  local capacity = tonumber(ARGV[i * 4 - 2])
+  local rate = tonumber(ARGV[i * 4 - 1])
+  local amount = tonumber(ARGV[i * 4])
+  local ttl = tonumber(ARGV[i * 4 + 1])
   if rate > 0 then
     local level = levels[i] - amount
     redis.call('HSET', KEYS[i], 'level', tostring(level), 'at', tostring(now))
@@ -149,6 +162,9 @@ for i = 1, #KEYS do
     redis.call('PEXPIRE', KEYS[i], math.ceil(full_in * 1000) + 1000)
   else
     redis.call('INCRBYFLOAT', KEYS[i], tostring(amount))
+    if ttl > 0 then
+      redis.call('PEXPIRE', KEYS[i], ttl)
+    end
   end
 end
 return {0}
@@ -172,7 +188,12 @@ class RedisStore:
             return None
         args: list[str] = ["1" if force else "0"]
         for limit in limits:
-            args += [repr(limit.capacity), repr(limit.rate), repr(limit.amount)]
+            args += [
+                repr(limit.capacity),
+                repr(limit.rate),
+                repr(limit.amount),
+                str(math.ceil(limit.ttl_s * 1000)),
+            ]
         answer = await self._take(keys=[limit.key for limit in limits], args=args)
         if int(answer[0]) == 0:
             return None

@@ -4,6 +4,7 @@ the limits' arithmetic (the in-process store, on a stopped clock), and the SSE f
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime, timedelta
 
 import grpc
 import pytest
@@ -16,6 +17,7 @@ from services.gateway import store as stores
 from services.gateway.errors import ApiError, from_rpc, param_of, renamed
 from services.gateway.keys import ANONYMOUS, KeyStore, OpenAccess, Principal, TenantLimits, digest
 from services.gateway.limits import Limiter
+from services.gateway.periods import current
 from services.gateway.sse import DONE, ChatShape, TextShape, finish_reason, frame
 from tests.services.gateway.conftest import write_keys
 
@@ -183,6 +185,43 @@ async def test_the_limiters_refusals_and_settlement(clock):
         await limiter.admit(who, 11)
     assert too_big.value.code == "request_too_large" and not too_big.value.headers
     assert (await limiter.admit(who, 10)).tokens == 10
+
+
+@pytest.mark.parametrize(
+    ("period", "now", "label", "ends"),
+    [
+        ("day", datetime(2026, 12, 31, 23, 59, 59, tzinfo=UTC), "2026-12-31", datetime(2027, 1, 1)),
+        ("month", datetime(2026, 12, 31, 12, tzinfo=UTC), "2026-12", datetime(2027, 1, 1)),
+        ("month", datetime(2026, 2, 1, tzinfo=UTC), "2026-02", datetime(2026, 3, 1)),
+        ("lifetime", datetime(2026, 2, 1, tzinfo=UTC), "", None),
+    ],
+)  # fmt: skip
+def test_budget_periods_are_utc_calendar_days_and_months(period, now, label, ends):
+    span = current(period, now)
+    assert span.label == label
+    assert span.ends == (ends and ends.replace(tzinfo=UTC))
+
+
+async def test_a_periodic_budget_renews_and_a_late_settlement_lands_where_it_was_charged(clock):
+    today = [datetime(2026, 12, 3, 23, 0, tzinfo=UTC)]
+    store = stores.MemoryStore()
+    limiter = Limiter(store, clock=lambda: today[0])
+    who = Principal("t", frozenset(), TenantLimits(token_budget=10, budget_period="day"))
+    running = await limiter.admit(who, 8)  # a stream that will end tomorrow
+    with pytest.raises(ApiError) as spent:
+        await limiter.admit(who, 3)
+    assert spent.value.code == "insufficient_quota"
+    assert "renews at 2026-12-04T00:00:00+00:00" in spent.value.message
+    today[0] += timedelta(hours=2)
+    await running.settle(2)  # gives 6 back to the 3rd, not to the 4th
+    assert (await limiter.admit(who, 10)).tokens == 10  # the 4th's whole budget
+    with pytest.raises(ApiError):
+        await limiter.admit(who, 1)
+    # The 3rd's counter outlives its day by the grace period, then goes.
+    assert store._spent[f"{stores.PREFIX}token_budget:t:2026-12-03"] == 2
+    clock[0] += timedelta(days=1, hours=2).total_seconds()
+    await store.take([])
+    assert list(store._spent) == [f"{stores.PREFIX}token_budget:t:2026-12-04"]
 
 
 def test_no_key_file_means_everyone_is_the_anonymous_tenant():
