@@ -65,7 +65,12 @@ def serve(
             serve_metrics(metrics_port, settings.service(name).host)
         return await server.serve_until_signal()
 
-    raise typer.Exit(asyncio.run(run()))
+    # uvloop, as vLLM's and SGLang's servers run: grpc.aio runs on any asyncio loop, and
+    # the loop's own work (tasks, callbacks, the gateway's HTTP sockets) costs less.
+    # Imported here: only a serving process needs it.
+    import uvloop
+
+    raise typer.Exit(uvloop.run(run()))
 
 
 @app.command()
