@@ -49,11 +49,8 @@ async def _imagine(
         async for event in stub.Generate(request):
             kind = event.WhichOneof("event")
             if kind == "queued" and progress:
-                where = (
-                    "running"
-                    if event.queued.position == 0
-                    else (f"queued, position {event.queued.position}")
-                )
+                position = event.queued.position
+                where = f"queued, position {position}" if position else "running"
                 progress.update(task, description=f"job {event.queued.job_id[:8]} {where}")
             elif kind == "progress" and progress:
                 progress.update(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
@@ -21,12 +20,9 @@ import numpy as np
 import onnxruntime as ort
 
 from mesh import deadline
-from mesh.config import MeshSettings
 from mesh.errors import local_error, status
 from mesh.failures import NotReady
-from mesh.triton import TritonModel, TritonSettings
-
-log = logging.getLogger(__name__)
+from mesh.triton import TritonModel
 
 OUTPUT = "denoised"
 # How long past a pass's own ModelInfer timeout the runner thread still waits for the
@@ -50,12 +46,11 @@ class Denoiser(Protocol):
 def create_session(path: Path, device: str, threads: int | None) -> ort.InferenceSession:
     """A session on CUDA when asked for or (device "auto") when the provider exists."""
     available = ort.get_available_providers()
-    use_cuda = device == "cuda" or (device == "auto" and "CUDAExecutionProvider" in available)
     if device == "cuda" and "CUDAExecutionProvider" not in available:
         raise NotReady("device cuda was asked for, but ONNX Runtime has no CUDA provider")
-    providers = (
-        ["CUDAExecutionProvider", "CPUExecutionProvider"] if use_cuda else ["CPUExecutionProvider"]
-    )
+    providers = ["CPUExecutionProvider"]
+    if device != "cpu" and "CUDAExecutionProvider" in available:
+        providers.insert(0, "CUDAExecutionProvider")
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:
@@ -116,15 +111,6 @@ class TritonDenoiser:
                     reason="TRITON_NO_ANSWER",
                 )
             ) from None
-
-
-async def connect_triton(settings: TritonSettings, mesh: MeshSettings) -> TritonDenoiser:
-    """A denoiser on Triton once Triton reports the model ready; call it on the event loop
-    that will carry its passes. Waits as long as it takes: the service is alive meanwhile,
-    just not ready."""
-    model = TritonModel(settings, mesh)
-    await model.wait_until_ready()
-    return TritonDenoiser(model, asyncio.get_running_loop())
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -21,8 +21,9 @@ from mesh.failures import Cancelled, OutOfMemory
 from mesh.info import ModelInfo
 from mesh.server import MeshServer
 from mesh.timing import stage
+from mesh.triton import TritonModel
 from mesh.validation import Violations
-from services.diffusion.denoisers import Denoiser, TritonDenoiser, connect_triton
+from services.diffusion.denoisers import Denoiser, TritonDenoiser
 from services.diffusion.engine import DiffusionModel, ModelCard, Plan
 from services.diffusion.events import JobEvents
 from services.diffusion.jobs import Job, JobQueue
@@ -152,13 +153,9 @@ class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
             times = running.result()  # drained: closed once the worker had returned
             outcome = "completed"
             yield summary(job, queue_s=started - received, times=times, received=received)
-        except Cancelled:  # by Cancel: the outcome it already says, not "failed"
-            raise
-        except OutOfMemory:
-            outcome = "out_of_memory"
-            raise
-        except Exception:
-            outcome = "failed"
+        except Exception as error:
+            if not isinstance(error, Cancelled):  # by Cancel: "cancelled", not "failed"
+                outcome = "out_of_memory" if isinstance(error, OutOfMemory) else "failed"
             raise
         finally:
             # The caller left (cancel, deadline, disconnect) or the job ended: a running
@@ -230,15 +227,12 @@ def queued(job: Job, position: int) -> diffusion_pb2.GenerateResponse:
     )
 
 
-def warm_up_plan(model: DiffusionModel) -> Plan:
-    card = model.card
-    condition = model.parse_condition("", {}, Violations())
-    return Plan(condition, card.sizes[0], 1, card.samplers[0], card.default_guidance, (0,))
-
-
 def warm_up(model: DiffusionModel) -> None:
     """One step of one image, so the first real job does not pay for lazy initialisation."""
-    sampling = model.start(warm_up_plan(model))
+    card = model.card
+    condition = model.parse_condition("", {}, Violations())
+    plan = Plan(condition, card.sizes[0], 1, card.samplers[0], card.default_guidance, (0,))
+    sampling = model.start(plan)
     sampling.advance(0, interrupt=lambda: None)
     sampling.result(0)
 
@@ -257,8 +251,10 @@ async def setup(server: MeshServer) -> DiffusionServicer:
         if "terrain" in settings.models and settings.terrain_backend == "triton":
             assert settings.triton is not None  # the settings' validator requires it
             # Not ready until Triton has the model, and only while it has; alive all along.
-            triton = await connect_triton(settings.triton, server.settings)
-            server.add_readiness_probe(triton.model.ready)
+            model = TritonModel(settings.triton, server.settings)
+            await model.wait_until_ready()
+            server.add_readiness_probe(model.ready)
+            triton = TritonDenoiser(model, loop)  # its passes ride this loop
         models = await loop.run_in_executor(servicer.workers, load_models, settings, triton)
         for model in models.values():
             await loop.run_in_executor(servicer.workers, warm_up, model)
