@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 import onnxruntime
@@ -20,9 +20,6 @@ from mesh.config import MeshSettings
 from mesh.triton import TritonModel, TritonSettings
 from services.embedder.model import SentenceModel
 from services.shared.minilm import export_onnx
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from functools import partial
-from itertools import islice
 
 import grpc
 
@@ -38,8 +37,6 @@ SERVICE = embedder_pb2.DESCRIPTOR.services_by_name["EmbedderService"]
 
 MAX_INPUTS = 32  # the proto's limit (TEI's default max client batch size)
 MAX_INPUT_BYTES = 64 * 1024
-# BadRequest travels in trailing metadata (8 KiB by default): report the first few.
-MAX_ELEMENT_VIOLATIONS = 16
 # Below this many bytes in all, tokenizing inline costs less than a thread hop.
 THREAD_MIN_BYTES = 8 * 1024
 WARMUP_TEXT = "Embedded once before readiness, so the first caller does not pay for it."
@@ -58,8 +55,13 @@ def _check_request(violations: Violations, request: embedder_pb2.EmbedRequest) -
     if violations.check(
         count <= MAX_INPUTS, "inputs", f"must hold at most {MAX_INPUTS} texts, got {count}"
     ):  # else not worth scanning (100k inputs): the request fails anyway
-        for field, problem in islice(_input_problems(request.inputs), MAX_ELEMENT_VIOLATIONS):
-            violations.add(field, problem)
+        for index, text in enumerate(request.inputs):
+            size = len(text.encode())
+            if size == 0:
+                violations.add(f"inputs[{index}]", "must not be empty")
+            elif size > MAX_INPUT_BYTES:
+                problem = f"must be at most {MAX_INPUT_BYTES} bytes of UTF-8, got {size}"
+                violations.add(f"inputs[{index}]", problem)
     direction = request.truncation_direction
     violations.check(
         direction in _SIDES,
@@ -68,23 +70,13 @@ def _check_request(violations: Violations, request: embedder_pb2.EmbedRequest) -
     )
 
 
-def _input_problems(inputs: Sequence[str]) -> Iterator[tuple[str, str]]:
-    for index, text in enumerate(inputs):
-        size = len(text.encode())
-        if size == 0:
-            yield f"inputs[{index}]", "must not be empty"
-        elif size > MAX_INPUT_BYTES:
-            problem = f"must be at most {MAX_INPUT_BYTES} bytes of UTF-8, got {size}"
-            yield f"inputs[{index}]", problem
-
-
 def _check_lengths(violations: Violations, tokenized: Sequence[Tokenized], limit: int) -> None:
-    too_long = ((index, each.length) for index, each in enumerate(tokenized) if each.length > limit)
-    for index, length in islice(too_long, MAX_ELEMENT_VIOLATIONS):
-        violations.add(
-            f"inputs[{index}]",
-            f"is {length} tokens, over the model's maximum of {limit}; set truncate to cut it",
-        )
+    for index, length in enumerate(each.length for each in tokenized):
+        if length > limit:
+            violations.add(
+                f"inputs[{index}]",
+                f"is {length} tokens, over the model's maximum of {limit}; set truncate to cut it",
+            )
 
 
 class EmbedderServicer(embedder_pb2_grpc.EmbedderServiceServicer):
