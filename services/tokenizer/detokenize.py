@@ -36,25 +36,20 @@ class IncrementalDetokenizer:
     def push(self, ids: Iterable[int]) -> str:
         """The text `ids` complete; empty while a character is still unfinished."""
         self._window.extend(ids)
-        if self._read_offset == len(self._window):
-            return ""
-        prefix_text, text = self._decode_window()
-        if text.endswith(REPLACEMENT_CHARACTER):
-            return ""
-        return self._advance(text[len(prefix_text) :])
+        return self._emit(final=False)
 
     def finish(self) -> str:
         """Whatever is held back, an unfinished character becoming U+FFFD."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
         if self._read_offset == len(self._window):
             return ""
-        prefix_text, text = self._decode_window()
-        return self._advance(text[len(prefix_text) :])
-
-    def _decode_window(self) -> tuple[str, str]:
-        return self._decode(self._window[: self._read_offset]), self._decode(self._window)
-
-    def _advance(self, delta: str) -> str:
-        """prefix_offset moves to the old read_offset and read_offset to the end."""
+        prefix_text = self._decode(self._window[: self._read_offset])
+        text = self._decode(self._window)
+        if text.endswith(REPLACEMENT_CHARACTER) and not final:
+            return ""
+        # prefix_offset moves to the old read_offset and read_offset to the end.
         del self._window[: self._read_offset]
         self._read_offset = len(self._window)
-        return delta
+        return text[len(prefix_text) :]
