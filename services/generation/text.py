@@ -54,10 +54,8 @@ class TextStream:
             after = self._decode(self._context + self._pending)
             tail = after[len(before) :] if after.startswith(before) else self._decode(self._pending)
             self._pending = []
-        text = self._cut(tail)
-        if self.stopped:
-            return text
-        text, self._held = text + self._held, ""
+        text = self._cut(tail) + self._held  # none is held once a stop string appeared
+        self._held = ""
         return text
 
     def _decode(self, ids: list[int]) -> str:

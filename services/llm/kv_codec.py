@@ -37,10 +37,8 @@ def clamp_chunk_bytes(requested: int) -> int:
 
 
 def _raw(tensor: torch.Tensor) -> bytes:
-    tensor = tensor.contiguous().cpu()
-    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: ship its 16-bit pattern
-        tensor = tensor.view(torch.int16)
-    return tensor.numpy().tobytes()
+    # As bytes: numpy, which copies them out, has no bfloat16.
+    return tensor.contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
 def encode(kv: list[LayerKV], chunk_bytes: int) -> Iterator[kv_cache_pb2.KvChunk]:
@@ -103,11 +101,8 @@ class KvAssembler:
             raise ValueError("PullComplete does not match the chunks received")
         if any(filled != self._size for pair in self._filled for filled in pair):
             raise ValueError("KV stream ended before every tensor was complete")
-        return [tuple(self._tensor(buffer) for buffer in layer) for layer in self._buffers]
-
-    def _tensor(self, buffer: bytearray) -> torch.Tensor:
-        if self.dtype == "bfloat16":
-            raw = torch.frombuffer(buffer, dtype=torch.int16).view(torch.bfloat16)
-        else:
-            raw = torch.frombuffer(buffer, dtype=DTYPES[self.dtype])
-        return raw.view(self.shape)
+        dtype = DTYPES[self.dtype]
+        return [
+            tuple(torch.frombuffer(buffer, dtype=dtype).view(self.shape) for buffer in layer)
+            for layer in self._buffers
+        ]

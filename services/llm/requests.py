@@ -30,33 +30,32 @@ def sampling_params(
     message: sampling_pb2.SamplingParameters,
     vocab_size: int,
     violations: Violations,
-    field: str = "sampling",
     end_token: int | None = None,
 ) -> SamplingParams:
     """The ranges the sampler needs. `end_token` (the model's end-of-sequence id) closes
     every guided choice, so the output stops right after one; only prefill and decode,
     which know it, pass it."""
-    violations.in_range(message.temperature, f"{field}.temperature", 0.0, 2.0)
-    violations.in_range(message.top_k, f"{field}.top_k", 0, vocab_size)
+    violations.in_range(message.temperature, "sampling.temperature", 0.0, 2.0)
+    violations.in_range(message.top_k, "sampling.top_k", 0, vocab_size)
     top_p = 1.0
     if message.HasField("top_p"):
         top_p = message.top_p
         violations.check(
             math.isfinite(top_p) and 0.0 < top_p <= 1.0,
-            f"{field}.top_p",
+            "sampling.top_p",
             f"must be in (0, 1], got {top_p}",
         )
     penalty = message.repetition_penalty or 1.0
     violations.check(
         math.isfinite(penalty) and MIN_REPETITION_PENALTY <= penalty <= 10.0,
-        f"{field}.repetition_penalty",
+        "sampling.repetition_penalty",
         f"must be in [{MIN_REPETITION_PENALTY}, 10] (0 = off), got {message.repetition_penalty}",
     )
-    violations.in_range(message.frequency_penalty, f"{field}.frequency_penalty", -2.0, 2.0)
+    violations.in_range(message.frequency_penalty, "sampling.frequency_penalty", -2.0, 2.0)
     choices = tuple(tuple(c.ids) for c in message.choice_token_ids)
     violations.check(
         all(c and all(i < vocab_size for i in c) for c in choices),
-        f"{field}.choice_token_ids",
+        "sampling.choice_token_ids",
         "every choice must be a non-empty sequence of token ids in the vocabulary",
     )
     if end_token is not None:
@@ -89,30 +88,29 @@ def stopping(
     prompt_tokens: int,
     settings: LlmSettings,
     violations: Violations,
-    field: str = "stopping",
 ) -> Stopping:
     """The router's rules for stopping, with the defaults resolved."""
     max_new = settings.default_max_new_tokens
+    room = settings.max_seq_len - prompt_tokens
     if message.HasField("max_new_tokens"):
         max_new = message.max_new_tokens
-        violations.in_range(max_new, f"{field}.max_new_tokens", 1, settings.max_new_tokens_limit)
-    room = settings.max_seq_len - prompt_tokens
-    if message.HasField("max_new_tokens") and 0 < max_new <= settings.max_new_tokens_limit:
-        violations.check(
-            max_new <= room,
-            f"{field}.max_new_tokens",
-            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new}) exceeds the "
-            f"context window of {settings.max_seq_len} tokens",
-        )
+        field = "stopping.max_new_tokens"
+        if violations.in_range(max_new, field, 1, settings.max_new_tokens_limit):
+            violations.check(
+                max_new <= room,
+                field,
+                f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new}) exceeds the "
+                f"context window of {settings.max_seq_len} tokens",
+            )
     violations.check(
         len(message.stop_sequences) <= MAX_STOP_SEQUENCES,
-        f"{field}.stop_sequences",
+        "stopping.stop_sequences",
         f"at most {MAX_STOP_SEQUENCES}, got {len(message.stop_sequences)}",
     )
     for i, stop in enumerate(message.stop_sequences):
         violations.check(
             0 < len(stop.encode()) <= MAX_STOP_BYTES,
-            f"{field}.stop_sequences[{i}]",
+            f"stopping.stop_sequences[{i}]",
             f"must be 1 to {MAX_STOP_BYTES} bytes",
         )
     return Stopping(
