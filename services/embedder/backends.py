@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Protocol
 
 import numpy as np
 import onnxruntime
@@ -23,7 +23,6 @@ from services.shared.minilm import export_onnx
 
 log = logging.getLogger(__name__)
 
-BackendName = Literal["onnx", "torch"]
 ONNX_DIRECTORY = "all-MiniLM-L6-v2-onnx"
 ONNX_FILE = "model.onnx"
 _GPU_PROVIDER = "CUDAExecutionProvider"
@@ -107,9 +106,3 @@ def _export(model: SentenceModel, path: Path) -> None:
     from services.embedder.pooled import load_pooled
 
     export_onnx(load_pooled(model), path, "sentence_embedding", model.max_tokens)
-
-
-def load_backend(name: BackendName, model: SentenceModel, cache_dir: Path, threads: int) -> Backend:
-    if name == "torch":
-        return TorchBackend(model, threads)
-    return OnnxBackend(onnx_graph(model, cache_dir), threads)

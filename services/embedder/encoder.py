@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from mesh.config import MeshSettings
-from services.embedder.backends import Backend, TritonBackend, load_backend
+from services.embedder.backends import Backend, OnnxBackend, TorchBackend, TritonBackend, onnx_graph
 from services.embedder.model import SentenceModel, default_model
 from services.embedder.settings import EmbedderSettings
 from services.shared.minilm import TextTokenizer, normalized, pad
@@ -38,8 +38,10 @@ class Encoder:
             backend: Backend | TritonBackend = TritonBackend(
                 settings.triton, mesh or MeshSettings()
             )
+        elif settings.backend == "torch":
+            backend = TorchBackend(model, settings.threads)
         else:
-            backend = load_backend(settings.backend, model, cache_dir, settings.threads)
+            backend = OnnxBackend(onnx_graph(model, cache_dir), settings.threads)
         tokenizer = TextTokenizer(model.path, model.max_tokens)
         return cls(model, tokenizer, backend, settings.max_batch_tokens)
 
