@@ -33,6 +33,12 @@ FINISH_REASONS = {
 }
 
 
+def _chunk(tokens: list[int], logprobs: list[float]) -> decode_pb2.DecodeResponse:
+    return decode_pb2.DecodeResponse(
+        chunk=decode_pb2.TokenChunk(token_ids=tokens, logprobs=logprobs)
+    )
+
+
 class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, server: MeshServer, settings: LlmSettings, sources: PrefillSources) -> None:
         self.server = server
@@ -104,23 +110,10 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
             eos_ids=frozenset(engine.model.config.eos_token_ids),
             ignore_eos=request.ignore_eos,
         )
-        logprobs = [request.first_token_logprob]
-        emitted = 0
-
-        def chunk(tokens: list[int]) -> decode_pb2.DecodeResponse:
-            nonlocal emitted
-            response = decode_pb2.DecodeResponse(
-                chunk=decode_pb2.TokenChunk(
-                    token_ids=tokens, logprobs=logprobs[emitted : emitted + len(tokens)]
-                )
-            )
-            emitted += len(tokens)
-            return response
-
         # The first token streams at once, before any KV moves: that is the caller's TTFT.
         first = checker.feed(request.first_token_id, room_left=len(prompt) + 1 < engine.max_seq_len)
         if first:
-            yield chunk(first)
+            yield _chunk(first, [request.first_token_logprob])
         if checker.finish is not None:
             self.releaser.release_later(handle.address, handle.id)
             yield self._complete(checker, received, 0.0, 0.0)
@@ -146,12 +139,10 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
                 emissions = [await sequence.outbox.get()]
                 while not sequence.outbox.empty():  # coalesce when the reader fell behind
                     emissions.append(sequence.outbox.get_nowait())
-                tokens = [t for e in emissions for t in e.tokens]
-                logprobs.extend(p for e in emissions for p in e.logprobs)
                 if error := next((e.error for e in emissions if e.error), None):
                     raise error
-                if tokens:
-                    yield chunk(tokens)
+                if tokens := [t for e in emissions for t in e.tokens]:
+                    yield _chunk(tokens, [p for e in emissions for p in e.logprobs])
                 if any(e.finish for e in emissions):
                     break
         finally:
