@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import signal
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated, Any
@@ -94,12 +95,18 @@ def up(
         log_dir.mkdir(parents=True, exist_ok=True)
 
     async def run() -> int:
-        children = [
-            await supervisor.start(spec, settings, log_dir and log_dir / f"{spec.name}.log")
-            for spec in specs
-        ]
+        # A SIGTERM while the services start (minutes, with models to load) must stop the
+        # ones already started, not leave them running without their supervisor: it
+        # cancels this task, and `finally` drains them (SIGINT does so by itself).
+        main = asyncio.current_task()
+        assert main is not None
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
+        children: list[supervisor.Child] = []
         proxy = None
         try:
+            for spec in specs:
+                log = log_dir and log_dir / f"{spec.name}.log"
+                children.append(await supervisor.start(spec, settings, log))
             cold_starts = await supervisor.wait_ready(children, ready_timeout)
             infos = await asyncio.gather(*(get_info(child.target) for child in children))
             _print_endpoints(children, settings, cold_starts, infos)
@@ -116,6 +123,9 @@ def up(
                 children, *([proxy] if proxy else []), on_restart=_say_restart
             )
             return 0
+        except asyncio.CancelledError:
+            console.print("[yellow]stopped while starting[/yellow]")
+            return 128 + signal.SIGTERM
         finally:
             # The edge goes first so that no new request arrives while services drain.
             if proxy is not None:

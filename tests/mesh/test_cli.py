@@ -68,6 +68,30 @@ async def test_up_health_metrics_and_drain_on_sigterm(tmp_path):
         await stop_mesh(up)
 
 
+async def test_sigterm_while_starting_stops_what_was_started(tmp_path):
+    """Before the mesh is up `aimesh up` has no handler of its own: the default SIGTERM
+    killed it and left its children running with no supervisor (seen with eight
+    services mid-start). Now they are drained, however early the signal comes."""
+    env = subprocess_env(AIMESH_SERVICES__ECHO__PORT=str(free_port()))
+    up = await asyncio.create_subprocess_exec(
+        str(VENV_BIN / "aimesh"), "up", "--only", "echo", "--log-dir", str(tmp_path),
+        env=env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        supervisor = psutil.Process(up.pid)
+        while not supervisor.children():  # noqa: ASYNC110 (bounded by the test timeout)
+            await asyncio.sleep(0.01)
+        (child,) = supervisor.children()
+        up.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(up.wait(), timeout=60) == 128 + signal.SIGTERM
+        assert not child.is_running()
+    finally:
+        await stop_mesh(up)
+
+
 async def _check_then_drain(up, port: int, metrics_port: int, env, tmp_path) -> None:
     banner = b""
     while b"mesh is up" not in banner:
