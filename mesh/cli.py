@@ -172,7 +172,12 @@ async def _start_edge(
     proxy = await edge_process.start(
         settings.edge.envoy_binary, path, log_dir and log_dir / "envoy.log"
     )
-    if not await edge_process.wait_ready(proxy, settings.edge.admin_port, timeout_s):
+    try:
+        ready = await edge_process.wait_ready(proxy, settings.edge.admin_port, timeout_s)
+    except asyncio.CancelledError:  # a SIGTERM while Envoy starts: it goes too
+        await edge_process.stop(proxy)
+        raise
+    if not ready:
         console.print(f"[red]envoy did not become ready; its config is {path}[/red]")
         await edge_process.stop(proxy)
         return None
