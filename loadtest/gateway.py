@@ -5,6 +5,11 @@ alternating, against one `aimesh up --edge` (the LLM stack, the embedder, the ga
 Scenarios: a streamed completion of at most 16 tokens (greedy) at 1 and 8 concurrent
 streams: time to the first text, the gap between text chunks, aggregate tokens/s (each
 request's own completion_tokens); and one short embedding at concurrency 1 (calls/s).
+Then, alone: clients that go away mid-stream, and how long until decode's slot
+(GetLoad) and its KV cache (aimesh_llm_kv_cache_usage_perc) are free again. Beside the
+wall-clock numbers, which two shared cores make noisy, the CPU each process spends per
+token at eight streams through the gateway: on a machine the mesh already fills, the
+gateway path's share of that is what it takes from direct throughput.
 The gateway's client is httpx reading the raw event stream, so the SDK's own parsing is
 not counted against the gateway.
 
@@ -19,7 +24,9 @@ import itertools
 import json
 import os
 import platform
+import re
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -28,8 +35,15 @@ from pathlib import Path
 
 import grpc
 import httpx
+import psutil
 
-from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
+from aimesh.llm.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+    sampling_pb2,
+)
 from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
 from loadtest.edge import free_port
 from loadtest.mesh_overhead import write
@@ -43,6 +57,7 @@ TOKENS = 16
 MODEL = "SmolLM2-135M-Instruct"
 EMBEDDER = "sentence-transformers/all-MiniLM-L6-v2"
 BEGIN, END = "<!-- gateway:begin -->", "<!-- gateway:end -->"
+DISCONNECTS = 10
 
 
 @dataclass
@@ -156,9 +171,77 @@ def http_embed(http: httpx.AsyncClient) -> Call:
     return call
 
 
-async def run(seconds: float, rounds: int) -> dict[tuple[str, str], Sample]:
+@dataclass
+class Freed:
+    """Milliseconds from a client's disconnect until decode's slot and KV were free."""
+
+    slot_ms: list[float] = field(default_factory=list)
+    kv_ms: list[float] = field(default_factory=list)
+
+
+async def disconnects(http: httpx.AsyncClient, decode: grpc.aio.Channel, metrics: str) -> Freed:
+    """Streams a long chat, reads a few events, goes away; polls until decode let go."""
+    stub = decode_pb2_grpc.DecodeServiceStub(decode)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Count slowly from one to five hundred."}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
+
+    async def running() -> int:
+        return (await stub.GetLoad(decode_pb2.GetLoadRequest(), timeout=5)).running
+
+    async def kv_in_use() -> float:
+        text = (await http.get(metrics)).text
+        return float(re.search(r"^aimesh_llm_kv_cache_usage_perc (\S+)$", text, re.M)[1])
+
+    freed = Freed()
+    for _ in range(DISCONNECTS):
+        reply = await http.send(
+            http.build_request("POST", "/v1/chat/completions", json=body), stream=True
+        )
+        events = (line async for line in reply.aiter_lines() if line)
+        for _ in range(5):  # the role, then text: decode is under way
+            await anext(events)
+        assert await running() == 1 and await kv_in_use() > 0
+        gone = time.perf_counter()
+        await reply.aclose()
+        slot = kv = None
+        while slot is None or kv is None:
+            if slot is None and await running() == 0:
+                slot = (time.perf_counter() - gone) * 1000
+            if kv is None and await kv_in_use() == 0:
+                kv = (time.perf_counter() - gone) * 1000
+            assert time.perf_counter() - gone < 10, "decode still busy 10 s after a disconnect"
+        freed.slot_ms.append(slot)
+        freed.kv_ms.append(kv)
+    return freed
+
+
+def cpu_seconds(processes: dict[str, psutil.Process]) -> dict[str, float]:
+    return {name: sum(p.cpu_times()[:2]) for name, p in processes.items()}
+
+
+def mesh_processes(up: int) -> dict[str, psutil.Process]:
+    """`aimesh up`'s children by service name, Envoy as "envoy"."""
+    found = {}
+    for child in psutil.Process(up).children(recursive=True):
+        command = child.cmdline()
+        if command[-2:-1] == ["serve"]:
+            found[command[-1]] = child
+        elif any("envoy" in part for part in command[:1]):
+            found["envoy"] = child
+    return found
+
+
+async def run(
+    seconds: float, rounds: int
+) -> tuple[dict[tuple[str, str], Sample], Freed, dict[str, float]]:
     ports = {name: free_port() for name in SERVICES}
     http_port, edge_port, admin_port = free_port(), free_port(), free_port()
+    decode_metrics = free_port()
     env = {
         **os.environ,
         "AIMESH_LOG_LEVEL": "WARNING",
@@ -171,6 +254,7 @@ async def run(seconds: float, rounds: int) -> dict[tuple[str, str], Sample]:
         "AIMESH_SERVICES__GATEWAY__HTTP_PORT": str(http_port),
         **{f"AIMESH_SERVICES__{n.upper()}__PORT": str(p) for n, p in ports.items()},
         **{f"AIMESH_SERVICES__{n.upper()}__METRICS_PORT": "0" for n in SERVICES},
+        "AIMESH_SERVICES__DECODE__METRICS_PORT": str(decode_metrics),
     }
     only = [arg for name in SERVICES for arg in ("--only", name)]
     up = await asyncio.create_subprocess_exec(
@@ -178,14 +262,17 @@ async def run(seconds: float, rounds: int) -> dict[tuple[str, str], Sample]:
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
     samples: dict[tuple[str, str], Sample] = {}
+    cpu: dict[tuple[str, str], float] = {}  # (path, process) -> seconds at eight streams
     try:
         for name, port in ports.items():
             assert await wait_until_serving(f"127.0.0.1:{port}", name, 300), name
         assert await wait_ready(up, admin_port, 60), "envoy"
+        processes = {**mesh_processes(up.pid), "client": psutil.Process()}
         limits = httpx.Limits(max_connections=16, max_keepalive_connections=16)
         async with (
             grpc.aio.insecure_channel(f"127.0.0.1:{ports['generation']}") as generation,
             grpc.aio.insecure_channel(f"127.0.0.1:{ports['embedder']}") as embedder,
+            grpc.aio.insecure_channel(f"127.0.0.1:{ports['decode']}") as decode,
             httpx.AsyncClient(
                 base_url=f"http://127.0.0.1:{edge_port}",
                 headers={"authorization": f"Bearer {KEY}"},
@@ -208,14 +295,26 @@ async def run(seconds: float, rounds: int) -> dict[tuple[str, str], Sample]:
                         ("embed one sentence", embed, 1, 1),
                     ):
                         sample = samples.setdefault((scenario, path), Sample())
+                        counted = concurrency == 8
+                        before = cpu_seconds(processes) if counted else {}
                         await measure(call, concurrency, seconds * share, sample)
+                        for name, spent in cpu_seconds(processes).items() if counted else ():
+                            key = (path, name)
+                            cpu[key] = cpu.get(key, 0.0) + spent - before[name]
+            freed = await disconnects(http, decode, f"http://127.0.0.1:{decode_metrics}/metrics")
     finally:
         up.send_signal(signal.SIGTERM)
         await up.wait()
-    return samples
+    return samples, freed, cpu
 
 
-def report(samples: dict[tuple[str, str], Sample], seconds: float, rounds: int) -> str:
+def report(
+    samples: dict[tuple[str, str], Sample],
+    freed: Freed,
+    cpu: dict[tuple[str, str], float],
+    seconds: float,
+    rounds: int,
+) -> str:
     lines = [
         BEGIN,
         "## The OpenAI-compatible gateway: gRPC direct vs the gateway through Envoy",
@@ -247,6 +346,28 @@ def report(samples: dict[tuple[str, str], Sample], seconds: float, rounds: int) 
             f"- {scenario}: the gateway keeps {kept:.0%} of direct {unit}; first text p50"
             f" {Sample.p50(gateway.first) - Sample.p50(direct.first):+.1f} ms"
         )
+    summary.append(
+        f"- a client that goes away mid-stream ({DISCONNECTS} times, through Envoy): decode's"
+        f" slot free after p50 {statistics.median(freed.slot_ms):.0f} ms (max"
+        f" {max(freed.slot_ms):.0f}), its KV after p50 {statistics.median(freed.kv_ms):.0f} ms"
+        f" (max {max(freed.kv_ms):.0f})"
+    )
+    for path in ("gRPC direct", "gateway via Envoy"):
+        tokens = samples[("stream, 8 clients", path)].tokens
+        per_token = {
+            name: spent / tokens * 1000 for (on, name), spent in sorted(cpu.items()) if on == path
+        }
+        mesh = sum(ms for name, ms in per_token.items() if name != "client")
+        added = per_token.get("gateway", 0.0) + per_token.get("envoy", 0.0)
+        summary.append(
+            f"- CPU per token, eight streams, {path}: "
+            + ", ".join(f"{name} {ms:.2f} ms" for name, ms in per_token.items() if ms >= 0.05)
+            + (
+                f"; the gateway and Envoy are {added / mesh:.1%} of the mesh's"
+                if path == "gateway via Envoy"
+                else ""
+            )
+        )
     lines += ["", *summary, END]
     return "\n".join(lines)
 
@@ -257,8 +378,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    samples = asyncio.run(run(args.seconds, args.rounds))
-    markdown = report(samples, args.seconds, args.rounds)
+    samples, freed, cpu = asyncio.run(run(args.seconds, args.rounds))
+    markdown = report(samples, freed, cpu, args.seconds, args.rounds)
     print(markdown)
     if args.out:
         write(markdown, args.out)

@@ -52,7 +52,15 @@ def build_app(
     ready: Callable[[], bool],
 ) -> ASGIApp:
     """The whole ASGI app; `ready()` says whether the gateway can serve now."""
-    app = FastAPI(title="aimesh gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="aimesh gateway",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        # Front owns the request's span and metrics; FastAPI's own would be a second span
+        # per request and one more wrapper around every streamed event's send.
+        telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
+    )
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:

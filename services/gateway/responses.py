@@ -48,7 +48,9 @@ class Exchange:
 
     async def _out(self, message: Message) -> None:
         try:
-            await asyncio.wait_for(self._send(message), self._timeout_s)
+            # asyncio.timeout, not wait_for: no task per streamed event.
+            async with asyncio.timeout(self._timeout_s):
+                await self._send(message)
         except TimeoutError:
             raise SlowClient(f"no progress sending for {self._timeout_s} s") from None
 
