@@ -80,6 +80,14 @@ png = base64.b64decode(image.data[0].b64_json)
 print(f"image: a {len(png)}-byte PNG" if png.startswith(b"\x89PNG") else "image: not a PNG")
 PY
 
+echo; echo "== /v1/rerank in Cohere's and Jina's shape, through Envoy to the gateway"
+curl -sS 127.0.0.1:8080/v1/rerank -H 'authorization: Bearer demo-key' \
+  -H 'content-type: application/json' -d '{"model": "minilm-late-interaction",
+  "query": "how do I delete a directory tree?", "top_n": 2, "documents": [
+  "json.loads parses a JSON document", "shutil.rmtree deletes a directory tree",
+  "heapq.heappush pushes an item onto a heap"]}'
+echo
+
 echo; echo "== the knowledge base: the stdlib's own docs, embedded once (about a minute the first time)"
 aimesh ingest
 aimesh search --rerank --top-k 3 "how do I copy a nested list?"
