@@ -24,7 +24,7 @@ from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
 from tritonclient.utils import np_to_triton_dtype
 
 from mesh.breaker import CircuitBreaker
-from mesh.client import create_channel
+from mesh.client import channel_options, create_channel
 from mesh.config import MeshSettings
 from mesh.errors import error_info, local_error, status
 from mesh.failures import NotReady
@@ -80,11 +80,15 @@ class TritonModel:
         )
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         # Readiness polls go around the breaker, as mesh.health.probe does: a Triton
-        # still starting must not open it for the calls that follow.
+        # still starting must not open it for the calls that follow. Same options as the
+        # call channel, so both share grpc's subchannel (its global pool keys them by
+        # address and options): a probe that reconnects reconnects the calls too, instead
+        # of leaving them in reconnect backoff while readiness already says SERVING.
+        options = channel_options(mesh)
         self._probe_channel = (
-            grpc.aio.insecure_channel(settings.url)
+            grpc.aio.insecure_channel(settings.url, options=options)
             if credentials is None
-            else grpc.aio.secure_channel(settings.url, credentials)
+            else grpc.aio.secure_channel(settings.url, credentials, options=options)
         )
 
     async def ready(self) -> bool:
