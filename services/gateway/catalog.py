@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from mesh.health import probe
 from mesh.info import get_info
+from services.gateway.errors import model_not_found
 
 # Dependency -> the API surface its models serve.
 SURFACES = {
@@ -39,6 +40,12 @@ class Catalog:
 
     def serving(self, surface: str) -> list[str]:
         return self.models.get(surface, [])
+
+    def require(self, surface: str, model: str) -> None:
+        """404 in OpenAI's words unless `model` serves `surface`."""
+        known = self.serving(surface)
+        if model not in known:
+            raise model_not_found(model, known)
 
     async def _look(self, name: str, target: str) -> list[str] | None:
         """The dependency's model names when it is ready; None when it is not. The probes

@@ -27,9 +27,9 @@ from fastapi.responses import JSONResponse
 from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 from mesh import caller, request_id
-from services.gateway.errors import ApiError, from_rpc, model_not_found
+from services.gateway.errors import ApiError, from_rpc
 from services.gateway.keys import Principal
-from services.gateway.limits import Limiter, Reservation, prompt_estimate
+from services.gateway.limits import Limiter, prompt_estimate
 from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.responses import Exchange, Guarded
 from services.gateway.shared import Shared
@@ -141,9 +141,7 @@ class Completions:
 
     def _check(self, body: Body) -> None:
         body.refuse_unsupported()
-        known = self.shared.catalog.serving("chat")
-        if body.model not in known:
-            raise model_not_found(body.model, known)
+        self.shared.catalog.require("chat", body.model)
 
     def chat(self, body: ChatCompletionRequest, principal: Principal) -> Guarded:
         self._check(body)
@@ -187,22 +185,18 @@ class Completions:
         prompt, reserve = self._reserve(request, body, who, chars)
 
         async def work(exchange: Exchange) -> None:
-            reservation: Reservation = await self.shared.limiter.admit(who, reserve)
-            run = None
-            try:
-                async with self.shared.slots.held(route, streaming=body.stream):
-                    call = method(request, metadata=((caller.METADATA_KEY, who.tenant),))
-                    limiter = self.shared.limiter
-                    run = _Run(call, body, shape, params_of(body), who.tenant, limiter, prompt)
-                    try:
-                        if body.stream:
-                            await _stream(exchange, run)
-                        else:
-                            await _whole(exchange, run)
-                    finally:
-                        call.cancel()  # a no-op once the call ended; else decode stops now
-            finally:
-                await reservation.settle(0 if run is None else run.spent())
+            async with self.shared.admitted(who, reserve, route, streaming=body.stream) as charge:
+                call = method(request, metadata=((caller.METADATA_KEY, who.tenant),))
+                limiter = self.shared.limiter
+                run = _Run(call, body, shape, params_of(body), who.tenant, limiter, prompt)
+                try:
+                    if body.stream:
+                        await _stream(exchange, run)
+                    else:
+                        await _whole(exchange, run)
+                finally:
+                    call.cancel()  # a no-op once the call ended; else decode stops now
+                    charge.used = run.spent()
 
         return Guarded(work, route=route, send_timeout_s=self.shared.send_timeout_s)
 

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 
 from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
 from mesh import caller
-from services.gateway.errors import from_rpc, model_not_found, unsupported
+from services.gateway.errors import from_rpc, unsupported
 from services.gateway.keys import Principal
 from services.gateway.limits import prompt_estimate
 from services.gateway.openai_types import EmbeddingRequest
@@ -47,9 +47,7 @@ class Embeddings:
         self.shared = shared
 
     def embed(self, body: EmbeddingRequest, principal: Principal) -> Guarded:
-        known = self.shared.catalog.serving("embedding")
-        if body.model not in known:
-            raise model_not_found(body.model, known)
+        self.shared.catalog.require("embedding", body.model)
         texts = body.texts()
         metadata = ((caller.METADATA_KEY, principal.tenant),)
 
@@ -63,33 +61,26 @@ class Embeddings:
                 raise from_rpc(error, _params(offset, len(batch))) from None
 
         estimate = prompt_estimate(sum(map(len, texts)))
-        reserve = estimate if self.shared.limiter.counts_tokens(principal) else 0
 
         async def work(exchange: Exchange) -> None:
-            reservation = await self.shared.limiter.admit(principal, reserve)
-            used = 0
-            try:
-                async with self.shared.slots.held(ROUTE, streaming=False):
-                    try:
-                        async with asyncio.TaskGroup() as group:
-                            calls = [group.create_task(one(o)) for o in range(0, len(texts), BATCH)]
-                    except ExceptionGroup as failed:
-                        raise failed.exceptions[0] from None
+            async with self.shared.admitted(principal, estimate, ROUTE) as charge:
+                try:
+                    async with asyncio.TaskGroup() as group:
+                        calls = [group.create_task(one(o)) for o in range(0, len(texts), BATCH)]
+                except ExceptionGroup as failed:
+                    raise failed.exceptions[0] from None
                 responses = [call.result() for call in calls]
-                used = sum(response.usage.prompt_tokens for response in responses)
-            finally:
-                await reservation.settle(used)
+                used = charge.used = sum(response.usage.prompt_tokens for response in responses)
             dimensions = responses[0].dimensions
             if body.dimensions not in (None, dimensions):
                 raise unsupported("dimensions", f"this model's vectors have {dimensions}")
             vectors = [list(e.values) for response in responses for e in response.embeddings]
-            tokens = used
-            await self.shared.limiter.record(principal.tenant, body.model, prompt_tokens=tokens)
+            await self.shared.limiter.record(principal.tenant, body.model, prompt_tokens=used)
             data = [
                 {"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
                 for i, v in enumerate(vectors)
             ]
-            usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+            usage = {"prompt_tokens": used, "total_tokens": used}
             answer = {"object": "list", "data": data, "model": responses[0].model, "usage": usage}
             await exchange.whole(JSONResponse(answer))
 

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 
 from aimesh.diffusion.v1 import diffusion_pb2, diffusion_pb2_grpc
 from mesh import caller, request_id
-from services.gateway.errors import ApiError, from_rpc, model_not_found
+from services.gateway.errors import ApiError, from_rpc
 from services.gateway.keys import Principal
 from services.gateway.openai_types import ImageRequest
 from services.gateway.responses import Exchange, Guarded
@@ -65,19 +65,13 @@ class Images:
 
     def generate(self, body: ImageRequest, principal: Principal) -> Guarded:
         body.refuse_unsupported()
-        known = self.shared.catalog.serving("image")
-        if body.model not in known:
-            raise model_not_found(body.model, known)
+        self.shared.catalog.require("image", body.model)
         request = generate_request(body)
 
         async def work(exchange: Exchange) -> None:
             # Images cost no tokens: only requests_per_minute applies.
-            reservation = await self.shared.limiter.admit(principal, 0)
-            try:
-                async with self.shared.slots.held(ROUTE, streaming=False):
-                    images = await self._images(request, principal)
-            finally:
-                await reservation.settle(0)
+            async with self.shared.admitted(principal, 0, ROUTE):
+                images = await self._images(request, principal)
             await self.shared.limiter.record(principal.tenant, body.model, images=len(images))
             data = [{"b64_json": base64.b64encode(image.png).decode()} for image in images]
             await exchange.whole(JSONResponse({"created": int(time.time()), "data": data}))

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 
 from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 from mesh import caller, request_id
-from services.gateway.errors import from_rpc, model_not_found
+from services.gateway.errors import from_rpc
 from services.gateway.keys import Principal
 from services.gateway.limits import prompt_estimate
 from services.gateway.openai_types import RerankRequest
@@ -35,9 +35,7 @@ class Rerank:
 
     def rerank(self, body: RerankRequest, principal: Principal) -> Guarded:
         body.refuse_unsupported()
-        known = self.shared.catalog.serving("rerank")
-        if body.model not in known:
-            raise model_not_found(body.model, known)
+        self.shared.catalog.require("rerank", body.model)
         texts = body.texts()
         request = rerank_pb2.RerankRequest(
             request_id=request_id.current(),
@@ -48,17 +46,11 @@ class Rerank:
         )
         # Each document is read beside the query.
         estimate = prompt_estimate(sum(map(len, texts)) + len(texts) * len(body.query))
-        reserve = estimate if self.shared.limiter.counts_tokens(principal) else 0
 
         async def work(exchange: Exchange) -> None:
-            reservation = await self.shared.limiter.admit(principal, reserve)
-            used = 0
-            try:
-                async with self.shared.slots.held(ROUTE, streaming=False):
-                    response = await self._call(request, principal)
-                used = response.usage.prompt_tokens
-            finally:
-                await reservation.settle(used)
+            async with self.shared.admitted(principal, estimate, ROUTE) as charge:
+                response = await self._call(request, principal)
+                used = charge.used = response.usage.prompt_tokens
             await self.shared.limiter.record(principal.tenant, body.model, prompt_tokens=used)
             results = []
             for result in response.results:
