@@ -301,9 +301,23 @@ async def wait_all_serving(ports: dict[str, int], timeout_s: float = 300) -> Non
             raise AssertionError(f"{name} did not become ready")
 
 
+async def start_mesh(
+    *args: str, env: dict[str, str], output: int = asyncio.subprocess.DEVNULL
+) -> asyncio.subprocess.Process:
+    """`aimesh up ARGS` in a session of its own, so that stop_mesh can kill its whole
+    process group; `output` takes its stdout and stderr (PIPE: both, to read)."""
+    return await asyncio.create_subprocess_exec(
+        str(VENV_BIN / "aimesh"), "up", *args,
+        env=env,
+        stdout=output,
+        stderr=asyncio.subprocess.STDOUT if output == asyncio.subprocess.PIPE else output,
+        start_new_session=True,
+    )  # fmt: skip
+
+
 async def stop_mesh(process: asyncio.subprocess.Process, grace_s: float = 60) -> None:
     """SIGTERM to `aimesh up` (it drains its services); its whole process group is killed
-    if that takes longer than the grace period. Start it with start_new_session=True."""
+    if that takes longer than the grace period. Start it with start_mesh."""
     if process.returncode is not None:
         return
     process.send_signal(signal.SIGTERM)

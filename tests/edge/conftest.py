@@ -5,7 +5,6 @@ one tenant with a tiny quota); every other route takes the edge's API_KEY."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,9 +13,9 @@ import pytest_asyncio
 
 from mesh.edge.process import wait_ready
 from tests.conftest import (
-    VENV_BIN,
     free_port,
     start_collector,
+    start_mesh,
     stop_mesh,
     subprocess_env,
     wait_all_serving,
@@ -84,13 +83,7 @@ async def edge(tmp_path_factory) -> AsyncIterator[Edge]:
         AIMESH_SERVICES__GATEWAY__LIMIT_WINDOW_S=str(LIMIT_WINDOW_S),
     )
     only = [arg for name in SERVICES for arg in ("--only", name)]
-    process = await asyncio.create_subprocess_exec(
-        str(VENV_BIN / "aimesh"), "up", *only, "--edge", "--log-dir", str(logs),
-        env=env,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
+    process = await start_mesh(*only, "--edge", "--log-dir", str(logs), env=env)
     try:
         await wait_all_serving(ports)
         if not await wait_ready(process, edge.admin_port, timeout_s=60):

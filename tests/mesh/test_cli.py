@@ -15,7 +15,7 @@ import pytest
 
 from aimesh.echo.v1 import echo_pb2, echo_pb2_grpc
 from mesh.health import wait_until_serving
-from tests.conftest import VENV_BIN, free_port, stop_mesh, subprocess_env
+from tests.conftest import VENV_BIN, free_port, start_mesh, stop_mesh, subprocess_env
 
 pytestmark = pytest.mark.service
 
@@ -50,17 +50,8 @@ async def test_up_health_metrics_and_drain_on_sigterm(tmp_path):
 
     # Only what this test checks: the supervisor, health, metrics and drain are the same
     # for one service as for eleven, and eleven take a minute or more to start.
-    up = await asyncio.create_subprocess_exec(
-        str(VENV_BIN / "aimesh"),
-        "up",
-        "--only",
-        "echo",
-        "--log-dir",
-        str(tmp_path),
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        start_new_session=True,
+    up = await start_mesh(
+        "--only", "echo", "--log-dir", str(tmp_path), env=env, output=asyncio.subprocess.PIPE
     )
     try:
         await _check_then_drain(up, port, metrics_port, env, tmp_path)
@@ -73,13 +64,7 @@ async def test_sigterm_while_starting_stops_what_was_started(tmp_path):
     killed it and left its children running with no supervisor (seen with eight
     services mid-start). Now they are drained, however early the signal comes."""
     env = subprocess_env(AIMESH_SERVICES__ECHO__PORT=str(free_port()))
-    up = await asyncio.create_subprocess_exec(
-        str(VENV_BIN / "aimesh"), "up", "--only", "echo", "--log-dir", str(tmp_path),
-        env=env,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
+    up = await start_mesh("--only", "echo", "--log-dir", str(tmp_path), env=env)
     try:
         supervisor = psutil.Process(up.pid)
         while not supervisor.children():  # noqa: ASYNC110 (bounded by the test timeout)

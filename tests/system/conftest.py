@@ -3,7 +3,6 @@ small knowledge collection in a store of its own, started once for the package."
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,9 +10,9 @@ from pathlib import Path
 import pytest_asyncio
 
 from tests.conftest import (
-    VENV_BIN,
     free_port,
     start_collector,
+    start_mesh,
     stop_mesh,
     subprocess_env,
     wait_all_serving,
@@ -51,15 +50,7 @@ async def mesh(tmp_path_factory) -> AsyncIterator[Mesh]:
         **{f"AIMESH_SERVICES__{name.upper()}__METRICS_PORT": "0" for name in SERVICES},
     )
     only = [arg for name in SERVICES for arg in ("--only", name)]
-    process = await asyncio.create_subprocess_exec(
-        str(VENV_BIN / "aimesh"),
-        "up",
-        *only,
-        env=env,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    process = await start_mesh(*only, env=env)
     try:
         await wait_all_serving(ports)
         await fill_knowledge(f"127.0.0.1:{ports['retrieval']}")
