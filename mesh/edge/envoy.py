@@ -253,69 +253,90 @@ def http_routes(upstream: Upstream, settings: MeshSettings) -> list[dict[str, An
     return [to_http({"prefix" if path.endswith("/") else "path": path}) for path in http.paths]
 
 
-def cluster(upstream: Upstream, settings: MeshSettings) -> dict[str, Any]:
-    discovery, addresses = endpoints(upstream.target)
-    breaker = settings.client.breaker
+def _cluster(
+    name: str,
+    target: str,
+    port: int | None,
+    settings: MeshSettings,
+    *,
+    health_check: dict[str, Any],
+    outlier_detection: dict[str, Any],
+    requests_per_replica: int,
+    queue: int,
+    http2: bool,
+) -> dict[str, Any]:
+    """An upstream cluster on the hosts of a mesh target (on `port` if given, else each
+    host's own), balanced by least requests, health-checked, with outlier detection and
+    circuit breakers sized by replica from the breaker and admission settings."""
+    discovery, addresses = endpoints(target)
+    if port is not None:
+        addresses = [(host, port) for host in dict.fromkeys(host for host, _ in addresses)]
     edge = settings.edge
     replicas = len(addresses) if discovery == "STATIC" else edge.dns_replicas
-    queue = settings.service(upstream.name).max_queue
+    requests = requests_per_replica * replicas
+    thresholds: dict[str, Any] = {
+        "priority": "DEFAULT",
+        "max_requests": requests,
+        "max_pending_requests": max(queue, 1) * replicas,
+        # Like the clients' retryThrottling: retries stay a fraction of traffic.
+        "retry_budget": {"budget_percent": {"value": 20.0}, "min_retry_concurrency": 3},
+    }
+    if not http2:  # HTTP/1.1: one connection per request in flight.
+        thresholds["max_connections"] = requests
+    lb_endpoints = [{"endpoint": {"address": _address(host, port)}} for host, port in addresses]
     config: dict[str, Any] = {
-        "name": upstream.name,
+        "name": name,
         "type": discovery,
         "connect_timeout": _seconds(edge.connect_timeout_s),
         "lb_policy": "LEAST_REQUEST",
-        "typed_extension_protocol_options": _http2_cluster_options(),
-        "load_assignment": {
-            "cluster_name": upstream.name,
-            "endpoints": [
-                {
-                    "lb_endpoints": [
-                        {"endpoint": {"address": _address(host, port)}} for host, port in addresses
-                    ]
-                }
-            ],
-        },
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": lb_endpoints}]},
         "health_checks": [
             {
                 "timeout": "1s",
                 "interval": _seconds(edge.health_check_interval_s),
                 "unhealthy_threshold": 2,
                 "healthy_threshold": 1,
-                "grpc_health_check": {"service_name": upstream.name},
+                **health_check,
             }
         ],
-        # Envoy reads gRPC statuses as HTTP codes here: UNAVAILABLE (503) and
-        # DEADLINE_EXCEEDED (504) are gateway failures and eject a replica; INTERNAL (500)
-        # answers one request's content, not a replica's health, so the 5xx-based
-        # detectors (on by default) are off, as in the in-process breaker.
         "outlier_detection": {
-            "consecutive_gateway_failure": max(2, breaker.minimum_calls // 2),
-            "enforcing_consecutive_gateway_failure": 100,
+            **outlier_detection,
             "enforcing_consecutive_5xx": 0,
             "enforcing_success_rate": 0,
             "enforcing_failure_percentage": 0,
             "interval": "1s",
-            "base_ejection_time": _seconds(max(breaker.open_wait_s, 1.0)),
+            "base_ejection_time": _seconds(max(settings.client.breaker.open_wait_s, 1.0)),
             "max_ejection_percent": 50,
         },
-        "circuit_breakers": {
-            "thresholds": [
-                {
-                    "priority": "DEFAULT",
-                    "max_requests": upstream.requests_per_replica * replicas,
-                    "max_pending_requests": max(queue, 1) * replicas,
-                    # Like the clients' retryThrottling: retries stay a fraction of traffic.
-                    "retry_budget": {
-                        "budget_percent": {"value": 20.0},
-                        "min_retry_concurrency": 3,
-                    },
-                }
-            ]
-        },
+        "circuit_breakers": {"thresholds": [thresholds]},
     }
+    if http2:
+        config["typed_extension_protocol_options"] = _http2_cluster_options()
     if discovery == "STRICT_DNS":
         config["dns_lookup_family"] = "V4_PREFERRED"
     return config
+
+
+def cluster(upstream: Upstream, settings: MeshSettings) -> dict[str, Any]:
+    """`upstream`'s gRPC cluster, health-checked on its readiness name."""
+    return _cluster(
+        upstream.name,
+        upstream.target,
+        None,
+        settings,
+        health_check={"grpc_health_check": {"service_name": upstream.name}},
+        # Envoy reads gRPC statuses as HTTP codes here: UNAVAILABLE (503) and
+        # DEADLINE_EXCEEDED (504) are gateway failures and eject a replica; INTERNAL (500)
+        # answers one request's content, not a replica's health, so the 5xx-based
+        # detectors (on by default) are off, as in the in-process breaker.
+        outlier_detection={
+            "consecutive_gateway_failure": max(2, settings.client.breaker.minimum_calls // 2),
+            "enforcing_consecutive_gateway_failure": 100,
+        },
+        requests_per_replica=upstream.requests_per_replica,
+        queue=settings.service(upstream.name).max_queue,
+        http2=True,
+    )
 
 
 def http_cluster(upstream: Upstream, settings: MeshSettings) -> dict[str, Any]:
@@ -323,73 +344,26 @@ def http_cluster(upstream: Upstream, settings: MeshSettings) -> dict[str, Any]:
     HTTP/1.1 (what uvicorn serves), health-checked on its own readiness path."""
     if upstream.http is None:
         raise ValueError(f"{upstream.name} serves no HTTP API")
-    discovery, addresses = endpoints(upstream.target)
-    hosts = list(dict.fromkeys(host for host, _ in addresses))
-    breaker = settings.client.breaker
-    edge = settings.edge
-    replicas = len(hosts) if discovery == "STATIC" else edge.dns_replicas
-    queue = settings.service(upstream.name).max_queue
-    requests = upstream.requests_per_replica * replicas
-    config: dict[str, Any] = {
-        "name": upstream.http_cluster,
-        "type": discovery,
-        "connect_timeout": _seconds(edge.connect_timeout_s),
-        "lb_policy": "LEAST_REQUEST",
-        "load_assignment": {
-            "cluster_name": upstream.http_cluster,
-            "endpoints": [
-                {
-                    "lb_endpoints": [
-                        {"endpoint": {"address": _address(host, upstream.http.port)}}
-                        for host in hosts
-                    ]
-                }
-            ],
-        },
-        "health_checks": [
-            {
-                "timeout": "1s",
-                "interval": _seconds(edge.health_check_interval_s),
-                "unhealthy_threshold": 2,
-                "healthy_threshold": 1,
-                "http_health_check": {"path": "/health/ready"},
-            }
-        ],
+    return _cluster(
+        upstream.http_cluster,
+        upstream.target,
+        upstream.http.port,
+        settings,
+        health_check={"http_health_check": {"path": "/health/ready"}},
         # Its 5xx answers relay the mesh behind it (a 503 when generation is down, a 504
         # past a deadline): every replica would answer the same, so they eject none. Only
         # failures of the replica itself do: refused or reset connections, timeouts.
-        "outlier_detection": {
+        outlier_detection={
             "split_external_local_origin_errors": True,
-            "consecutive_local_origin_failure": max(2, breaker.minimum_calls // 2),
+            "consecutive_local_origin_failure": max(2, settings.client.breaker.minimum_calls // 2),
             "enforcing_consecutive_local_origin_failure": 100,
             "enforcing_local_origin_success_rate": 0,
-            "enforcing_consecutive_5xx": 0,
             "enforcing_consecutive_gateway_failure": 0,
-            "enforcing_success_rate": 0,
-            "enforcing_failure_percentage": 0,
-            "interval": "1s",
-            "base_ejection_time": _seconds(max(breaker.open_wait_s, 1.0)),
-            "max_ejection_percent": 50,
         },
-        "circuit_breakers": {
-            "thresholds": [
-                {
-                    "priority": "DEFAULT",
-                    # HTTP/1.1: one connection per request in flight.
-                    "max_connections": requests,
-                    "max_requests": requests,
-                    "max_pending_requests": max(queue, 1) * replicas,
-                    "retry_budget": {
-                        "budget_percent": {"value": 20.0},
-                        "min_retry_concurrency": 3,
-                    },
-                }
-            ]
-        },
-    }
-    if discovery == "STRICT_DNS":
-        config["dns_lookup_family"] = "V4_PREFERRED"
-    return config
+        requests_per_replica=upstream.requests_per_replica,
+        queue=settings.service(upstream.name).max_queue,
+        http2=False,
+    )
 
 
 def _access_log() -> list[dict[str, Any]]:
