@@ -42,6 +42,7 @@ def ingest(
     except (ValueError, FileNotFoundError) as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(1) from None
+    documents = [retrieval_pb2.Document(id=p.id, text=p.text, payload=p.payload) for p in passages]
     settings = MeshSettings()
 
     async def run() -> retrieval_pb2.UpsertResponse:
@@ -56,18 +57,12 @@ def ingest(
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
             ) as progress:
-                task = progress.add_task(collection, total=len(passages))
+                task = progress.add_task(collection, total=len(documents))
 
                 async def messages() -> AsyncIterator[retrieval_pb2.UpsertRequest]:
-                    for start in range(0, len(passages), UPLOAD_BATCH):
-                        batch = passages[start : start + UPLOAD_BATCH]
-                        documents = [
-                            retrieval_pb2.Document(id=p.id, text=p.text, payload=p.payload)
-                            for p in batch
-                        ]
-                        yield retrieval_pb2.UpsertRequest(
-                            collection=collection, documents=documents
-                        )
+                    for start in range(0, len(documents), UPLOAD_BATCH):
+                        batch = documents[start : start + UPLOAD_BATCH]
+                        yield retrieval_pb2.UpsertRequest(collection=collection, documents=batch)
                         progress.advance(task, len(batch))
 
                 return await stub.Upsert(messages(), timeout=3600)
@@ -97,11 +92,7 @@ def search(
         async with create_channel(_target(settings, "retrieval"), settings) as channel:
             found = await retrieval_pb2_grpc.RetrievalServiceStub(channel).Search(
                 retrieval_pb2.SearchRequest(
-                    collection=collection,
-                    query=query,
-                    top_k=top_k,
-                    mode=MODES[mode],
-                    rerank=rerank,
+                    collection=collection, query=query, top_k=top_k, mode=MODES[mode], rerank=rerank
                 )
             )
         result = {

@@ -133,8 +133,6 @@ class KnowledgeBase:
             "create", collection, self.dimensions, distance, sparse, on_disk
         )
 
-    # ---- upsert ----
-
     async def upsert(self, collection: str, batches: AsyncIterator[list[Incoming]]) -> Upserted:
         """Writes each batch's new or changed documents (embedded, with BM25 vectors when
         the collection has a sparse index); a batch the iterator refuses ends the upsert
@@ -162,8 +160,6 @@ class KnowledgeBase:
             write_s += time.perf_counter() - write_started
             upserted += len(changed)
         return Upserted(received, upserted, unchanged, ids, embed_s, write_s)
-
-    # ---- search ----
 
     async def search(self, query: Query) -> Searched:
         info = await self._in_store("info", query.collection)
@@ -225,8 +221,6 @@ class KnowledgeBase:
             if len(hits) == limit:
                 break
         return hits
-
-    # ---- delete ----
 
     async def delete(
         self, collection: str, ids: list[str], query_filter: models.Filter | None

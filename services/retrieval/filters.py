@@ -62,17 +62,13 @@ def _condition(
             ok &= violations.check(
                 math.isfinite(value), f"{field}.range.{name}", "must be a finite number"
             )
-        return (
-            models.FieldCondition(key=condition.key, range=models.Range(**bounds)) if ok else None
-        )
-    value = getattr(condition, kind)
-    if kind == "keyword":
-        ok &= violations.max_length(value.encode(), f"{field}.keyword", MAX_KEYWORD_BYTES)
-    return (
-        models.FieldCondition(key=condition.key, match=models.MatchValue(value=value))
-        if ok
-        else None
-    )
+        criterion = {"range": models.Range(**bounds)}
+    else:
+        value = getattr(condition, kind)
+        if kind == "keyword":
+            ok &= violations.max_length(value.encode(), f"{field}.keyword", MAX_KEYWORD_BYTES)
+        criterion = {"match": models.MatchValue(value=value)}
+    return models.FieldCondition(key=condition.key, **criterion) if ok else None
 
 
 def to_qdrant(

@@ -87,8 +87,8 @@ def _check_collection(name: str, violations: Violations, field: str = "collectio
     )
 
 
-def _elapsed_ns(started: float) -> int:
-    return int((time.perf_counter() - started) * 1e9)
+def _timing(started: float, *stages: common_pb2.Stage) -> common_pb2.Timing:
+    return common_pb2.Timing(stages=stages, total_ns=int((time.perf_counter() - started) * 1e9))
 
 
 class Dependencies:
@@ -131,12 +131,8 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
         # An Upsert's response lists every id of its stream, and must fit in one message.
         self.max_stream_id_bytes = max_message_bytes // 2
 
-    # ---- CreateCollection ----
-
     async def CreateCollection(
-        self,
-        request: retrieval_pb2.CreateCollectionRequest,
-        context: grpc.aio.ServicerContext,
+        self, request: retrieval_pb2.CreateCollectionRequest, context: grpc.aio.ServicerContext
     ) -> retrieval_pb2.CreateCollectionResponse:
         started = time.perf_counter()
         request_id.ensure(request.request_id)
@@ -151,18 +147,11 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
         violations.check(request.distance in DISTANCES, "distance", "is not a known distance")
         violations.raise_if_any()
         created = await self.engine.create(
-            request.collection,
-            DISTANCES[request.distance],
-            request.sparse_enabled,
-            request.on_disk,
+            request.collection, DISTANCES[request.distance], request.sparse_enabled, request.on_disk
         )
         return retrieval_pb2.CreateCollectionResponse(
-            created=created,
-            vector_size=dimensions,
-            timing=common_pb2.Timing(total_ns=_elapsed_ns(started)),
+            created=created, vector_size=dimensions, timing=_timing(started)
         )
-
-    # ---- Upsert ----
 
     async def Upsert(
         self,
@@ -206,21 +195,15 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
             upserted=done.upserted,
             unchanged=done.unchanged,
             ids=done.ids,
-            timing=common_pb2.Timing(
-                stages=[
-                    stage("embed", done.embed_s, common_pb2.STAGE_KIND_CALL),
-                    stage("write", done.write_s, common_pb2.STAGE_KIND_COMPUTE),
-                ],
-                total_ns=_elapsed_ns(started),
+            timing=_timing(
+                started,
+                stage("embed", done.embed_s, common_pb2.STAGE_KIND_CALL),
+                stage("write", done.write_s, common_pb2.STAGE_KIND_COMPUTE),
             ),
         )
 
-    # ---- Search ----
-
     async def Search(
-        self,
-        request: retrieval_pb2.SearchRequest,
-        context: grpc.aio.ServicerContext,
+        self, request: retrieval_pb2.SearchRequest, context: grpc.aio.ServicerContext
     ) -> retrieval_pb2.SearchResponse:
         started = time.perf_counter()
         request_id.ensure(request.request_id)
@@ -256,10 +239,8 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
         return retrieval_pb2.SearchResponse(
             hits=await asyncio.to_thread(_hit_messages, found.hits),
             note=found.note,
-            timing=common_pb2.Timing(stages=stages, total_ns=_elapsed_ns(started)),
+            timing=_timing(started, *stages),
         )
-
-    # ---- Delete ----
 
     async def Delete(
         self, request: retrieval_pb2.DeleteRequest, context: grpc.aio.ServicerContext
@@ -283,9 +264,7 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
                     violations.max_length(doc_id.encode(), f"ids[{i}]", MAX_ID_BYTES)
         violations.raise_if_any()
         deleted = await self.engine.delete(request.collection, list(request.ids), query_filter)
-        return retrieval_pb2.DeleteResponse(
-            deleted=deleted, timing=common_pb2.Timing(total_ns=_elapsed_ns(started))
-        )
+        return retrieval_pb2.DeleteResponse(deleted=deleted, timing=_timing(started))
 
 
 def _validated(message: retrieval_pb2.UpsertRequest, index: int, collection: str) -> list[Incoming]:

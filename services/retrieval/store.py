@@ -37,11 +37,6 @@ RESERVED_PREFIX = "_aimesh"
 LOCAL_MODE_POINTS_WARNING = 20_000
 
 _NAMESPACE = uuid.UUID("6f1c2b0e-7d5c-4a43-9b8e-3a8f6b0b2c11")
-_DISTANCES = {
-    "cosine": models.Distance.COSINE,
-    "dot": models.Distance.DOT,
-    "euclid": models.Distance.EUCLID,
-}
 
 
 def point_id(doc_id: str) -> str:
@@ -64,7 +59,6 @@ class CollectionInfo:
     distance: str
     sparse: bool
     on_disk: bool
-    points: int
 
 
 @dataclass(frozen=True)
@@ -110,7 +104,6 @@ class Store:
             distance=dense.distance.value.lower(),
             sparse=SPARSE in (config.sparse_vectors or {}),
             on_disk=bool(dense.on_disk),
-            points=self.client.count(collection, exact=True).count,
         )
 
     def create(
@@ -119,8 +112,7 @@ class Store:
         """True when created; False when it already exists with exactly these settings."""
         if self.client.collection_exists(collection):
             have = self.info(collection)
-            asked = (size, distance, sparse, on_disk)
-            if (have.vector_size, have.distance, have.sparse, have.on_disk) != asked:
+            if have != CollectionInfo(size, distance, sparse, on_disk):
                 raise AlreadyExists(
                     f"collection {collection!r} exists with vector_size={have.vector_size}, "
                     f"distance={have.distance}, sparse={have.sparse}, on_disk={have.on_disk}"
@@ -130,7 +122,7 @@ class Store:
             collection,
             vectors_config={
                 DENSE: models.VectorParams(
-                    size=size, distance=_DISTANCES[distance], on_disk=on_disk or None
+                    size=size, distance=models.Distance[distance.upper()], on_disk=on_disk or None
                 )
             },
             sparse_vectors_config=(
