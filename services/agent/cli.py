@@ -34,16 +34,13 @@ async def _ask(request: agent_pb2.RunRequest, stream: bool) -> dict:
                     typer.echo(event.answer_delta.text, nl=False)
             elif kind == "tool_call":
                 call = event.tool_call
-                tools[call.call_id] = {
-                    "name": call.name,
-                    "arguments": json_format.MessageToDict(call.arguments),
-                }
+                arguments = json_format.MessageToDict(call.arguments)
+                tools[call.call_id] = {"name": call.name, "arguments": arguments}
             elif kind == "tool_result":
                 result = event.tool_result
+                ms = round(result.duration_ns / 1e6, 1)
                 tools[result.call_id].update(
-                    is_error=result.is_error,
-                    summary=result.summary,
-                    ms=round(result.duration_ns / 1e6, 1),
+                    is_error=result.is_error, summary=result.summary, ms=ms
                 )
             elif kind == "citations":
                 citations = list(event.citations.passage_ids)

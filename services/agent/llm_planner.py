@@ -60,6 +60,5 @@ def choices(tools: Mapping[str, Tool]) -> tuple[str, ...]:
 def step_for(tool: Tool, question: str) -> ToolStep | None:
     """The call of the model's pick, None when the question gives it no arguments."""
     arguments = arguments_for(tool, question)
-    if arguments is None:
-        return None
-    return ToolStep(tool.name, arguments, f"{tool.name} (the model's choice)")
+    why = f"{tool.name} (the model's choice)"
+    return None if arguments is None else ToolStep(tool.name, arguments, why)

@@ -65,12 +65,10 @@ class Usage:
 class Tools(Protocol):
     async def list(self, timeout_s: float) -> dict[str, Tool]:
         """Every tool the tools service serves, by name. Raises Unavailable."""
-        ...
 
     async def call(self, step: ToolStep, timeout_s: float) -> Observation | None:
         """The call's result (is_error when the tool failed); None when the call ended
         without one. Raises Unavailable when the call itself failed."""
-        ...
 
 
 class Generation(Protocol):
@@ -79,7 +77,6 @@ class Generation(Protocol):
     ) -> AsyncIterator[str | Usage]:
         """The model's reply, as text chunks then its Usage, within timeout_s. Raises
         Unavailable."""
-        ...
 
 
 class Planner(enum.Enum):
@@ -273,10 +270,8 @@ class Loop:
                     yield Planned(made_by, ["answer without tools"])
                 return
             if state.iterations == question.max_iterations:
-                state.notes.append(
-                    f"stopped at max_iterations ({question.max_iterations}) with tools still "
-                    "to call"
-                )
+                limit = question.max_iterations
+                state.notes.append(f"stopped at max_iterations ({limit}) with tools still to call")
                 return
             left_s = tools_until - time.monotonic()
             if left_s <= 0:

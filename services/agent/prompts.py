@@ -36,33 +36,22 @@ def passages(observations: list[Observation]) -> list[dict]:
 
 
 def is_passage(value: object) -> bool:
-    return (
-        isinstance(value, dict)
-        and isinstance(value.get("id"), str)
-        and isinstance(value.get("text"), str)
-    )
+    return isinstance(value, dict) and all(isinstance(value.get(k), str) for k in ("id", "text"))
 
 
 def evidence(observations: list[Observation], limit: int, chars: int = 600) -> str:
-    lines = []
-    for observation in observations:
-        if observation.step.name in (CALCULATOR, GENERATE_IMAGE) and not observation.is_error:
-            lines.append(f"{observation.step.name}: {observation.text}")
-        elif observation.is_error:
-            lines.append(f"{observation.step.name} failed: {observation.text}")
-    for passage in passages(observations)[:limit]:
-        lines.append(f"[{passage['id']}] {passage['text'][:chars]}")
+    lines = [
+        f"{o.step.name} failed: {o.text}" if o.is_error else f"{o.step.name}: {o.text}"
+        for o in observations
+        if o.is_error or o.step.name in (CALCULATOR, GENERATE_IMAGE)
+    ]
+    lines += [f"[{p['id']}] {p['text'][:chars]}" for p in passages(observations)[:limit]]
     return "\n\n".join(lines) or "(no evidence: every tool failed or none applied)"
 
 
 def answer_messages(question: str, observations: list[Observation], limit: int) -> list[dict]:
-    return [
-        {"role": "system", "content": SYSTEM},
-        {
-            "role": "user",
-            "content": f"Evidence:\n{evidence(observations, limit)}\n\nQuestion: {question}",
-        },
-    ]
+    prompt = f"Evidence:\n{evidence(observations, limit)}\n\nQuestion: {question}"
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
 
 
 def cited(answer: str, observations: list[Observation], limit: int) -> list[str]:

@@ -4,8 +4,8 @@ loop (services/agent/loop.py), and stream its events as RunResponses."""
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing, contextmanager
 from dataclasses import asdict
 from itertools import islice
 
@@ -82,8 +82,13 @@ def question_of(request: agent_pb2.RunRequest) -> loop.Question:
     )
 
 
-def unavailable(error: grpc.aio.AioRpcError) -> loop.Unavailable:
-    return loop.Unavailable(error.code().name, error.details() or "")
+@contextmanager
+def reported() -> Iterator[None]:
+    """A failed call to the tools or the model raises loop.Unavailable, named by its status."""
+    try:
+        yield
+    except grpc.aio.AioRpcError as error:
+        raise loop.Unavailable(error.code().name, error.details() or "") from None
 
 
 class MeshTools:
@@ -94,10 +99,8 @@ class MeshTools:
         self.stub = tools_pb2_grpc.ToolsServiceStub(channel)
 
     async def list(self, timeout_s: float) -> dict[str, Tool]:
-        try:
+        with reported():
             listed = await self.stub.ListTools(tools_pb2.ListToolsRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError as error:
-            raise unavailable(error) from None
         return {
             tool.name: Tool(
                 tool.name, tool.description, json_format.MessageToDict(tool.input_schema)
@@ -108,16 +111,13 @@ class MeshTools:
     async def call(self, step: ToolStep, timeout_s: float) -> Observation | None:
         request = tools_pb2.CallToolRequest(name=step.name, arguments=step.arguments)
         observation = None
-        try:
-            with deadline.budget(timeout_s):
-                async for message in self.stub.CallTool(request):
-                    if message.HasField("result"):
-                        result = message.result
-                        text = "\n".join(c.text for c in result.content if c.HasField("text"))
-                        structured = json_format.MessageToDict(result.structured_content)
-                        observation = Observation(step, result.is_error, text, structured)
-        except grpc.aio.AioRpcError as error:
-            raise unavailable(error) from None
+        with reported(), deadline.budget(timeout_s):
+            async for message in self.stub.CallTool(request):
+                if message.HasField("result"):
+                    result = message.result
+                    text = "\n".join(c.text for c in result.content if c.HasField("text"))
+                    structured = json_format.MessageToDict(result.structured_content)
+                    observation = Observation(step, result.is_error, text, structured)
         return observation
 
 
@@ -143,51 +143,43 @@ class MeshGeneration:
             sampling=parameters,
             stopping=sampling_pb2.StoppingCriteria(max_new_tokens=sampling.max_new_tokens),
         )
-        chat = None
-        try:
+        with reported():
             # The budget applies to the call as it starts; the stream is read outside it.
             with deadline.budget(timeout_s):
                 chat = self.stub.Chat(request)
-            async for message in chat:
-                if message.HasField("chunk"):
-                    yield message.chunk.text
-                else:
-                    usage = message.complete.usage
-                    yield loop.Usage(
-                        usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
-                    )
-        except grpc.aio.AioRpcError as error:
-            raise unavailable(error) from None
-        finally:
-            if chat is not None:
+            try:
+                async for message in chat:
+                    if message.HasField("chunk"):
+                        yield message.chunk.text
+                    else:
+                        usage = message.complete.usage
+                        yield loop.Usage(
+                            usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
+                        )
+            finally:
                 chat.cancel()
 
 
 def response(event: loop.Event) -> agent_pb2.RunResponse:
     """The RunResponse that reports one of the loop's events."""
     if isinstance(event, loop.Planned):
-        return agent_pb2.RunResponse(
-            plan=agent_pb2.Plan(planner=PLANNERS[event.planner], steps=event.steps)
-        )
+        plan = agent_pb2.Plan(planner=PLANNERS[event.planner], steps=event.steps)
+        return agent_pb2.RunResponse(plan=plan)
     if isinstance(event, loop.Calling):
         step = event.step
-        return agent_pb2.RunResponse(
-            tool_call=agent_pb2.ToolCall(
-                call_id=event.call_id, name=step.name, arguments=step.arguments
-            )
-        )
+        call = agent_pb2.ToolCall(call_id=event.call_id, name=step.name, arguments=step.arguments)
+        return agent_pb2.RunResponse(tool_call=call)
     if isinstance(event, loop.Called):
         observation = event.observation
-        return agent_pb2.RunResponse(
-            tool_result=agent_pb2.ToolResult(
-                call_id=event.call_id,
-                name=observation.step.name,
-                is_error=observation.is_error,
-                summary=observation.text[:200],
-                structured=observation.structured,
-                duration_ns=int(event.seconds * 1e9),
-            )
+        result = agent_pb2.ToolResult(
+            call_id=event.call_id,
+            name=observation.step.name,
+            is_error=observation.is_error,
+            summary=observation.text[:200],
+            structured=observation.structured,
+            duration_ns=int(event.seconds * 1e9),
         )
+        return agent_pb2.RunResponse(tool_result=result)
     if isinstance(event, loop.Answered):
         return agent_pb2.RunResponse(answer_delta=agent_pb2.AnswerDelta(text=event.text))
     return agent_pb2.RunResponse(citations=agent_pb2.Citations(passage_ids=event.passage_ids))

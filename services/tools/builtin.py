@@ -67,19 +67,15 @@ async def knowledge_search(
 
 async def python_doc(arguments: dict[str, Any], context: ToolContext) -> AsyncIterator[ToolEvent]:
     name = arguments["name"]
-    exact = retrieval_pb2.Filter(
-        must=[
-            retrieval_pb2.Condition(key="title", keyword=name),
-            retrieval_pb2.Condition(key="source", keyword="stdlib"),
-        ]
-    )
+    title = retrieval_pb2.Condition(key="title", keyword=name)
+    stdlib = retrieval_pb2.Condition(key="source", keyword="stdlib")
     yield tools_pb2.Progress(progress=0, total=1, message=f"looking up {name}")
     found = await search(
         context,
         "documentation lookup",
         query=name,
         top_k=50,
-        filter=exact,
+        filter=retrieval_pb2.Filter(must=[title, stdlib]),
         with_payload=True,
         mode=retrieval_pb2.SEARCH_MODE_DENSE,
     )
@@ -126,17 +122,16 @@ async def generate_image(
     except grpc.aio.AioRpcError as error:
         raise unavailable("image generation", error) from None
     seeds = [image.seed for image in images]
-    described = (
-        f"{len(images)} {model} image(s) of {images[0].width}x{images[0].height}, seeds {seeds}"
-    )
+    width, height = images[0].width, images[0].height
+    described = f"{len(images)} {model} image(s) of {width}x{height}, seeds {seeds}"
     yield ToolOutput(
         described,
         {
             "job_id": job_id,
             "model": model,
             "seeds": [float(s) for s in seeds],
-            "width": images[0].width,
-            "height": images[0].height,
+            "width": width,
+            "height": height,
         },
         [(image.png, "image/png") for image in images],
     )
@@ -172,9 +167,14 @@ def _object(properties: dict[str, Any], required: list[str] | None = None) -> di
     }
 
 
-PASSAGE = _object(
-    {"id": {"type": "string"}, "text": {"type": "string"}, "score": {"type": "number"}}
-)
+def _array(items: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "array", "items": items}
+
+
+STRING = {"type": "string"}
+NUMBER = {"type": "number"}
+INTEGER = {"type": "integer"}
+PASSAGE = _object({"id": STRING, "text": STRING, "score": NUMBER})
 READ_ONLY = tools_pb2.ToolAnnotations(read_only=True, idempotent=True)
 
 BUILTIN = (
@@ -194,10 +194,7 @@ BUILTIN = (
             },
             ["query"],
         ),
-        output_schema=_object(
-            {"passages": {"type": "array", "items": PASSAGE}, "note": {"type": "string"}},
-            ["passages"],
-        ),
+        output_schema=_object({"passages": _array(PASSAGE), "note": STRING}, ["passages"]),
         annotations=READ_ONLY,
         body=knowledge_search,
         timeout_s=20,
@@ -213,13 +210,7 @@ BUILTIN = (
         input_schema=_object(
             {"name": {"type": "string", "pattern": r"^[A-Za-z_][A-Za-z0-9_.]*$", "maxLength": 200}},
         ),
-        output_schema=_object(
-            {
-                "name": {"type": "string"},
-                "passage_ids": {"type": "array", "items": {"type": "string"}},
-                "text": {"type": "string"},
-            }
-        ),
+        output_schema=_object({"name": STRING, "passage_ids": _array(STRING), "text": STRING}),
         annotations=READ_ONLY,
         body=python_doc,
         timeout_s=10,
@@ -244,11 +235,11 @@ BUILTIN = (
         ),
         output_schema=_object(
             {
-                "job_id": {"type": "string"},
-                "model": {"type": "string"},
-                "seeds": {"type": "array", "items": {"type": "number"}},
-                "width": {"type": "integer"},
-                "height": {"type": "integer"},
+                "job_id": STRING,
+                "model": STRING,
+                "seeds": _array(NUMBER),
+                "width": INTEGER,
+                "height": INTEGER,
             }
         ),
         annotations=tools_pb2.ToolAnnotations(read_only=True, idempotent=False),
@@ -274,13 +265,7 @@ BUILTIN = (
                 }
             }
         ),
-        output_schema=_object(
-            {
-                "expression": {"type": "string"},
-                "value": {"type": "number"},
-                "exact": {"type": "string"},
-            }
-        ),
+        output_schema=_object({"expression": STRING, "value": NUMBER, "exact": STRING}),
         annotations=READ_ONLY,
         body=calculator,
         timeout_s=5,

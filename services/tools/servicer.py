@@ -120,10 +120,6 @@ class ToolsServicer(tools_pb2_grpc.ToolsServiceServicer):
 
 
 async def setup(server: MeshServer) -> None:
-    settings = server.options_as(ToolsSettings)
-    context = ToolContext(settings, server.channel_to)
-    server.add_service(
-        tools_pb2_grpc.add_ToolsServiceServicer_to_server,
-        ToolsServicer(context, BUILTIN),
-        SERVICE,
-    )
+    context = ToolContext(server.options_as(ToolsSettings), server.channel_to)
+    servicer = ToolsServicer(context, BUILTIN)
+    server.add_service(tools_pb2_grpc.add_ToolsServiceServicer_to_server, servicer, SERVICE)
