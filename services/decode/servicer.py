@@ -8,10 +8,11 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
 from aimesh.common.v1 import common_pb2
-from aimesh.llm.v1 import decode_pb2, decode_pb2_grpc, sampling_pb2
-from mesh.failures import FieldViolation, InvalidInput
+from aimesh.llm.v1 import decode_pb2, decode_pb2_grpc, kv_cache_pb2, sampling_pb2
+from mesh.failures import Conflict, FieldViolation, InvalidInput
 from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
@@ -19,8 +20,9 @@ from services.decode.engine import BLOCK_TOKENS, DecodeEngine, Sequence
 from services.decode.settings import DecodeOptions
 from services.decode.sources import PrefillSources
 from services.llm import kv_codec, kv_transfer
-from services.llm.described import load_llama
+from services.llm.described import load_served
 from services.llm.kv_transfer import HANDLE_ID, HANDLE_ID_RULE, KvReleaser
+from services.llm.llama import Llama, LlamaConfig, TorchSlots
 from services.llm.requests import check_prompt, decode_length, end_token, sampling_params
 from services.llm.settings import LlmSettings, llm_settings
 from services.llm.stopping import Finish, StopChecker
@@ -31,6 +33,32 @@ FINISH_REASONS = {
     Finish.LENGTH: sampling_pb2.FINISH_REASON_LENGTH,
     Finish.EOS: sampling_pb2.FINISH_REASON_EOS,
 }
+
+
+def format_problem(got: kv_cache_pb2.KvFormat, ours: kv_cache_pb2.KvFormat) -> str | None:
+    """Why KV of format `got` cannot continue here, or None. A handle without a format
+    is torch KV of an unnamed model (prefill before KvFormat existed)."""
+    engine = got.engine or "torch"
+    if engine != ours.engine:
+        return f"the KV was made by the {engine} engine; this decode worker runs {ours.engine}"
+    if got.model_sha256 and got.model_sha256 != ours.model_sha256:
+        return (
+            f"the KV was made by model sha256 {got.model_sha256[:12]}..., this decode worker "
+            f"serves {ours.model_sha256[:12]}..."
+        )
+    for name in ("engine_version", "kv_types", "layout"):
+        theirs, mine = getattr(got, name), getattr(ours, name)
+        if theirs != mine:
+            return f"the KV's {name} is {theirs!r}; this decode worker reads {mine!r}"
+    return None
+
+
+def state_bytes_limit(config: LlamaConfig, num_tokens: int) -> int:
+    """The most bytes an engine's sequence state of `num_tokens` may take: every layer's K
+    and V at four bytes an element (llama.cpp's f16 cache takes half), plus 1 MiB of
+    headers. A handle announcing more is refused before anything is allocated for it."""
+    per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4
+    return num_tokens * per_token + 1024 * 1024
 
 
 def _chunk(tokens: list[int], logprobs: list[float]) -> decode_pb2.DecodeResponse:
@@ -46,17 +74,21 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
         self.sources = sources
         # Set by the warm-up; MeshServer answers every call NOT_READY until it has run.
         self.engine: DecodeEngine
+        self.kv_format: kv_cache_pb2.KvFormat
         self.releaser = KvReleaser(server.channels)
 
     def _validate(self, request: decode_pb2.DecodeRequest, engine: DecodeEngine):
         """The router validated the request; this guards the engine (ids, the KV's shape,
         the room in the context) against a caller that did not go through it."""
-        config = engine.model.config
+        config = engine.config
         violations = Violations()
         handle = request.kv_handle
         prompt = list(request.prompt_token_ids)
         check_prompt(prompt, config.vocab_size, self.settings, violations, "prompt_token_ids")
         if violations.check(request.HasField("kv_handle"), "kv_handle", "is required"):
+            # KV this worker cannot continue: its format decides what else it must hold.
+            if problem := format_problem(handle.format, self.kv_format):
+                raise Conflict(problem, reason="KV_FORMAT_MISMATCH")
             violations.check(
                 HANDLE_ID.fullmatch(handle.id) is not None, "kv_handle.id", HANDLE_ID_RULE
             )
@@ -66,20 +98,28 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
                 "kv_handle.num_tokens",
                 f"is {handle.num_tokens} but the prompt has {len(prompt)} tokens",
             )
-            expected = (config.num_layers, config.num_kv_heads, config.head_dim)
-            got = (handle.num_layers, handle.num_kv_heads, handle.head_dim)
-            violations.check(
-                got == expected,
-                "kv_handle",
-                f"KV of shape {got} does not fit this model's {expected}",
-            )
-            # KV of another dtype (prefill resolved 'auto' on other hardware) is converted
-            # as it is copied into this worker's cache.
-            violations.check(
-                handle.dtype in kv_codec.DTYPES,
-                "kv_handle.dtype",
-                f"{handle.dtype!r} is none of {sorted(kv_codec.DTYPES)}",
-            )
+            if handle.format.engine == "llama.cpp":
+                limit = state_bytes_limit(config, handle.num_tokens)
+                violations.check(
+                    0 < handle.format.state_bytes <= limit,
+                    "kv_handle.format.state_bytes",
+                    f"must be in [1, {limit}] for {handle.num_tokens} tokens",
+                )
+            else:
+                expected = (config.num_layers, config.num_kv_heads, config.head_dim)
+                got = (handle.num_layers, handle.num_kv_heads, handle.head_dim)
+                violations.check(
+                    got == expected,
+                    "kv_handle",
+                    f"KV of shape {got} does not fit this model's {expected}",
+                )
+                # KV of another dtype (prefill resolved 'auto' on other hardware) is
+                # converted as it is copied into this worker's cache.
+                violations.check(
+                    handle.dtype in kv_codec.DTYPES,
+                    "kv_handle.dtype",
+                    f"{handle.dtype!r} is none of {sorted(kv_codec.DTYPES)}",
+                )
         violations.check(
             request.first_token_id < config.vocab_size,
             "first_token_id",
@@ -107,7 +147,7 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
             raise InvalidInput([FieldViolation("kv_handle.address", problem)])
         checker = StopChecker(
             max_new_tokens=request.max_new_tokens,
-            eos_ids=frozenset(engine.model.config.eos_token_ids),
+            eos_ids=frozenset(engine.config.eos_token_ids),
             ignore_eos=request.ignore_eos,
         )
         # The first token streams at once, before any KV moves: that is the caller's TTFT.
@@ -125,6 +165,10 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
         finally:
             self.releaser.release_later(handle.address, handle.id)
         transfer_s = time.perf_counter() - pulled_at
+        # The handoff, on Decode's span: which engine's KV, and how many bytes moved.
+        trace.get_current_span().set_attributes(
+            {"aimesh.kv.engine": self.kv_format.engine, "aimesh.kv.bytes": kv_codec.kv_nbytes(kv)}
+        )
 
         sequence = Sequence(
             prompt=prompt,
@@ -195,9 +239,16 @@ async def setup(server: MeshServer) -> None:
     server.add_service(decode_pb2_grpc.add_DecodeServiceServicer_to_server, worker, DECODE)
 
     def load() -> DecodeEngine:
-        model, info = load_llama(settings, server.settings.cache_dir)
-        server.describe(info)
-        return DecodeEngine(model, settings.max_batch_size, settings.max_seq_len)
+        served = load_served(settings, server.settings.cache_dir, sequences=settings.max_batch_size)
+        model = served.model
+        slots = (
+            TorchSlots(model, settings.max_batch_size, settings.max_seq_len)
+            if isinstance(model, Llama)
+            else model
+        )
+        worker.kv_format = served.kv_format
+        server.describe(served.info)
+        return DecodeEngine(slots, settings.max_batch_size, settings.max_seq_len)
 
     async def warm_up() -> None:
         engine = await asyncio.to_thread(load)

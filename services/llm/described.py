@@ -1,18 +1,25 @@
 """What an LLM service says of its model in GetInfo (mesh.info): the same description for
 the tokenizer, prefill, decode and the router, from the checked model directory; and the
-model prefill and decode load to serve, described so."""
+engine prefill and decode load to serve ([engines.llm] engine), described so."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from mesh.artifacts import artifact_digest
+from aimesh.llm.v1 import kv_cache_pb2
+from mesh.artifacts import artifact_digest, sha256_of
+from mesh.failures import NotReady
 from mesh.info import ModelInfo
-from services.llm.artifacts import DEFAULT_NAME, resolve_model
-from services.llm.llama import Llama, resolve_device, resolve_dtype
+from services.llm.artifacts import DEFAULT_NAME, gguf_path, resolve_model
+from services.llm.llama import Llama, LlamaConfig, resolve_device, resolve_dtype
 from services.llm.settings import LlmSettings
+
+if TYPE_CHECKING:
+    from services.llm.llama_cpp import LlamaCpp
 
 
 def described(
@@ -20,14 +27,16 @@ def described(
     settings: LlmSettings,
     *,
     engine: str,
-    dtype: torch.dtype | None = None,
+    dtype: str = "",
     device: torch.device | str = "",
+    artifact: Path | None = None,
 ) -> ModelInfo:
+    """`artifact`: the file the engine serves when it is not the directory (a GGUF)."""
     return ModelInfo(
         name=settings.model.name if settings.model else DEFAULT_NAME,
-        revision=str(directory),
-        sha256=artifact_digest(directory),
-        dtype=str(dtype).removeprefix("torch.") if dtype is not None else "",
+        revision=str(artifact or directory),
+        sha256=sha256_of(artifact) if artifact else artifact_digest(directory),
+        dtype=dtype,
         device=str(device),
         engine=engine,
         limits={
@@ -46,4 +55,68 @@ def load_llama(settings: LlmSettings, cache_dir: Path) -> tuple[Llama, ModelInfo
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
     model = Llama.load(directory, dtype, device)
-    return model, described(directory, settings, engine="torch", dtype=dtype, device=device)
+    info = described(
+        directory, settings, engine="torch", dtype=str(dtype).removeprefix("torch."), device=device
+    )
+    return model, info
+
+
+def gguf_of(settings: LlmSettings) -> Path | None:
+    """The GGUF the llama.cpp engine serves: the configured one, or the embedded model's."""
+    if settings.gguf is not None:
+        return settings.gguf
+    return gguf_path() if settings.model is None else None
+
+
+def engine_of(settings: LlmSettings) -> Literal["torch", "llama.cpp"]:
+    """auto: llama.cpp on the CPU where the model has a GGUF; torch on a GPU (bfloat16) or
+    for a model directory without one."""
+    if settings.engine != "auto":
+        return settings.engine
+    if resolve_device(settings.device).type == "cuda" or gguf_of(settings) is None:
+        return "torch"
+    return "llama.cpp"
+
+
+@dataclass(frozen=True)
+class Served:
+    """The model prefill or decode serves, its GetInfo entry, and the KV format it writes
+    and reads (decode refuses KV of another)."""
+
+    model: Llama | LlamaCpp
+    info: ModelInfo
+    kv_format: kv_cache_pb2.KvFormat
+
+
+def load_served(settings: LlmSettings, cache_dir: Path, *, sequences: int) -> Served:
+    """The configured engine's model, holding up to `sequences` at once (llama.cpp sizes
+    its context by it). Blocking: call it in a thread."""
+    if engine_of(settings) == "torch":
+        model, info = load_llama(settings, cache_dir)
+        return Served(model, info, kv_cache_pb2.KvFormat(engine="torch", model_sha256=info.sha256))
+    gguf = gguf_of(settings)
+    if gguf is None:
+        raise NotReady(
+            "[engines.llm] engine = 'llama.cpp' needs gguf = <the model's GGUF> with a model "
+            "directory"
+        )
+    # Imported here: only a llama.cpp process loads the library.
+    from services.llm.llama_cpp import LlamaCpp, kv_format
+
+    directory = resolve_model(settings.model, cache_dir)
+    model = LlamaCpp(
+        gguf,
+        LlamaConfig.from_directory(directory),
+        sequences=sequences,
+        max_seq_len=settings.max_seq_len,
+        threads=settings.threads,
+    )
+    info = described(
+        directory,
+        settings,
+        engine="llama.cpp",
+        dtype=model.description,
+        device="cpu",
+        artifact=gguf,
+    )
+    return Served(model, info, kv_format(info.sha256))

@@ -1,14 +1,18 @@
 """KV cache <-> KvChunk messages: raw little-endian tensor bytes, dtype and shape, no pickle.
 
-A receiver rebuilds each layer's K and V as chunks arrive and checks that nothing is
-missing: sequence numbers are contiguous, every byte of every tensor is covered, and the
-stream ended with PullComplete.
+Two kinds of KV travel: the torch engine's per-layer K and V tensors, and an engine's
+opaque sequence state (llama.cpp's `llama_state_seq_get_data` bytes, a SequenceState) as
+KV_PART_STATE chunks. A receiver rebuilds what the handle announced as chunks arrive and
+checks that nothing is missing: sequence numbers are contiguous, every byte is covered,
+and the stream ended with PullComplete.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +30,45 @@ if sys.byteorder != "little":  # pragma: no cover
     raise ImportError("the KV wire format is little-endian; this host is not")
 
 
+@dataclass(frozen=True)
+class SequenceState:
+    """One sequence's KV in its engine's own format, carried as bytes without looking in."""
+
+    data: bytes
+    num_tokens: int
+
+
+KvState = list[LayerKV] | SequenceState
+
+
+def kv_nbytes(kv: KvState) -> int:
+    if isinstance(kv, SequenceState):
+        return len(kv.data)
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+
+
+def kv_tokens(kv: KvState) -> int:
+    return kv.num_tokens if isinstance(kv, SequenceState) else kv[0][0].shape[1]
+
+
+def handle_fields(kv: KvState, kv_format: kv_cache_pb2.KvFormat) -> dict[str, Any]:
+    """The KvHandle fields that say what `kv` is: its format (with a state's size), and a
+    torch KV's tensor shape and dtype."""
+    if isinstance(kv, SequenceState):
+        described = kv_cache_pb2.KvFormat()
+        described.CopyFrom(kv_format)
+        described.state_bytes = len(kv.data)
+        return {"format": described}
+    keys = kv[0][0]
+    return {
+        "format": kv_format,
+        "num_layers": len(kv),
+        "num_kv_heads": keys.shape[0],
+        "head_dim": keys.shape[2],
+        "dtype": dtype_name(keys.dtype),
+    }
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -41,25 +84,33 @@ def _raw(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
 
-def encode(kv: list[LayerKV], chunk_bytes: int) -> Iterator[kv_cache_pb2.KvChunk]:
-    sequence = 0
+def _pieces(kv: KvState) -> Iterator[tuple[int, int, str, list[int], bytes]]:
+    """(layer, part, dtype, shape, bytes) of each piece, in stream order."""
+    if isinstance(kv, SequenceState):
+        yield 0, kv_cache_pb2.KV_PART_STATE, "uint8", [len(kv.data)], kv.data
+        return
     for layer, (keys, values) in enumerate(kv):
         for part, tensor in (
             (kv_cache_pb2.KV_PART_KEY, keys),
             (kv_cache_pb2.KV_PART_VALUE, values),
         ):
-            data = _raw(tensor)
-            for offset in range(0, max(len(data), 1), chunk_bytes):
-                yield kv_cache_pb2.KvChunk(
-                    sequence=sequence,
-                    layer=layer,
-                    part=part,
-                    dtype=dtype_name(tensor.dtype),
-                    shape=list(tensor.shape),
-                    byte_offset=offset,
-                    data=data[offset : offset + chunk_bytes],
-                )
-                sequence += 1
+            yield layer, part, dtype_name(tensor.dtype), list(tensor.shape), _raw(tensor)
+
+
+def encode(kv: KvState, chunk_bytes: int) -> Iterator[kv_cache_pb2.KvChunk]:
+    sequence = 0
+    for layer, part, dtype, shape, data in _pieces(kv):
+        for offset in range(0, max(len(data), 1), chunk_bytes):
+            yield kv_cache_pb2.KvChunk(
+                sequence=sequence,
+                layer=layer,
+                part=part,
+                dtype=dtype,
+                shape=shape,
+                byte_offset=offset,
+                data=data[offset : offset + chunk_bytes],
+            )
+            sequence += 1
 
 
 class KvAssembler:
@@ -106,3 +157,34 @@ class KvAssembler:
             tuple(torch.frombuffer(buffer, dtype=dtype).view(self.shape) for buffer in layer)
             for layer in self._buffers
         ]
+
+
+class StateAssembler:
+    """Collects KV_PART_STATE chunks into one SequenceState of the announced size."""
+
+    def __init__(self, state_bytes: int, num_tokens: int) -> None:
+        self.num_tokens = num_tokens
+        self._buffer = bytearray(state_bytes)
+        self._next_sequence = 0
+        self.total_bytes = 0
+
+    def add(self, chunk: kv_cache_pb2.KvChunk) -> None:
+        if chunk.sequence != self._next_sequence:
+            raise ValueError(f"chunk {chunk.sequence} arrived, expected {self._next_sequence}")
+        if chunk.part != kv_cache_pb2.KV_PART_STATE or chunk.layer != 0:
+            raise ValueError(f"chunk {chunk.sequence} is no sequence state")
+        if tuple(chunk.shape) != (len(self._buffer),):
+            raise ValueError(f"chunk {chunk.sequence} has shape {chunk.shape}")
+        end = chunk.byte_offset + len(chunk.data)
+        if chunk.byte_offset != self.total_bytes or end > len(self._buffer):
+            raise ValueError(f"chunk {chunk.sequence} does not continue the state")
+        self._buffer[chunk.byte_offset : end] = chunk.data
+        self._next_sequence += 1
+        self.total_bytes = end
+
+    def finish(self, complete: kv_cache_pb2.PullComplete) -> SequenceState:
+        if complete.num_chunks != self._next_sequence or complete.total_bytes != self.total_bytes:
+            raise ValueError("PullComplete does not match the chunks received")
+        if self.total_bytes != len(self._buffer):
+            raise ValueError("KV stream ended before the state was complete")
+        return SequenceState(bytes(self._buffer), self.num_tokens)

@@ -14,7 +14,7 @@ from aimesh.llm.v1 import kv_cache_pb2, kv_cache_pb2_grpc
 from mesh.client import ChannelPool
 from mesh.failures import NotFound
 from services.llm import kv_codec
-from services.llm.llama import LayerKV
+from services.llm.kv_codec import KvState
 
 KV_CACHE = kv_cache_pb2.DESCRIPTOR.services_by_name["KvCacheService"]
 # A KV handle id is a bearer capability (whoever holds it may pull or release the KV), so
@@ -32,12 +32,20 @@ PULL_CHUNK_BYTES = kv_codec.MAX_CHUNK_BYTES
 RELEASE_TIMEOUT_S = 5.0
 
 
-async def pull(channels: ChannelPool, handle: kv_cache_pb2.KvHandle) -> list[LayerKV]:
-    """Every layer's K and V of `handle`; NotFound when the lease is gone."""
-    stub = kv_cache_pb2_grpc.KvCacheServiceStub(channels.get(handle.address, KV_CACHE))
-    assembler = kv_codec.KvAssembler(
+def _assembler(handle: kv_cache_pb2.KvHandle) -> kv_codec.KvAssembler | kv_codec.StateAssembler:
+    if handle.format.engine == "llama.cpp":
+        return kv_codec.StateAssembler(handle.format.state_bytes, handle.num_tokens)
+    return kv_codec.KvAssembler(
         handle.num_layers, (handle.num_kv_heads, handle.num_tokens, handle.head_dim), handle.dtype
     )
+
+
+async def pull(channels: ChannelPool, handle: kv_cache_pb2.KvHandle) -> KvState:
+    """The KV `handle` announces (every layer's K and V, or the engine's sequence state);
+    NotFound when the lease is gone. The handle is decode's validated one: its sizes are
+    what the assembler allocates."""
+    stub = kv_cache_pb2_grpc.KvCacheServiceStub(channels.get(handle.address, KV_CACHE))
+    assembler = _assembler(handle)
     call = stub.Pull(
         kv_cache_pb2.PullRequest(handle_id=handle.id, max_chunk_bytes=PULL_CHUNK_BYTES)
     )

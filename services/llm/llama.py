@@ -164,6 +164,32 @@ class SlotCache:
             values[target, :, :length].copy_(values[source, :, :length])
 
 
+class TorchSlots:
+    """The torch engine's decode slots: a SlotCache and the model stepping over it, with
+    the calls the llama.cpp engine (services/llm/llama_cpp.py) answers too."""
+
+    compacted = True  # decode attends over views of the first n slots
+
+    def __init__(self, model: Llama, slots: int, max_len: int) -> None:
+        self.model = model
+        self.config = model.config
+        self.cache = SlotCache(model.config, slots, max_len, model.dtype, model.device)
+
+    def load(self, slot: int, kv: list[LayerKV]) -> None:
+        self.cache.load(slot, kv)
+
+    def move(self, source: int, target: int, length: int) -> None:
+        self.cache.move(source, target, length)
+
+    def free(self, slot: int) -> None:
+        """Nothing to free: a slot's tensors are overwritten when it is next used."""
+
+    def decode(self, token_ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        if slots != list(range(len(slots))):
+            raise ValueError(f"torch decodes slots 0..n-1 in order, not {slots}")
+        return self.model.decode(token_ids, positions, self.cache)
+
+
 class Llama:
     def __init__(
         self,

@@ -20,6 +20,18 @@ class LlmSettings(BaseModel, extra="forbid"):
         description="A local Hugging Face model directory (Llama family); None: the "
         "embedded SmolLM2-135M-Instruct, converted once from its GGUF into cache_dir",
     )
+    engine: Literal["auto", "torch", "llama.cpp"] = Field(
+        default="auto",
+        description="prefill's and decode's engine. auto: llama.cpp (the GGUF's 4-bit weights "
+        "on its CPU kernels) on the CPU when the model has a GGUF, which the embedded one "
+        "has; torch (the exact reference, and bfloat16 on GPUs) otherwise. Prefill and "
+        "decode must agree: decode refuses KV of another engine",
+    )
+    gguf: Path | None = Field(
+        default=None,
+        description="the model's GGUF for the llama.cpp engine, the same weights as `model` "
+        "(its vocabulary must match); None: the embedded model's, when `model` is None",
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         default="auto",
         description="auto: bfloat16 where the device multiplies it in hardware (a CUDA GPU "

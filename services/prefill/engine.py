@@ -12,18 +12,23 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mesh.failures import FieldViolation, InvalidInput, NotFound, Overloaded
 from services.llm import metrics
+from services.llm.kv_codec import KvState, kv_nbytes, kv_tokens
 from services.llm.kv_transfer import new_handle_id
-from services.llm.llama import LayerKV, Llama
+from services.llm.llama import Llama
 from services.llm.sampling import SamplingParams, sample
+
+if TYPE_CHECKING:
+    from services.llm.llama_cpp import LlamaCpp
 
 
 @dataclass
 class Lease:
     handle_id: str
-    kv: list[LayerKV]
+    kv: KvState
     num_tokens: int
     nbytes: int
     expires_at: float  # time.monotonic()
@@ -51,14 +56,12 @@ class KvStore:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def put(
-        self, kv: list[LayerKV], ttl_s: float, traceparent: str = "", handle_id: str = ""
-    ) -> Lease:
+    def put(self, kv: KvState, ttl_s: float, traceparent: str = "", handle_id: str = "") -> Lease:
         """Leases `kv`; a caller-chosen `handle_id` that was already released is honoured
         by not keeping the KV at all."""
         if handle_id in self._leases:
             raise InvalidInput([FieldViolation("handle_id", "is already in use")])
-        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+        nbytes = kv_nbytes(kv)
         if self.used_bytes + nbytes > self.capacity_bytes:
             self.expire()
         if self.used_bytes + nbytes > self.capacity_bytes:
@@ -71,7 +74,7 @@ class KvStore:
         lease = Lease(
             handle_id=handle_id or new_handle_id(),
             kv=kv,
-            num_tokens=kv[0][0].shape[1],
+            num_tokens=kv_tokens(kv),
             nbytes=nbytes,
             expires_at=self.clock() + ttl_s,
             expires_unix_ms=int((time.time() + ttl_s) * 1000),
@@ -122,12 +125,12 @@ class KvStore:
 class PrefillResult:
     first_token: int
     logprob: float
-    kv: list[LayerKV]
+    kv: KvState
     compute_s: float
 
 
 class PrefillEngine:
-    def __init__(self, model: Llama) -> None:
+    def __init__(self, model: Llama | LlamaCpp) -> None:
         self.model = model
 
     def run(self, token_ids: list[int], params: SamplingParams) -> PrefillResult:

@@ -17,7 +17,7 @@ from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
 from services.llm import kv_codec
-from services.llm.described import load_llama
+from services.llm.described import load_served
 from services.llm.kv_transfer import HANDLE_ID, HANDLE_ID_RULE
 from services.llm.requests import check_prompt, end_token, sampling_params
 from services.llm.settings import LlmSettings, llm_settings
@@ -48,6 +48,7 @@ class PrefillWorker(
         self.store = KvStore(settings.kv_store_bytes)
         # Set by the warm-up; MeshServer answers every call NOT_READY until it has run.
         self.engine: PrefillEngine
+        self.kv_format: kv_cache_pb2.KvFormat
         # One model thread: a forward pass already uses every core torch is given.
         self.model_thread = server.executor("model")
 
@@ -84,7 +85,6 @@ class PrefillWorker(
             result.kv, ttl_s, carrier.get("traceparent", ""), handle_id=request.handle_id
         )
         waited = time.perf_counter() - queued - result.compute_s
-        k0 = result.kv[0][0]
         return prefill_pb2.PrefillResponse(
             first_token_id=result.first_token,
             first_token_logprob=result.logprob,
@@ -92,12 +92,9 @@ class PrefillWorker(
                 id=lease.handle_id,
                 address=self.address,
                 num_tokens=lease.num_tokens,
-                num_layers=len(result.kv),
-                num_kv_heads=k0.shape[0],
-                head_dim=k0.shape[2],
-                dtype=kv_codec.dtype_name(k0.dtype),
                 lease_expires_unix_ms=lease.expires_unix_ms,
                 traceparent=lease.traceparent,
+                **kv_codec.handle_fields(result.kv, self.kv_format),
             ),
             prompt_tokens=len(token_ids),
             timing=common_pb2.Timing(
@@ -159,10 +156,11 @@ async def setup(server: MeshServer) -> None:
     reaper: list[asyncio.Task[None]] = []
 
     def load() -> PrefillEngine:
-        model, info = load_llama(settings, server.settings.cache_dir)
-        engine = PrefillEngine(model)
+        served = load_served(settings, server.settings.cache_dir, sequences=1)
+        engine = PrefillEngine(served.model)
         engine.warm_up()
-        server.describe(info)
+        worker.kv_format = served.kv_format
+        server.describe(served.info)
         return engine
 
     async def warm_up() -> None:

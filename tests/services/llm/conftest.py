@@ -100,10 +100,12 @@ class LlmMesh:
 
 
 @contextmanager
-def running_llm_mesh(root: Path, dtype: str = "float32") -> Iterator[LlmMesh]:
-    """Five processes, as `aimesh up` runs them, serving in `dtype`. Pinned, not "auto":
-    auto is bfloat16 on a CPU with AVX-512 BF16, and the float32 tests compare batched
-    output with single streams and transformers float32 bit for bit."""
+def running_llm_mesh(
+    root: Path, dtype: str = "float32", engine: str = "torch"
+) -> Iterator[LlmMesh]:
+    """Five processes, as `aimesh up` runs them, on `engine` (torch in `dtype`). Pinned,
+    not "auto": auto is llama.cpp on a CPU, and bfloat16 on a CPU with AVX-512 BF16, and
+    the torch tests compare output with transformers float32 bit for bit."""
     ports = {name: free_port() for name in ("tokenizer", "prefill", "generation")}
     ports["tokenizer_metrics"] = free_port()
     ports["prefill_metrics"] = free_port()
@@ -113,7 +115,7 @@ def running_llm_mesh(root: Path, dtype: str = "float32") -> Iterator[LlmMesh]:
     config = root / "aimesh.toml"
     config.write_text(
         f"[engines.llm]\nmax_seq_len = {MAX_SEQ_LEN}\nmax_batch_size = {MAX_BATCH}\n"
-        f'dtype = "{dtype}"\n'
+        f'engine = "{engine}"\ndtype = "{dtype}"\n'
         f"[services.tokenizer]\nport = {ports['tokenizer']}\n"
         f"metrics_port = {ports['tokenizer_metrics']}\n"
         f"[services.prefill]\nport = {ports['prefill']}\n"

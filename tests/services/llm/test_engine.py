@@ -1,16 +1,20 @@
-"""The model, the slot cache and continuous batching, against transformers."""
+"""The model, the slot cache and continuous batching, against transformers; the decode
+scheduler on both engines (torch and llama.cpp)."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
 from mesh.failures import NotReady, OutOfMemory
-from services.decode.engine import DecodeEngine, Sequence
-from services.llm.llama import Llama, SlotCache, resolve_device, resolve_dtype
+from services.decode.engine import DecodeEngine, Sequence, Slots
+from services.llm.artifacts import gguf_path
+from services.llm.kv_codec import KvState, SequenceState
+from services.llm.llama import Llama, SlotCache, TorchSlots, resolve_device, resolve_dtype
 from services.llm.sampling import SamplingParams
 from services.llm.stopping import Finish, StopChecker
 from tests.conftest import eventually
@@ -96,31 +100,86 @@ def test_bfloat16_greedy_equals_transformers_in_bfloat16(model_dir, bfloat16_ref
         assert tokens == expected, prompt
 
 
+@dataclass(frozen=True)
+class Engine:
+    """One engine as decode serves it: its prefill, and its decode slots made to size."""
+
+    name: str
+    prefill: Callable[[list[int]], tuple[torch.Tensor, KvState]]
+    slots: Callable[[int, int], Slots]
+
+
+@pytest.fixture(scope="module", params=["torch", "llama.cpp"])
+def engine(request, llama, model_dir) -> Iterator[Engine]:
+    """Every decode scheduler test runs on both engines: the scheduler's joins, moves and
+    frees must keep each sequence's own output on either."""
+    if request.param == "torch":
+        yield Engine("torch", llama.prefill, lambda n, length: TorchSlots(llama, n, length))
+        return
+    from services.llm.llama_cpp import LlamaCpp
+
+    def made(sequences: int, max_seq_len: int) -> LlamaCpp:
+        model = LlamaCpp(
+            gguf_path(), llama.config, sequences=sequences, max_seq_len=max_seq_len, threads=1
+        )
+        opened.append(model)
+        return model
+
+    opened: list[LlamaCpp] = []
+    prefiller = made(1, 256)
+    yield Engine("llama.cpp", prefiller.prefill, made)
+    for model in opened:
+        model.close()
+
+
+def _sequence(engine: Engine, tokenizer, prompt: str, length: int, **params) -> Sequence:
+    ids = tokenizer(prompt)["input_ids"]
+    logits, kv = engine.prefill(ids)
+    first = int(logits.argmax())
+    checker = StopChecker(max_new_tokens=length, eos_ids=frozenset({-1}))
+    checker.feed(first)
+    return Sequence(ids, kv, first, SamplingParams(**params), checker)
+
+
+async def _collect(sequence: Sequence) -> list[int] | BaseException:
+    tokens = [sequence.first_token]
+    while True:
+        emission = await sequence.outbox.get()
+        if emission.error is not None:
+            return emission.error
+        tokens += emission.tokens
+        if emission.finish is not None:
+            return tokens
+
+
+async def _alone(engine: Engine, tokenizer, prompt: str, length: int) -> list[int]:
+    decoder = DecodeEngine(engine.slots(1, 256), max_batch_size=1, max_seq_len=256)
+    decoder.start()
+    try:
+        sequence = _sequence(engine, tokenizer, prompt, length)
+        decoder.submit(sequence)
+        return await _collect(sequence)
+    finally:
+        await decoder.stop()
+
+
 async def test_sequences_joining_and_leaving_mid_batch_keep_their_own_output(
-    llama, reference, prompts
+    engine, reference, prompts
 ):
     """Continuous batching: staggered arrivals, different lengths, slots compacted as
     sequences leave; each output must equal that sequence decoded alone."""
     _, tokenizer = reference
-    engine = DecodeEngine(llama, max_batch_size=3, max_seq_len=256)
-    engine.start()
+    decoder = DecodeEngine(engine.slots(3, 256), max_batch_size=3, max_seq_len=256)
+    decoder.start()
     lengths = [5, 12, 3, 9, 7, 14]
-
-    def sequence(prompt: str, length: int) -> Sequence:
-        ids = tokenizer(prompt)["input_ids"]
-        logits, kv = llama.prefill(ids)
-        first = int(logits.argmax())
-        checker = StopChecker(max_new_tokens=length, eos_ids=frozenset({-1}))
-        checker.feed(first)
-        return Sequence(ids, kv, first, SamplingParams(), checker)
 
     async def run(prompt: str, length: int, delay: float) -> list[int]:
         await asyncio.sleep(delay)
-        seq = sequence(prompt, length)
-        engine.submit(seq)
-        tokens = [seq.first_token]
+        sequence = _sequence(engine, tokenizer, prompt, length)
+        decoder.submit(sequence)
+        tokens = [sequence.first_token]
         while True:
-            emission = await seq.outbox.get()
+            emission = await sequence.outbox.get()
             tokens += emission.tokens
             if emission.finish is not None:
                 assert emission.finish is Finish.LENGTH
@@ -131,39 +190,26 @@ async def test_sequences_joining_and_leaving_mid_batch_keep_their_own_output(
             *(run(p, n, 0.05 * i) for i, (p, n) in enumerate(zip(prompts, lengths, strict=False)))
         )
     finally:
-        await engine.stop()
+        await decoder.stop()
     for prompt, length, output in zip(prompts, lengths, outputs, strict=False):
-        ids = tokenizer(prompt)["input_ids"]
-        # The checker never sees EOS here (eos_ids={-1}), so compare raw greedy tokens.
-        logits, _ = llama.prefill(ids)
-        alone = [int(logits.argmax())]
-        solo = SlotCache(llama.config, slots=1, max_len=256, dtype=torch.float32)
-        solo.load(0, llama.prefill(ids)[1])
-        while len(alone) < length:
-            row = llama.decode([alone[-1]], [len(ids) + len(alone) - 1], solo)[0]
-            alone.append(int(row.argmax()))
-        assert output == alone
+        # The checker never sees EOS here (eos_ids={-1}): raw greedy tokens.
+        assert output == await _alone(engine, tokenizer, prompt, length)
 
 
-async def test_cancelled_sequence_leaves_at_the_next_step(llama, reference):
+async def test_cancelled_sequence_leaves_at_the_next_step(engine, reference):
     _, tokenizer = reference
-    engine = DecodeEngine(llama, max_batch_size=2, max_seq_len=256)
-    engine.start()
+    decoder = DecodeEngine(engine.slots(2, 256), max_batch_size=2, max_seq_len=256)
+    decoder.start()
     try:
-        ids = tokenizer("Tell me everything:")["input_ids"]
-        logits, kv = llama.prefill(ids)
-        first = int(logits.argmax())
-        checker = StopChecker(max_new_tokens=500, eos_ids=frozenset({-1}))
-        checker.feed(first)
-        seq = Sequence(ids, kv, first, SamplingParams(), checker)
-        engine.submit(seq)
-        await seq.outbox.get()
-        steps_at_cancel = engine.steps
-        engine.cancel(seq)
-        await eventually(lambda: not engine.running, interval_s=0.001)
-        assert engine.steps - steps_at_cancel <= 1
+        sequence = _sequence(engine, tokenizer, "Tell me everything:", 500)
+        decoder.submit(sequence)
+        await sequence.outbox.get()
+        steps_at_cancel = decoder.steps
+        decoder.cancel(sequence)
+        await eventually(lambda: not decoder.running, interval_s=0.001)
+        assert decoder.steps - steps_at_cancel <= 1
     finally:
-        await engine.stop()
+        await decoder.stop()
 
 
 def test_weights_cache_and_inputs_live_on_the_models_device_and_logits_come_back_to_cpu(llama):
@@ -195,117 +241,91 @@ def test_auto_dtype_is_bfloat16_only_where_the_hardware_multiplies_it(monkeypatc
         assert resolve_dtype("auto", cpu) == expected
 
 
-def _sequence(llama: Llama, tokenizer, prompt: str, length: int, **params) -> Sequence:
-    ids = tokenizer(prompt)["input_ids"]
-    logits, kv = llama.prefill(ids)
-    first = int(logits.argmax())
-    checker = StopChecker(max_new_tokens=length, eos_ids=frozenset({-1}))
-    checker.feed(first)
-    return Sequence(ids, kv, first, SamplingParams(**params), checker)
-
-
-async def _collect(sequence: Sequence) -> list[int] | BaseException:
-    tokens = [sequence.first_token]
-    while True:
-        emission = await sequence.outbox.get()
-        if emission.error is not None:
-            return emission.error
-        tokens += emission.tokens
-        if emission.finish is not None:
-            return tokens
-
-
-async def _alone(llama: Llama, tokenizer, prompt: str, length: int) -> list[int]:
-    engine = DecodeEngine(llama, max_batch_size=1, max_seq_len=256)
-    engine.start()
-    try:
-        sequence = _sequence(llama, tokenizer, prompt, length)
-        engine.submit(sequence)
-        return await _collect(sequence)
-    finally:
-        await engine.stop()
-
-
-async def test_a_sequence_that_fails_to_sample_fails_alone(llama, reference):
+async def test_a_sequence_that_fails_to_sample_fails_alone(engine, reference):
     """One row's sampling bug (a choice outside the vocabulary, which validation would
     refuse) used to fail the whole step and with it every neighbour's stream."""
     _, tokenizer = reference
-    engine = DecodeEngine(llama, max_batch_size=4, max_seq_len=256)
-    engine.start()
+    decoder = DecodeEngine(engine.slots(4, 256), max_batch_size=4, max_seq_len=256)
+    decoder.start()
     try:
-        good = _sequence(llama, tokenizer, "The capital of France is", 12)
-        bad = _sequence(llama, tokenizer, "Once upon a time", 12)
+        good = _sequence(engine, tokenizer, "The capital of France is", 12)
+        bad = _sequence(engine, tokenizer, "Once upon a time", 12)
         bad.params = replace(bad.params, choices=((bad.first_token, 10**9),))
-        engine.submit(good)
-        engine.submit(bad)
+        decoder.submit(good)
+        decoder.submit(bad)
         good_out, bad_out = await asyncio.gather(_collect(good), _collect(bad))
     finally:
-        await engine.stop()
+        await decoder.stop()
     assert isinstance(bad_out, IndexError)
-    assert good_out == await _alone(llama, tokenizer, "The capital of France is", 12)
+    assert good_out == await _alone(engine, tokenizer, "The capital of France is", 12)
 
 
-async def test_a_kv_that_does_not_load_fails_only_its_own_sequence(llama, reference):
+async def test_a_kv_that_does_not_load_fails_only_its_own_sequence(engine, reference):
     _, tokenizer = reference
-    engine = DecodeEngine(llama, max_batch_size=4, max_seq_len=256)
-    engine.start()
+    decoder = DecodeEngine(engine.slots(4, 256), max_batch_size=4, max_seq_len=256)
+    decoder.start()
     try:
-        good = _sequence(llama, tokenizer, "def fibonacci(n):", 10)
-        bad = _sequence(llama, tokenizer, "List three colors:", 10)
-        bad.kv = bad.kv[:-1]  # a layer short
-        engine.submit(good)
-        engine.submit(bad)
+        good = _sequence(engine, tokenizer, "def fibonacci(n):", 10)
+        bad = _sequence(engine, tokenizer, "List three colors:", 10)
+        # A layer short, or a state cut short: neither loads.
+        bad.kv = (
+            bad.kv[:-1]
+            if isinstance(bad.kv, list)
+            else SequenceState(bad.kv.data[:-10], bad.kv.num_tokens)
+        )
+        decoder.submit(good)
+        decoder.submit(bad)
         good_out, bad_out = await asyncio.gather(_collect(good), _collect(bad))
     finally:
-        await engine.stop()
+        await decoder.stop()
     assert isinstance(bad_out, Exception)
-    assert good_out == await _alone(llama, tokenizer, "def fibonacci(n):", 10)
+    assert good_out == await _alone(engine, tokenizer, "def fibonacci(n):", 10)
 
 
 class _OutOfMemoryAboveOneRow:
-    """Fault injection: the real model, except that a step over more than one sequence
+    """Fault injection: the real slots, except that a step over more than one sequence
     raises torch's out-of-memory error, as a GPU that is nearly full would."""
 
-    def __init__(self, model: Llama) -> None:
-        self.model = model
-        self.config = model.config
-        self.dtype = model.dtype
-        self.device = model.device
+    def __init__(self, slots: Slots) -> None:
+        self.slots = slots
+        self.config, self.compacted = slots.config, slots.compacted
+        self.load, self.move, self.free = slots.load, slots.move, slots.free
 
-    def decode(self, tokens, positions, cache):
+    def decode(self, tokens, positions, slots):
         if len(tokens) > 1:
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-        return self.model.decode(tokens, positions, cache)
+        return self.slots.decode(tokens, positions, slots)
 
 
-async def test_out_of_memory_evicts_the_longest_sequence_and_the_rest_go_on(llama, reference):
+async def test_out_of_memory_evicts_the_longest_sequence_and_the_rest_go_on(engine, reference):
     _, tokenizer = reference
-    engine = DecodeEngine(_OutOfMemoryAboveOneRow(llama), max_batch_size=4, max_seq_len=256)
-    engine.start()
+    slots = _OutOfMemoryAboveOneRow(engine.slots(4, 256))
+    decoder = DecodeEngine(slots, max_batch_size=4, max_seq_len=256)
+    decoder.start()
     short = "Hi"
     long = "Tell me a long story about a dragon who lived in a castle by the sea"
     try:
-        kept = _sequence(llama, tokenizer, short, 8)
-        evicted = _sequence(llama, tokenizer, long, 8)
-        engine.submit(kept)
-        engine.submit(evicted)
+        kept = _sequence(engine, tokenizer, short, 8)
+        evicted = _sequence(engine, tokenizer, long, 8)
+        decoder.submit(kept)
+        decoder.submit(evicted)
         kept_out, evicted_out = await asyncio.gather(_collect(kept), _collect(evicted))
     finally:
-        await engine.stop()
+        await decoder.stop()
     assert isinstance(evicted_out, OutOfMemory) and evicted_out.retry_after_s
-    assert kept_out == await _alone(llama, tokenizer, short, 8)
+    assert kept_out == await _alone(engine, tokenizer, short, 8)
 
 
-async def test_a_dead_scheduler_fails_every_stream_and_refuses_new_ones(llama, reference):
+async def test_a_dead_scheduler_fails_every_stream_and_refuses_new_ones(engine, reference):
     _, tokenizer = reference
-    engine = DecodeEngine(llama, max_batch_size=2, max_seq_len=256)
-    task = engine.start()
-    waiting = _sequence(llama, tokenizer, "Water boils at", 50)
-    engine.waiting.append(waiting)  # queued, never scheduled: the task dies first
+    decoder = DecodeEngine(engine.slots(2, 256), max_batch_size=2, max_seq_len=256)
+    task = decoder.start()
+    waiting = _sequence(engine, tokenizer, "Water boils at", 50)
+    decoder.waiting.append(waiting)  # queued, never scheduled: the task dies first
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    engine.fail_all(NotReady("decode-scheduler stopped"))
+    decoder.fail_all(NotReady("decode-scheduler stopped"))
     assert isinstance(await _collect(waiting), NotReady)
     with pytest.raises(NotReady):
-        engine.submit(_sequence(llama, tokenizer, "Water boils at", 5))
-    await engine.stop()
+        decoder.submit(_sequence(engine, tokenizer, "Water boils at", 5))
+    await decoder.stop()

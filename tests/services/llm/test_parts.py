@@ -147,6 +147,34 @@ def test_kv_stream_with_a_gap_or_missing_end_is_refused():
         )
 
 
+def test_an_engine_state_round_trips_exactly_and_a_gap_a_cut_or_torch_chunks_are_refused():
+    state = kv_codec.SequenceState(bytes(range(256)) * 1000, num_tokens=11)
+    chunks = list(kv_codec.encode(state, kv_codec.MIN_CHUNK_BYTES))
+    assert len(chunks) == 4
+    assert {(c.layer, c.part, c.dtype) for c in chunks} == {
+        (0, kv_cache_pb2.KV_PART_STATE, "uint8")
+    }
+    assembler = kv_codec.StateAssembler(len(state.data), state.num_tokens)
+    for chunk in chunks:
+        assembler.add(chunk)
+    complete = kv_cache_pb2.PullComplete(num_chunks=len(chunks), total_bytes=len(state.data))
+    assert assembler.finish(complete) == state
+    gapped = kv_codec.StateAssembler(len(state.data), state.num_tokens)
+    gapped.add(chunks[0])
+    with pytest.raises(ValueError, match="expected 1"):
+        gapped.add(chunks[2])
+    cut = kv_codec.StateAssembler(len(state.data), state.num_tokens)
+    for chunk in chunks[:-1]:
+        cut.add(chunk)
+    with pytest.raises(ValueError, match="before the state was complete"):
+        cut.finish(kv_cache_pb2.PullComplete(num_chunks=3, total_bytes=cut.total_bytes))
+    smaller = kv_codec.StateAssembler(len(state.data) - 1, state.num_tokens)
+    with pytest.raises(ValueError, match="shape"):
+        smaller.add(chunks[0])
+    with pytest.raises(ValueError, match="no sequence state"):
+        kv_codec.StateAssembler(64 * 3 * 37 * 4, 37).add(next(kv_codec.encode(_kv(37), 1 << 20)))
+
+
 @pytest.mark.system  # the GGUF converted again
 def test_corrupt_model_cache_is_rebuilt_before_it_is_served(tmp_path, model_dir):
     """A truncated safetensors file in the cache is detected and rebuilt from the GGUF."""

@@ -14,12 +14,14 @@ class KvPart(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_PART_UNSPECIFIED: _ClassVar[KvPart]
     KV_PART_KEY: _ClassVar[KvPart]
     KV_PART_VALUE: _ClassVar[KvPart]
+    KV_PART_STATE: _ClassVar[KvPart]
 KV_PART_UNSPECIFIED: KvPart
 KV_PART_KEY: KvPart
 KV_PART_VALUE: KvPart
+KV_PART_STATE: KvPart
 
 class KvHandle(_message.Message):
-    __slots__ = ("id", "address", "num_tokens", "num_layers", "num_kv_heads", "head_dim", "dtype", "lease_expires_unix_ms", "traceparent")
+    __slots__ = ("id", "address", "num_tokens", "num_layers", "num_kv_heads", "head_dim", "dtype", "lease_expires_unix_ms", "traceparent", "format")
     ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +31,7 @@ class KvHandle(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
     id: str
     address: str
     num_tokens: int
@@ -38,7 +41,24 @@ class KvHandle(_message.Message):
     dtype: str
     lease_expires_unix_ms: int
     traceparent: str
-    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    format: KvFormat
+    def __init__(self, id: _Optional[str] = ..., address: _Optional[str] = ..., num_tokens: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., traceparent: _Optional[str] = ..., format: _Optional[_Union[KvFormat, _Mapping]] = ...) -> None: ...
+
+class KvFormat(_message.Message):
+    __slots__ = ("engine", "engine_version", "model_sha256", "kv_types", "layout", "state_bytes")
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    KV_TYPES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    engine: str
+    engine_version: str
+    model_sha256: str
+    kv_types: str
+    layout: str
+    state_bytes: int
+    def __init__(self, engine: _Optional[str] = ..., engine_version: _Optional[str] = ..., model_sha256: _Optional[str] = ..., kv_types: _Optional[str] = ..., layout: _Optional[str] = ..., state_bytes: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("request_id", "handle_id", "max_chunk_bytes")

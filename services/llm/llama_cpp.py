@@ -1,0 +1,232 @@
+"""The llama.cpp engine: the model's GGUF (4-bit weights for the embedded model) on
+llama.cpp's hand-written CPU kernels, behind the interface of the torch engine
+(services/llm/llama.py), so prefill and decode serve either.
+
+On a CPU a decode step is bound by the bytes of weights it reads: the torch engine reads
+fp32, llama.cpp reads Q4_1 with AVX2 kernels made for it (docs/benchmarks.md). Sampling,
+penalties, seeds, guided choice and stopping stay the mesh's own, over the logits this
+engine returns, so a request behaves alike on both engines.
+
+The binding is llama-cpp-python's low-level ctypes API: its high-level `Llama` keeps one
+sequence; here one context holds every decode slot as a llama.cpp sequence id, and one
+`llama_decode` steps them all. The KV that moves from prefill to decode is llama.cpp's own
+sequence state (`llama_state_seq_get_data` / `_set_data`): its bytes depend on the library
+version, the cache's element types and its layout, so the handle says all three
+(kv_format) and decode refuses a state it cannot read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from pathlib import Path
+
+import llama_cpp as lib
+import numpy as np
+import torch
+
+from aimesh.llm.v1 import kv_cache_pb2
+from mesh.failures import NotReady
+from services.llm.kv_codec import SequenceState
+from services.llm.llama import LlamaConfig
+
+log = logging.getLogger(__name__)
+
+ENGINE = "llama.cpp"
+ENGINE_VERSION = f"llama-cpp-python {lib.__version__}"
+# llama.cpp's default cache types; the state's bytes depend on them.
+KV_TYPES = "k=f16,v=f16"
+# Every context keeps one KV stream per sequence (kv_unified off), so a sequence's cells
+# stay in order in a stream of its own, and its output is bit for bit what it would be
+# alone, whoever joins or leaves the batch. With one stream shared, the cells freed by a
+# leaving sequence were refilled by its neighbours' next tokens, and their attention,
+# summed in cell order in float16, drifted by up to a logit (measured here). A state is
+# written by prefill's one-sequence context, so it holds one stream.
+LAYOUT = "streams=1"
+# A sequence state starts with a magic number and a sequence id (4 bytes each), then the
+# KV's stream count (llama-context.cpp state_seq_write_data, llama-kv-cache.cpp
+# state_write; checked by the exact version in the KV format and by the tests).
+_STREAM_COUNT = slice(8, 12)
+# Prompt tokens per llama_decode call in prefill (llama.cpp's default logical batch).
+PREFILL_CHUNK = 512
+
+# ggml_log_level: only warnings and errors reach the service's log; the rest is load chatter.
+_LOG_LEVELS = {3: logging.WARNING, 4: logging.ERROR}
+_backend_ready = threading.Lock()
+_backend_started = False
+
+
+@lib.llama_log_callback
+def _forward_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+    if level in _LOG_LEVELS and text:
+        log.log(_LOG_LEVELS[level], "llama.cpp: %s", text.decode(errors="replace").rstrip())
+
+
+def _start_backend() -> None:
+    global _backend_started
+    with _backend_ready:
+        if not _backend_started:
+            lib.llama_log_set(_forward_log, ctypes.c_void_p())
+            lib.llama_backend_init()
+            _backend_started = True
+
+
+def kv_format(model_sha256: str) -> kv_cache_pb2.KvFormat:
+    """What a state written by this engine from the model of `model_sha256` is."""
+    return kv_cache_pb2.KvFormat(
+        engine=ENGINE,
+        engine_version=ENGINE_VERSION,
+        model_sha256=model_sha256,
+        kv_types=KV_TYPES,
+        layout=LAYOUT,
+    )
+
+
+class LlamaCpp:
+    """One GGUF model and one context of `sequences` slots of up to `max_seq_len` tokens.
+
+    Not thread-safe: every call runs on the owning service's one model thread.
+    """
+
+    def __init__(
+        self,
+        gguf: Path,
+        config: LlamaConfig,
+        *,
+        sequences: int,
+        max_seq_len: int,
+        threads: int,
+    ) -> None:
+        _start_backend()
+        self.config = config
+        self.max_seq_len = max_seq_len
+        self.sequences = sequences
+        self._model = lib.llama_model_load_from_file(
+            str(gguf).encode(), lib.llama_model_default_params()
+        )
+        if not self._model:
+            raise NotReady(f"llama.cpp could not load {gguf}")
+        self.vocab_size = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model))
+        if self.vocab_size != config.vocab_size:
+            lib.llama_model_free(self._model)
+            raise NotReady(
+                f"{gguf} has {self.vocab_size} tokens, the model directory {config.vocab_size}: "
+                "not the same model"
+            )
+        params = lib.llama_context_default_params()
+        params.n_ctx = sequences * max_seq_len
+        params.n_batch = params.n_ubatch = max(PREFILL_CHUNK, sequences)
+        params.n_seq_max = sequences
+        params.n_threads = params.n_threads_batch = threads
+        params.kv_unified = False
+        params.no_perf = True
+        self._context = lib.llama_init_from_model(self._model, params)
+        if not self._context:
+            lib.llama_model_free(self._model)
+            raise NotReady(f"llama.cpp could not make a context of {params.n_ctx} tokens")
+        self._memory = lib.llama_get_memory(self._context)
+        self._batch = lib.llama_batch_init(params.n_batch, 0, 1)
+        description = ctypes.create_string_buffer(256)
+        lib.llama_model_desc(self._model, description, len(description))
+        # e.g. "llama ?B Q4_1 - Medium": the weights' type is what GetInfo calls its dtype.
+        self.description = description.value.decode(errors="replace")
+
+    def close(self) -> None:
+        if self._context:
+            lib.llama_batch_free(self._batch)
+            lib.llama_free(self._context)
+            lib.llama_model_free(self._model)
+            self._context = None
+
+    # ---- the calls prefill and decode make ----
+
+    def prefill(self, token_ids: list[int]) -> tuple[torch.Tensor, SequenceState]:
+        """Runs a whole prompt in slot 0; returns the last position's logits [vocab] and the
+        prompt's sequence state, and leaves the slot empty."""
+        try:
+            for start in range(0, len(token_ids), PREFILL_CHUNK):
+                chunk = token_ids[start : start + PREFILL_CHUNK]
+                self._decode(chunk, range(start, start + len(chunk)), [0] * len(chunk), False)
+            logits = self._logits(1)[0]
+            return logits, SequenceState(self._export(0), len(token_ids))
+        finally:
+            self.free(0)
+
+    # A sequence keeps its slot, a KV stream of its own, until it leaves.
+    compacted = False
+
+    def decode(self, token_ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        """One step: token i sits at positions[i] of the sequence in slots[i]. Returns
+        logits [n, vocab]."""
+        self._decode(token_ids, positions, slots, True)
+        return self._logits(len(token_ids))
+
+    def load(self, slot: int, state: SequenceState) -> None:
+        """Reads a sequence's state into `slot`, refusing one that did not fit exactly."""
+        self.free(slot)
+        data = self._in_streams(state.data)
+        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        read = lib.llama_state_seq_set_data(self._context, buffer, len(data), slot)
+        last = lib.llama_memory_seq_pos_max(self._memory, slot)
+        if read != len(data) or last != state.num_tokens - 1:
+            self.free(slot)
+            raise ValueError(
+                f"llama.cpp read {read} of {len(state.data)} state bytes ending at position "
+                f"{last}, for {state.num_tokens} tokens"
+            )
+
+    def move(self, source: int, target: int, length: int) -> None:
+        raise NotImplementedError("llama.cpp sequences keep their slots (compacted is False)")
+
+    def free(self, slot: int) -> None:
+        lib.llama_memory_seq_rm(self._memory, slot, -1, -1)
+
+    # ---- helpers ----
+
+    def _decode(
+        self,
+        tokens: list[int],
+        positions: range | list[int],
+        slots: range | list[int],
+        logits: bool,
+    ) -> None:
+        """One llama_decode; logits for every token, or (`logits` False) for the last only."""
+        batch = self._batch
+        count = len(tokens)
+        for i, (token, position, slot) in enumerate(zip(tokens, positions, slots, strict=True)):
+            batch.token[i] = token
+            batch.pos[i] = position
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = slot
+            batch.logits[i] = logits or i == count - 1
+        batch.n_tokens = count
+        status = lib.llama_decode(self._context, batch)
+        if status == 1:  # mesh.shared.memory reads this as out of memory
+            raise MemoryError("llama.cpp found no free KV cells for this step: out of memory")
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed with status {status}")
+
+    def _logits(self, rows: int) -> torch.Tensor:
+        """The last decode's `rows` outputs' logits, copied out as float32 [rows, vocab]."""
+        values = np.ctypeslib.as_array(lib.llama_get_logits(self._context), (rows, self.vocab_size))
+        return torch.from_numpy(values.copy())
+
+    def _in_streams(self, data: bytes) -> bytes:
+        """A one-stream state rewritten for this context's stream count: the count, the
+        stream as it is, and an empty cell count for each other stream (llama.cpp reads a
+        sequence's cells into that sequence's own stream whichever block holds them)."""
+        one = (1).to_bytes(4, "little")
+        if data[_STREAM_COUNT] != one:
+            raise ValueError("the state does not hold exactly one KV stream")
+        if self.sequences == 1:
+            return data
+        count = self.sequences.to_bytes(4, "little")
+        return data[:8] + count + data[12:] + bytes(4 * (self.sequences - 1))
+
+    def _export(self, slot: int) -> bytes:
+        size = lib.llama_state_seq_get_size(self._context, slot)
+        buffer = (ctypes.c_uint8 * size)()
+        if lib.llama_state_seq_get_data(self._context, buffer, size, slot) != size:
+            raise RuntimeError("llama.cpp wrote a sequence state of another size than it said")
+        return bytes(buffer)

@@ -1,0 +1,174 @@
+"""The LLM mesh on the llama.cpp engine: tokenizer, prefill, two decode replicas and the
+router as processes, checked against llama.cpp itself in this process (the GGUF's 4-bit
+model is not transformers' float32 one, so transformers is no reference here)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from aimesh.llm.v1 import decode_pb2, kv_cache_pb2, prefill_pb2, sampling_pb2
+from mesh.artifacts import sha256_of
+from mesh.errors import error_info, field_violations
+from mesh.info import get_info
+from services.llm.artifacts import gguf_path, load_tokenizer
+from services.llm.llama import LlamaConfig
+from services.llm.llama_cpp import ENGINE_VERSION, LlamaCpp
+from tests.services.llm.conftest import (
+    LlmMesh,
+    generate,
+    prefill_and_decode,
+    running_llm_mesh,
+    stopping,
+)
+
+pytestmark = pytest.mark.system
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_mesh(tmp_path_factory, model_dir) -> Iterator[LlmMesh]:
+    with running_llm_mesh(tmp_path_factory.mktemp("llama-cpp-mesh"), engine="llama.cpp") as mesh:
+        yield mesh
+
+
+@pytest.fixture(scope="module")
+def local(model_dir) -> Iterator[tuple[LlamaCpp, LlamaCpp]]:
+    """llama.cpp in this process: a prefill context and a one-sequence decode context."""
+    config = LlamaConfig.from_directory(model_dir)
+    prefill = LlamaCpp(gguf_path(), config, sequences=1, max_seq_len=512, threads=1)
+    decode = LlamaCpp(gguf_path(), config, sequences=1, max_seq_len=512, threads=1)
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+def greedy_alone(local: tuple[LlamaCpp, LlamaCpp], prompt_ids: list[int], count: int) -> list[int]:
+    """Greedy tokens of one sequence, prefilled and handed to a decode context alone."""
+    prefill, decode = local
+    logits, state = prefill.prefill(prompt_ids)
+    decode.load(0, state)
+    tokens = [int(logits.argmax())]
+    while len(tokens) < count:
+        position = len(prompt_ids) + len(tokens) - 1
+        tokens.append(int(decode.decode([tokens[-1]], [position], [0])[0].argmax()))
+    decode.free(0)
+    return tokens
+
+
+async def test_prefill_and_decode_say_they_serve_the_gguf_on_llama_cpp(llama_cpp_mesh):
+    models = {
+        name: (await get_info(target, timeout_s=5)).models[0]
+        for name, target in (
+            ("prefill", llama_cpp_mesh.target("prefill")),
+            ("decode", f"127.0.0.1:{llama_cpp_mesh.decode_ports[0]}"),
+        )
+    }
+    for model in models.values():
+        assert (model.engine, model.device) == ("llama.cpp", "cpu")
+        assert model.sha256 == sha256_of(gguf_path())
+        assert "Q4_1" in model.dtype
+
+
+async def test_greedy_streams_in_one_batch_each_equal_llama_cpp_alone(
+    llama_cpp_mesh, local, model_dir, prompts
+):
+    """Eight streams share decode's batches, joining and leaving at different steps; with
+    a KV stream per sequence each output is bit for bit its sequence's alone."""
+    tokenizer = load_tokenizer(model_dir)
+    stub, channel = llama_cpp_mesh.stub()
+    lengths = [24, 9, 17, 30, 5, 12, 20, 14]
+    async with channel:
+        runs = await asyncio.gather(
+            *(
+                generate(stub, prompt=prompt, stopping=stopping(n, ignore_eos=True))
+                for prompt, n in zip(prompts, lengths, strict=False)
+            )
+        )
+    for prompt, n, (ids, text, complete) in zip(prompts, lengths, runs, strict=False):
+        assert ids == greedy_alone(local, tokenizer.encode(prompt).ids, n), prompt
+        assert text == tokenizer.decode(ids)
+        assert complete.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+
+
+async def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(llama_cpp_mesh, prompts):
+    stub, channel = llama_cpp_mesh.stub()
+    sampled = sampling_pb2.SamplingParameters(temperature=0.9, top_p=0.95, top_k=50, seed=7)
+
+    async def story() -> list[int]:
+        ids, _, _ = await generate(
+            stub, prompt="Tell me a story:", sampling=sampled, stopping=stopping(24)
+        )
+        return ids
+
+    async with channel:
+        alone = await story()
+        crowd = [generate(stub, prompt=p, stopping=stopping(32)) for p in prompts[:6]]
+        busy, *_ = await asyncio.gather(story(), *crowd)
+    assert busy == alone
+
+
+async def test_decode_refuses_kv_it_cannot_continue(llama_cpp_mesh, model_dir):
+    """KV of another engine, library version or stream layout is FAILED_PRECONDITION with
+    the reason; a state size past what the prompt can take is the caller's error."""
+    prompt_ids = load_tokenizer(model_dir).encode("Hello there").ids
+    async with prefill_and_decode(
+        llama_cpp_mesh.target("prefill"), f"127.0.0.1:{llama_cpp_mesh.decode_ports[0]}"
+    ) as (prefill, decode):
+        leased = await prefill.Prefill(prefill_pb2.PrefillRequest(token_ids=prompt_ids), timeout=30)
+        handle = leased.kv_handle
+        assert (handle.format.engine, handle.format.engine_version) == ("llama.cpp", ENGINE_VERSION)
+        assert handle.format.layout == "streams=1"
+        assert handle.format.model_sha256 == sha256_of(gguf_path())
+        assert handle.format.state_bytes > 0 and handle.num_tokens == len(prompt_ids)
+
+        def changed(**fields) -> kv_cache_pb2.KvHandle:
+            altered = kv_cache_pb2.KvHandle()
+            altered.CopyFrom(handle)
+            for name, value in fields.items():
+                setattr(altered.format, name, value)
+            return altered
+
+        async def refusal(altered: kv_cache_pb2.KvHandle) -> grpc.aio.AioRpcError:
+            call = decode.Decode(
+                decode_pb2.DecodeRequest(
+                    kv_handle=altered,
+                    prompt_token_ids=prompt_ids,
+                    first_token_id=leased.first_token_id,
+                    max_new_tokens=8,
+                ),
+                timeout=30,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in call:
+                    pass
+            return caught.value
+
+        for fields, named in (
+            ({"engine": ""}, "torch engine"),
+            ({"engine_version": "llama-cpp-python 0.0.1"}, "engine_version"),
+            ({"layout": "unified"}, "layout"),
+            ({"model_sha256": "0" * 64}, "model sha256"),
+        ):
+            error = await refusal(changed(**fields))
+            assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, fields
+            assert error_info(error).reason == "KV_FORMAT_MISMATCH"
+            assert named in error.details()
+        error = await refusal(changed(state_bytes=2**40))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [v.field for v in field_violations(error)] == ["kv_handle.format.state_bytes"]
+        # After every refusal the real handle still decodes.
+        call = decode.Decode(
+            decode_pb2.DecodeRequest(
+                kv_handle=handle,
+                prompt_token_ids=prompt_ids,
+                first_token_id=leased.first_token_id,
+                max_new_tokens=4,
+                ignore_eos=True,
+            ),
+            timeout=30,
+        )
+        tokens = [t async for m in call if m.HasField("chunk") for t in m.chunk.token_ids]
+        assert len(tokens) == 4
