@@ -21,11 +21,8 @@ from services.diffusion import SPEC
 # From the generated code, not the servicer: a command must not import the engine.
 SERVICE = diffusion_pb2.DESCRIPTOR.services_by_name["DiffusionService"]
 
-SAMPLERS = {
-    "ddpm": diffusion_pb2.SAMPLER_DDPM,
-    "ddim": diffusion_pb2.SAMPLER_DDIM,
-    "consistency": diffusion_pb2.SAMPLER_CONSISTENCY,
-}
+# The API's samplers by their lower-case names: ddpm, ddim, consistency.
+SAMPLERS = {n.removeprefix("SAMPLER_").lower(): v for n, v in diffusion_pb2.Sampler.items() if v}
 
 
 def image_path(out: Path, model: str, image: diffusion_pb2.Image, count: int) -> Path:
@@ -36,23 +33,21 @@ def image_path(out: Path, model: str, image: diffusion_pb2.Image, count: int) ->
     return out / f"{model}-{image.seed}.png"
 
 
-async def _imagine(
-    request: diffusion_pb2.GenerateRequest, out: Path, progress: Progress | None
-) -> dict:
+async def _imagine(request: diffusion_pb2.GenerateRequest, out: Path, progress: Progress) -> dict:
     settings = MeshSettings()
     target = settings.target_of(SPEC.name, SPEC.default_port)
     count = request.num_images if request.HasField("num_images") else 1
-    task = progress.add_task("connecting", total=None) if progress else None
+    task = progress.add_task("connecting", total=None)
     paths: list[str] = []
     async with create_channel(target, settings, services=[SERVICE]) as channel:
         stub = diffusion_pb2_grpc.DiffusionServiceStub(channel)
         async for event in stub.Generate(request):
             kind = event.WhichOneof("event")
-            if kind == "queued" and progress:
+            if kind == "queued":
                 position = event.queued.position
                 where = f"queued, position {position}" if position else "running"
                 progress.update(task, description=f"job {event.queued.job_id[:8]} {where}")
-            elif kind == "progress" and progress:
+            elif kind == "progress":
                 progress.update(
                     task, total=event.progress.total_steps, completed=event.progress.step
                 )
@@ -74,13 +69,13 @@ async def _imagine(
 def parse_conditioning(pairs: list[str]) -> dict[str, float]:
     conditioning = {}
     for pair in pairs:
-        key, separator, value = pair.partition("=")
+        key, _, value = pair.partition("=")  # no "=": value is "", which is no number
         try:
             conditioning[key] = float(value)
         except ValueError:
-            separator = ""
-        if not separator:
-            raise typer.BadParameter(f"{pair!r} is not KEY=NUMBER", param_hint="--condition")
+            raise typer.BadParameter(
+                f"{pair!r} is not KEY=NUMBER", param_hint="--condition"
+            ) from None
     return conditioning
 
 
@@ -107,37 +102,32 @@ def imagine(
         model=model,
         prompt=prompt,
         num_images=n,
+        steps=steps,  # None leaves a field unset: the model's default
+        seed=seed,
+        guidance_scale=guidance,
         sampler=SAMPLERS.get(sampler or "", diffusion_pb2.SAMPLER_UNSPECIFIED),
         width=size,
         height=size,
         conditioning=parse_conditioning(condition or []),
     )
-    for field, value in (("steps", steps), ("seed", seed), ("guidance_scale", guidance)):
-        if value is not None:
-            setattr(request, field, value)
-
-    if as_json:
+    # Disabled for --json: the bar never draws, and stdout holds the JSON alone.
+    columns = (TextColumn("{task.description}"), BarColumn(), TimeRemainingColumn())
+    with Progress(*columns, transient=True, disable=as_json) as progress:
         result, trace_id = run_command(
-            "imagine", lambda: _imagine(request, out, None), timeout_s=timeout
+            "imagine", lambda: _imagine(request, out, progress), timeout_s=timeout
         )
-    else:
-        columns = (TextColumn("{task.description}"), BarColumn(), TimeRemainingColumn())
-        with Progress(*columns, transient=True) as progress:
-            result, trace_id = run_command(
-                "imagine", lambda: _imagine(request, out, progress), timeout_s=timeout
-            )
     result["trace_id"] = trace_id
     if as_json:
         typer.echo(json.dumps(result))
-    else:
-        for path in result["images"]:
-            typer.echo(path)
-        table = Table("stage", "ms", title=f"trace {result['trace_id']}")
-        for name, ms in result["timing"].items():
-            table.add_row(name, f"{ms:.1f}")
-        Console(stderr=True).print(table)
-        typer.echo(
-            f"[{len(result['images'])} image(s), seeds {result['seeds']}, "
-            f"{result['timing']['total']:.0f} ms, trace {result['trace_id']}]",
-            err=True,
-        )
+        return
+    for path in result["images"]:
+        typer.echo(path)
+    table = Table("stage", "ms", title=f"trace {trace_id}")
+    for name, ms in result["timing"].items():
+        table.add_row(name, f"{ms:.1f}")
+    Console(stderr=True).print(table)
+    typer.echo(
+        f"[{len(result['images'])} image(s), seeds {result['seeds']}, "
+        f"{result['timing']['total']:.0f} ms, trace {trace_id}]",
+        err=True,
+    )

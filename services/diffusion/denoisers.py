@@ -43,21 +43,6 @@ class Denoiser(Protocol):
         ...
 
 
-def create_session(path: Path, device: str, threads: int | None) -> ort.InferenceSession:
-    """A session on CUDA when asked for or (device "auto") when the provider exists."""
-    available = ort.get_available_providers()
-    if device == "cuda" and "CUDAExecutionProvider" not in available:
-        raise NotReady("device cuda was asked for, but ONNX Runtime has no CUDA provider")
-    providers = ["CPUExecutionProvider"]
-    if device != "cpu" and "CUDAExecutionProvider" in available:
-        providers.insert(0, "CUDAExecutionProvider")
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if threads:
-        options.intra_op_num_threads = threads
-    return ort.InferenceSession(str(path), sess_options=options, providers=providers)
-
-
 class OnnxDenoiser:
     # Bytes ONNX Runtime's CPU arena grows by for one 128x128 forward pass (measured, with
     # headroom); a CUDA arena is of the same order.
@@ -65,7 +50,18 @@ class OnnxDenoiser:
     runs_on = "ONNX Runtime"
 
     def __init__(self, path: Path, device: str, threads: int | None) -> None:
-        self.session = create_session(path, device, threads)
+        """A session on CUDA when asked for or (device "auto") when the provider exists."""
+        available = ort.get_available_providers()
+        if device == "cuda" and "CUDAExecutionProvider" not in available:
+            raise NotReady("device cuda was asked for, but ONNX Runtime has no CUDA provider")
+        providers = ["CPUExecutionProvider"]
+        if device != "cpu" and "CUDAExecutionProvider" in available:
+            providers.insert(0, "CUDAExecutionProvider")
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            options.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
         self.providers = tuple(self.session.get_providers())
         self.device = "cuda" if "CUDAExecutionProvider" in self.providers else "cpu"
 

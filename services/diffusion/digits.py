@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import string
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -16,17 +15,16 @@ from mesh.artifacts import manifest_problems, sha256_of
 from mesh.failures import NotReady
 from mesh.validation import Violations
 from services.diffusion import schedule
-from services.diffusion.digits_model import (
-    IMAGE_SIDE,
-    NULL_CLASS,
-    PIXELS,
-    DigitsDenoiser,
-)
-from services.diffusion.engine import ModelCard, Plan, Provenance, to_uint8
+from services.diffusion.digits_model import IMAGE_SIDE, NULL_CLASS, PIXELS, DigitsDenoiser
+from services.diffusion.engine import ModelCard, Plan, Provenance
 from services.diffusion.train_digits import CONFIG, WEIGHTS
 
 SHIPPED = Path(__file__).parent / "weights" / "digits"
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+# A prompt, stripped and lower-cased, to the class it names ("" is any digit).
+PROMPT_CLASSES = (
+    {"": NULL_CLASS} | {str(d): d for d in range(10)} | {w: d for d, w in enumerate(WORDS)}
+)
 Sampler = diffusion_pb2.Sampler
 
 CARD = ModelCard(
@@ -47,21 +45,14 @@ CARD = ModelCard(
 
 def parse_digit(prompt: str) -> int | None:
     """The class a prompt names; NULL_CLASS for an empty prompt; None if it names none."""
-    text = prompt.strip().lower()
-    if not text:
-        return NULL_CLASS
-    # ASCII only: str.isdigit() also holds for "²", which int() refuses.
-    if len(text) == 1 and text in string.digits:
-        return int(text)
-    return WORDS.index(text) if text in WORDS else None
+    return PROMPT_CLASSES.get(prompt.strip().lower())
 
 
 class DigitsModel:
     card = CARD
 
     def __init__(self, directory: Path = SHIPPED, device: str = "cpu") -> None:
-        problems = manifest_problems(directory)
-        if problems:
+        if problems := manifest_problems(directory):
             raise NotReady(f"the digits checkpoint in {directory} is not trustworthy: {problems}")
         self.timesteps = json.loads((directory / CONFIG).read_text())["timesteps"]
         self.network = DigitsDenoiser()
@@ -145,7 +136,9 @@ class DigitsSampling:
         self.done[index] = i + 1
 
     def _render(self, values: torch.Tensor) -> np.ndarray:
-        return to_uint8(values.reshape(IMAGE_SIDE, IMAGE_SIDE).numpy(), -1.0, 1.0)
+        """[-1, 1] -> 8-bit grayscale."""
+        unit = (values.reshape(IMAGE_SIDE, IMAGE_SIDE).numpy().astype(np.float64) + 1.0) / 2.0
+        return np.rint(np.clip(unit, 0.0, 1.0) * 255).astype(np.uint8)
 
     def preview(self, index: int) -> np.ndarray:
         return self._render(self.cleans[index])

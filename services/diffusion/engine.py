@@ -87,8 +87,3 @@ class DiffusionModel(Protocol):
         """Peak memory a job of `images` at `size` adds while it runs."""
 
     def start(self, plan: Plan) -> Sampling: ...
-
-
-def to_uint8(values: np.ndarray, low: float, high: float) -> np.ndarray:
-    scaled = (np.asarray(values, dtype=np.float64) - low) / (high - low)
-    return np.rint(np.clip(scaled, 0.0, 1.0) * 255).astype(np.uint8)

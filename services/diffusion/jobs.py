@@ -60,7 +60,7 @@ class JobQueue:
         self.max_queue = max_queue
         self._waiting: list[Job] = []
         self._running: set[Job] = set()
-        self._reserved = 0
+        self.reserved_bytes = 0
         self._changed = asyncio.Event()
 
     @property
@@ -71,17 +71,13 @@ class JobQueue:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    @property
-    def reserved_bytes(self) -> int:
-        return self._reserved
-
     def _notify(self) -> None:
         """Wakes every waiter to look again; each waits on the Event current when it looked."""
         self._changed.set()
         self._changed = asyncio.Event()
         RUNNING.set(len(self._running))
         WAITING.set(len(self._waiting))
-        RESERVED.set(self._reserved)
+        RESERVED.set(self.reserved_bytes)
 
     def submit(self, job: Job) -> None:
         if job.estimated_bytes > self.budget_bytes:
@@ -102,12 +98,12 @@ class JobQueue:
         self._notify()
 
     def _try_start(self, job: Job) -> bool:
-        fits = self._reserved + job.estimated_bytes <= self.budget_bytes
+        fits = self.reserved_bytes + job.estimated_bytes <= self.budget_bytes
         if self._waiting[0] is not job or len(self._running) >= self.slots or not fits:
             return False
         self._waiting.pop(0)
         self._running.add(job)
-        self._reserved += job.estimated_bytes
+        self.reserved_bytes += job.estimated_bytes
         self._notify()
         return True
 
@@ -139,7 +135,7 @@ class JobQueue:
             self._waiting.remove(job)
         elif job in self._running:
             self._running.remove(job)
-            self._reserved -= job.estimated_bytes
+            self.reserved_bytes -= job.estimated_bytes
         else:
             return
         self._notify()

@@ -60,17 +60,14 @@ def plan_job(
     card = model.card
 
     images = request.num_images if request.HasField("num_images") else 1
-    violations.check(
-        1 <= images <= card.max_images,
-        "num_images",
-        f"must be 1 to {card.max_images} for {card.name}, got {images}",
-    )
     steps = request.steps if request.HasField("steps") else card.default_steps
-    violations.check(
-        1 <= steps <= card.max_steps,
-        "steps",
-        f"must be 1 to {card.max_steps} for {card.name}, got {steps}",
-    )
+    for field, value, limit in (
+        ("num_images", images, card.max_images),
+        ("steps", steps, card.max_steps),
+    ):
+        violations.check(
+            1 <= value <= limit, field, f"must be 1 to {limit} for {card.name}, got {value}"
+        )
     sampler = request.sampler or card.samplers[0]
     violations.check(
         sampler in card.samplers,

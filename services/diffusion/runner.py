@@ -69,11 +69,8 @@ def _run(job: Job, emit: Emit, preview_every: int, throttle: Throttle) -> RunTim
         step_started = now
         if step == plan.steps or now - last_progress >= throttle.progress_s:
             last_progress = now
-            progress = diffusion_pb2.Progress(
-                step=step,
-                total_steps=plan.steps,
-                eta_ms=round((now - started) / step * (plan.steps - step) * 1000),
-            )
+            eta_ms = round((now - started) / step * (plan.steps - step) * 1000)
+            progress = diffusion_pb2.Progress(step=step, total_steps=plan.steps, eta_ms=eta_ms)
             emit(diffusion_pb2.GenerateResponse(progress=progress))
         due = preview_every and step % preview_every == 0 and step < plan.steps
         if due and now - last_preview >= throttle.preview_s:
@@ -87,12 +84,9 @@ def _run(job: Job, emit: Emit, preview_every: int, throttle: Throttle) -> RunTim
     for index, seed in enumerate(plan.seeds):
         job.check_cancelled()
         pixels = sampling.result(index)
+        height, width = pixels.shape
         image = diffusion_pb2.Image(
-            index=index,
-            seed=seed,
-            png=encode_png(pixels),
-            width=pixels.shape[1],
-            height=pixels.shape[0],
+            index=index, seed=seed, png=encode_png(pixels), width=width, height=height
         )
         emit(diffusion_pb2.GenerateResponse(image=image))
         IMAGES.labels(job.model.card.name).inc()

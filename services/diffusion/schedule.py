@@ -48,11 +48,7 @@ def ddim_step(
 
 
 def ddpm_step(
-    x: torch.Tensor,
-    eps: torch.Tensor,
-    alpha_bar: float,
-    alpha_bar_prev: float,
-    noise: torch.Tensor,
+    x: torch.Tensor, eps: torch.Tensor, alpha_bar: float, alpha_bar_prev: float, noise: torch.Tensor
 ) -> torch.Tensor:
     """Ancestral DDPM move from alpha_bar to alpha_bar_prev (posterior mean + its variance)."""
     x0 = predict_clean(x, eps, alpha_bar)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import functools
 import logging
 import time
@@ -38,7 +39,7 @@ MAX_JOB_ID = 64
 
 
 def model_info(card: ModelCard) -> diffusion_pb2.ModelInfo:
-    info = diffusion_pb2.ModelInfo(
+    return diffusion_pb2.ModelInfo(
         name=card.name,
         description=card.description,
         conditioning=card.conditioning,
@@ -49,10 +50,8 @@ def model_info(card: ModelCard) -> diffusion_pb2.ModelInfo:
         samplers=card.samplers,
         default_steps=card.default_steps,
         sizes=[diffusion_pb2.Size(width=s, height=s) for s in card.sizes],
+        default_guidance_scale=card.default_guidance,  # None: unset, the model takes none
     )
-    if card.default_guidance is not None:
-        info.default_guidance_scale = card.default_guidance
-    return info
 
 
 def uses_cuda(settings: DiffusionSettings) -> bool:
@@ -88,13 +87,10 @@ def load_models(
 
 def described(model: DiffusionModel) -> ModelInfo:
     """GetInfo's entry for a loaded model."""
-    card, provenance = model.card, model.provenance
+    card = model.card
     return ModelInfo(
         name=card.name,
-        sha256=provenance.sha256,
-        dtype=provenance.dtype,
-        device=provenance.device,
-        engine=provenance.engine,
+        **dataclasses.asdict(model.provenance),
         limits={
             "sizes": ",".join(map(str, card.sizes)),
             "max_steps": str(card.max_steps),
@@ -105,7 +101,6 @@ def described(model: DiffusionModel) -> ModelInfo:
 
 class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
     def __init__(self, settings: DiffusionSettings, workers: ThreadPoolExecutor) -> None:
-        self.settings = settings
         self.models: dict[str, DiffusionModel] = {}
         self.queue = JobQueue(
             slots=settings.slots,
@@ -130,11 +125,12 @@ class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
         running: asyncio.Future[RunTimes] | None = None
         outcome = "cancelled"  # unless it ends otherwise; a caller that left raises no error
         try:
-            position = await self.queue.next_position(job, None)
-            yield queued(job, position)
-            while position:
+            position: int | None = None
+            while position != 0:  # 0: the job holds a slot
                 position = await self.queue.next_position(job, position)
-                yield queued(job, position)
+                yield diffusion_pb2.GenerateResponse(
+                    queued=diffusion_pb2.Queued(job_id=job.id, position=position)
+                )
             started = time.perf_counter()
             loop = asyncio.get_running_loop()
             events = JobEvents(loop, len(plan.seeds))
@@ -218,12 +214,6 @@ def summary(
     )
     return diffusion_pb2.GenerateResponse(
         summary=diffusion_pb2.Summary(job_id=job.id, seeds=job.plan.seeds, timing=timing)
-    )
-
-
-def queued(job: Job, position: int) -> diffusion_pb2.GenerateResponse:
-    return diffusion_pb2.GenerateResponse(
-        queued=diffusion_pb2.Queued(job_id=job.id, position=position)
     )
 
 

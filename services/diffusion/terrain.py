@@ -102,11 +102,8 @@ class TerrainModel:
             "the terrain model takes no prompt; set conditioning[difficulty] instead",
         )
         for key in conditioning:
-            violations.check(
-                key == "difficulty",
-                f"conditioning[{key}]",
-                "unknown key; the only one is difficulty",
-            )
+            if key != "difficulty":
+                violations.add(f"conditioning[{key}]", "unknown key; the only one is difficulty")
         difficulty = conditioning.get("difficulty", 50.0)
         if violations.in_range(difficulty, "conditioning[difficulty]", 1, DIFFICULTIES):
             violations.check(
@@ -123,15 +120,13 @@ class TerrainModel:
         return self.denoiser.workspace_bytes + 28 * size * size + images * 2 * size * size
 
     def denoise(self, noisy: np.ndarray, difficulty: int) -> np.ndarray:
-        return self.denoiser(
-            {
-                "noisy": np.ascontiguousarray(noisy, dtype=np.float32),
-                "sigma": np.full(len(noisy), SIGMA_MAX, dtype=np.float32),
-                "difficulty": np.full(
-                    len(noisy), (difficulty - 1) / (DIFFICULTIES - 1), np.float32
-                ),
-            }
-        )
+        rows = len(noisy)
+        feeds = {
+            "noisy": np.ascontiguousarray(noisy, dtype=np.float32),
+            "sigma": np.full(rows, SIGMA_MAX, dtype=np.float32),
+            "difficulty": np.full(rows, (difficulty - 1) / (DIFFICULTIES - 1), np.float32),
+        }
+        return self.denoiser(feeds)
 
     def start(self, plan: Plan) -> TerrainSampling:
         return TerrainSampling(self, plan)

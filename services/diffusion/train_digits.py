@@ -79,23 +79,19 @@ def train(
     out.mkdir(parents=True, exist_ok=True)
     weights = {name: tensor.half().contiguous() for name, tensor in ema.state_dict().items()}
     save_file(weights, str(out / WEIGHTS))
-    (out / CONFIG).write_text(
-        json.dumps(
-            {
-                "timesteps": TIMESTEPS,
-                "schedule": "cosine",
-                "prediction": "epsilon",
-                "steps": steps,
-                "batch": batch,
-                "learning_rate": learning_rate,
-                "label_dropout": label_dropout,
-                "ema_decay": ema_decay,
-                "seed": seed,
-                "torch": torch.__version__,
-            },
-            indent=2,
-        )
-    )
+    config = {
+        "timesteps": TIMESTEPS,
+        "schedule": "cosine",
+        "prediction": "epsilon",
+        "steps": steps,
+        "batch": batch,
+        "learning_rate": learning_rate,
+        "label_dropout": label_dropout,
+        "ema_decay": ema_decay,
+        "seed": seed,
+        "torch": torch.__version__,
+    }
+    (out / CONFIG).write_text(json.dumps(config, indent=2))
     write_manifest(out, source="python -m services.diffusion.train_digits")
     print(f"wrote {out} in {time.perf_counter() - started:.0f}s")
 

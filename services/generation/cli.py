@@ -55,12 +55,9 @@ def generate(
     timeout: Annotated[float, typer.Option(help="seconds for the whole request")] = 120.0,
 ) -> None:
     """Generate text through the mesh: tokenizer -> prefill -> decode -> the router's text."""
-    sampling = sampling_pb2.SamplingParameters(temperature=temperature)
-    if seed is not None:
-        sampling.seed = seed
-    stopping = sampling_pb2.StoppingCriteria()
-    if max_new_tokens is not None:
-        stopping.max_new_tokens = max_new_tokens
+    # None leaves a field unset: the server's default.
+    sampling = sampling_pb2.SamplingParameters(temperature=temperature, seed=seed)
+    stopping = sampling_pb2.StoppingCriteria(max_new_tokens=max_new_tokens)
     if chat:
         request = generation_pb2.ChatRequest(
             messages=[{"role": "user", "content": prompt}], sampling=sampling, stopping=stopping

@@ -25,10 +25,7 @@ from services.generation.pipeline import Outcome
 from services.llm.requests import Stopping
 
 OUTPUTS = ("output_ids", "finish_reason")
-_FINISH = {
-    b"length": sampling_pb2.FINISH_REASON_LENGTH,
-    b"eos": sampling_pb2.FINISH_REASON_EOS,
-}
+_FINISH = {b"length": sampling_pb2.FINISH_REASON_LENGTH, b"eos": sampling_pb2.FINISH_REASON_EOS}
 
 
 class TritonGeneration:
@@ -72,8 +69,7 @@ class TritonGeneration:
                 async for response in responses:
                     if response["finish_reason"] is not None:
                         outcome.finish_reason = _FINISH[response["finish_reason"][0]]
-                    ids = response["output_ids"].tolist()
-                    if ids:
+                    if ids := response["output_ids"].tolist():
                         first_at = first_at or time.perf_counter()
                         yield ids
         finally:

@@ -18,13 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from aimesh.common.v1 import common_pb2
-from aimesh.llm.v1 import (
-    decode_pb2,
-    decode_pb2_grpc,
-    prefill_pb2,
-    prefill_pb2_grpc,
-    sampling_pb2,
-)
+from aimesh.llm.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from mesh.client import ChannelPool
 from mesh.validation import Violations
 from services.generation.workers import DecodePicker, PrefillPicker
@@ -81,16 +75,11 @@ class Pipeline:
         # prefill's answer is on its way (prefill drops a KV released before it exists).
         handle_id = new_handle_id()
         try:
-            prefill = await prefill_pb2_grpc.PrefillServiceStub(
-                self.channels.get(prefill_target, PREFILL)
-            ).Prefill(
-                prefill_pb2.PrefillRequest(
-                    request_id=request_id,
-                    token_ids=prompt_ids,
-                    sampling=sampling,
-                    handle_id=handle_id,
-                )
+            stub = prefill_pb2_grpc.PrefillServiceStub(self.channels.get(prefill_target, PREFILL))
+            request = prefill_pb2.PrefillRequest(
+                request_id=request_id, token_ids=prompt_ids, sampling=sampling, handle_id=handle_id
             )
+            prefill = await stub.Prefill(request)
         except BaseException:
             self.releaser.release_later(prefill_target, handle_id)
             raise
@@ -137,9 +126,8 @@ class Pipeline:
         tried: frozenset[str] = frozenset()
         while True:
             target = self.decode.pick(exclude=tried)
-            call = decode_pb2_grpc.DecodeServiceStub(self.channels.get(target, DECODE)).Decode(
-                request
-            )
+            stub = decode_pb2_grpc.DecodeServiceStub(self.channels.get(target, DECODE))
+            call = stub.Decode(request)
             outcome.decode_worker = target
             streamed = False
             try:

@@ -281,7 +281,7 @@ async def setup(server: MeshServer) -> None:
         decode_picker = DecodePicker(decode, server.channels, options.poll_interval_s)
         engine = Pipeline(server.channels, PrefillPicker(prefill, server.channels), decode_picker)
         server.add_warmup(
-            lambda: _wait_for_workers(server, tokenizer_target, prefill, decode_picker, options)
+            lambda: _wait_for_workers(server, tokenizer_target, prefill, decode_picker)
         )
         server.add_shutdown(decode_picker.stop)
     router = GenerationRouter(tokenizer, engine, settings, model_name)
@@ -302,11 +302,7 @@ async def setup(server: MeshServer) -> None:
 
 
 async def _wait_for_workers(
-    server: MeshServer,
-    tokenizer: str,
-    prefill: list[str],
-    decode_picker: DecodePicker,
-    options: RouterOptions,
+    server: MeshServer, tokenizer: str, prefill: list[str], decode_picker: DecodePicker
 ) -> None:
     """Ready once the pipeline can run: the tokenizer, a prefill and a decode worker
     answer. Only at start; later outages show as errors, not as an unready router."""
@@ -316,7 +312,7 @@ async def _wait_for_workers(
         and await probe(tokenizer, "tokenizer") == "SERVING"
         and any([await probe(target, "prefill") == "SERVING" for target in prefill])
     ):
-        await asyncio.sleep(options.poll_interval_s)
+        await asyncio.sleep(decode_picker.poll_interval_s)
         await decode_picker.poll()
     server.watch(decode_picker.start())
 

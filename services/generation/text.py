@@ -68,13 +68,10 @@ class TextStream:
             self.stopped = True
             self._held = ""
             return text[: min(matches)]
-        hold = next(
-            (
-                k
-                for k in range(min(len(text), self._longest - 1), 0, -1)
-                if any(stop.startswith(text[-k:]) for stop in self._stops)
-            ),
-            0,
-        )
-        self._held = text[len(text) - hold :]
-        return text[: len(text) - hold]
+        cut = len(text)  # held back from here: the longest end a stop string starts with
+        for k in range(min(len(text), self._longest - 1), 0, -1):
+            if any(stop.startswith(text[-k:]) for stop in self._stops):
+                cut = len(text) - k
+                break
+        self._held = text[cut:]
+        return text[:cut]
