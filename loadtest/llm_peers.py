@@ -1,5 +1,6 @@
-"""LLM serving peers: the aimesh mesh (fp32, bf16) beside in-process transformers (fp32,
-bf16) and llama.cpp's `llama-server` on the same GGUF, in one run on the same prompts.
+"""LLM serving peers: the aimesh mesh (on its llama.cpp and torch engines) beside in-process
+transformers (fp32, bf16) and llama.cpp's `llama-server` on the same GGUF, in one run on
+the same prompts.
 
 Every engine decodes greedily, ignores EOS so every stream has the same length, and
 reuses no prompt cache. Measured per engine: TTFT for a short (~9-token) and a 256-token
@@ -47,8 +48,8 @@ LLAMA_PORT = 50770
 # Weight bytes per parameter for the floor; Q4_1 is taken from the GGUF file's size.
 BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2}
 
-# The mesh's [engines.llm] dtype and torch threads per process, one run each.
-MESH_VARIANTS = (("float32", 1), ("float32", 2), ("bfloat16", 2))
+# The mesh's [engines.llm] engine, dtype (torch only) and threads per process, one run each.
+MESH_VARIANTS = (("llama.cpp", "auto", 1), ("llama.cpp", "auto", 2), ("torch", "float32", 2))
 
 # One streamed request: yields how many tokens each arrival carried.
 Stream = Callable[[str, int], AsyncIterator[int]]
@@ -202,8 +203,11 @@ def stop(processes: list[subprocess.Popen]) -> None:
         process.wait(timeout=30)
 
 
-def mesh_engine(dtype: str, threads: int, weight_bytes: int, plan: Plan, long: str) -> Engine:
-    """The four-process mesh as loadtest.llm runs it, with [engines.llm] dtype and threads."""
+def mesh_engine(
+    kind: str, dtype: str, threads: int, weight_bytes: int, plan: Plan, long: str
+) -> Engine:
+    """The four-process mesh as loadtest.llm runs it, with [engines.llm] engine, dtype and
+    threads."""
 
     async def measure() -> Engine:
         await wait_mesh()
@@ -221,8 +225,9 @@ def mesh_engine(dtype: str, threads: int, weight_bytes: int, plan: Plan, long: s
                     if message.HasField("chunk") and message.chunk.token_ids:
                         yield len(message.chunk.token_ids)
 
+            weights = "Q4_1" if kind == "llama.cpp" else dtype
             return await measure_stream(
-                Engine(f"aimesh mesh {dtype}, {threads} thread(s)", weight_bytes),
+                Engine(f"aimesh mesh, {kind} {weights}, {threads} thread(s)", weight_bytes),
                 stream,
                 plan,
                 long,
@@ -230,7 +235,9 @@ def mesh_engine(dtype: str, threads: int, weight_bytes: int, plan: Plan, long: s
 
     with tempfile.TemporaryDirectory() as root:
         with environment(
-            AIMESH_ENGINES__LLM__DTYPE=dtype, AIMESH_ENGINES__LLM__THREADS=str(threads)
+            AIMESH_ENGINES__LLM__ENGINE=kind,
+            AIMESH_ENGINES__LLM__DTYPE=dtype,
+            AIMESH_ENGINES__LLM__THREADS=str(threads),
         ):
             processes = start_mesh(Path(root))
         try:
@@ -277,14 +284,20 @@ def streamed_tokens(line: str) -> int:
     return 0 if event.get("stop") else len(event.get("tokens", []))
 
 
-def llama_engine(binary: Path, plan: Plan, long: str) -> Engine:
-    """llama-server's streaming /completion endpoint over HTTP."""
+def llama_engine(binary: Path, plan: Plan, long: str, url: str | None = None) -> Engine:
+    """llama-server's streaming /completion endpoint over HTTP: one started here, or the
+    one already running at `url` (started as start_llama_server starts it)."""
     gguf = gguf_path()
 
-    async def measure(process: subprocess.Popen) -> Engine:
-        base = f"http://127.0.0.1:{LLAMA_PORT}"
-        async with httpx.AsyncClient(base_url=base, timeout=600) as client:
-            await wait_llama(client, process)
+    async def measure(process: subprocess.Popen | None) -> Engine:
+        base = url or f"http://127.0.0.1:{LLAMA_PORT}"
+        # A connection per request: llama-server's HTTP library closes a kept-alive one
+        # after a few requests, and a request sent on it as it closes fails with
+        # "Server disconnected" (it ended two runs here).
+        no_reuse = httpx.Limits(max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=base, timeout=600, limits=no_reuse) as client:
+            if process is not None:
+                await wait_llama(client, process)
 
             async def stream(prompt: str, new_tokens: int) -> AsyncIterator[int]:
                 body = {
@@ -306,6 +319,8 @@ def llama_engine(binary: Path, plan: Plan, long: str) -> Engine:
             engine = Engine("llama.cpp `llama-server` Q4_1", gguf.stat().st_size)
             return await measure_stream(engine, stream, plan, long)
 
+    if url:
+        return asyncio.run(measure(None))
     with tempfile.TemporaryDirectory() as root:
         process = start_llama_server(binary, gguf, max(plan.concurrency), Path(root) / "log")
         try:
@@ -426,6 +441,9 @@ def main() -> None:
     parser.add_argument(
         "--llama-server", type=Path, default=Path("var/llama-venv/bin/llama-server")
     )
+    parser.add_argument(
+        "--llama-url", help="measure the llama-server running here instead of starting one"
+    )
     parser.add_argument("--bandwidth-gbs", type=float, help="for the floor (default: measured)")
     parser.add_argument("--quick", action="store_true", help="smoke run: c=1,4; 16 tokens")
     args = parser.parse_args()
@@ -434,10 +452,12 @@ def main() -> None:
     long = long_prompt(model_dir)
     engines = [transformers_engine(model_dir, dtype, plan, long) for dtype in BYTES_PER_PARAM]
     weights = dict(zip(BYTES_PER_PARAM, (e.weight_bytes for e in engines), strict=True))
+    weights["auto"] = gguf_path().stat().st_size  # the llama.cpp engine reads the GGUF
     engines += [
-        mesh_engine(dtype, threads, weights[dtype], plan, long) for dtype, threads in MESH_VARIANTS
+        mesh_engine(kind, dtype, threads, weights[dtype], plan, long)
+        for kind, dtype, threads in MESH_VARIANTS
     ]
-    engines.append(llama_engine(args.llama_server, plan, long))
+    engines.append(llama_engine(args.llama_server, plan, long, args.llama_url))
     bandwidth = args.bandwidth_gbs or read_bandwidth_gbs()
     image = args.plot or (args.out.parent if args.out else Path(".")) / "llm-peers.png"
     markdown = report(engines, plan, bandwidth, image.name)
