@@ -115,7 +115,7 @@ def load_served(settings: LlmSettings, cache_dir: Path, *, sequences: int) -> Se
         directory,
         settings,
         engine="llama.cpp",
-        dtype=model.description,
+        dtype=model.weights_type,
         device="cpu",
         artifact=gguf,
     )

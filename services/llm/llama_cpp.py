@@ -129,8 +129,9 @@ class LlamaCpp:
         self._batch = lib.llama_batch_init(params.n_batch, 0, 1)
         description = ctypes.create_string_buffer(256)
         lib.llama_model_desc(self._model, description, len(description))
-        # e.g. "llama ?B Q4_1 - Medium": the weights' type is what GetInfo calls its dtype.
-        self.description = description.value.decode(errors="replace")
+        # "<arch> <size class> <weights' type>", e.g. "llama 256M Q4_1": GetInfo's dtype
+        # is the weights' type (the size class is llama.cpp's bucket, not the model's).
+        self.weights_type = description.value.decode(errors="replace").split(" ", 2)[-1]
 
     def close(self) -> None:
         if self._context:

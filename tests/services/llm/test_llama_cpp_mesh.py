@@ -69,7 +69,7 @@ async def test_prefill_and_decode_say_they_serve_the_gguf_on_llama_cpp(llama_cpp
     for model in models.values():
         assert (model.engine, model.device) == ("llama.cpp", "cpu")
         assert model.sha256 == sha256_of(gguf_path())
-        assert "Q4_1" in model.dtype
+        assert model.dtype == "Q4_1"
 
 
 async def test_greedy_streams_in_one_batch_each_equal_llama_cpp_alone(
