@@ -84,6 +84,7 @@ bench-llm-peers: install $(LLAMA_SERVER)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m loadtest.llm_kernels --out docs/benchmarks.md
 	$(PY) -m loadtest.llm_peers --llama-server $(LLAMA_SERVER) --out docs/benchmarks.md
+	$(PY) -m loadtest.llm_quality --out docs/benchmarks.md
 
 bench-retrieval: install
 	$(PY) -m loadtest.embed --out docs/benchmarks.md
