@@ -111,14 +111,23 @@ class ServiceProcesses:
         self.children[label] = child
 
     async def _ready(self, labels: list[str], timeout_s: float) -> None:
-        children = [self.children[label] for label in labels]
-        took = await asyncio.gather(
-            *(supervisor.wait_ready([child], timeout_s) for child in children)
-        )
-        for label, child, ready in zip(labels, children, took, strict=True):
-            if ready[child.spec.name] is None:
+        """Until every child is ready; fails as soon as one dies or times out, with its log,
+        instead of waiting out the others (a router waits for workers that already died)."""
+
+        async def one(label: str) -> None:
+            child = self.children[label]
+            took = await supervisor.wait_ready([child], timeout_s)
+            if took[child.spec.name] is None:
                 log = (self.logs / f"{label}.log").read_text()[-3000:]
                 raise AssertionError(f"{label} did not become ready on {child.target}:\n{log}")
+
+        waits = [asyncio.create_task(one(label)) for label in labels]
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_EXCEPTION)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for task in done:
+            task.result()
 
     async def _start(self, units: list[tuple[str, str, int, dict[str, str]]], timeout_s: float):
         for label, service, port, env in units:
