@@ -8,10 +8,12 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
 from aimesh.llm.v1 import (
+    decode_pb2,
     decode_pb2_grpc,
     generation_pb2,
     generation_pb2_grpc,
@@ -166,6 +168,29 @@ async def prefill_and_decode(
             prefill_pb2_grpc.PrefillServiceStub(prefill_channel),
             decode_pb2_grpc.DecodeServiceStub(decode_channel),
         )
+
+
+async def decode_refusal(
+    decode: decode_pb2_grpc.DecodeServiceStub,
+    handle,
+    prompt_ids: list[int],
+    first_token_id: int,
+    max_new_tokens: int = 8,
+) -> grpc.aio.AioRpcError:
+    """The error a Decode of `handle` ends with; the test fails if it streams to the end."""
+    call = decode.Decode(
+        decode_pb2.DecodeRequest(
+            kv_handle=handle,
+            prompt_token_ids=prompt_ids,
+            first_token_id=first_token_id,
+            max_new_tokens=max_new_tokens,
+        ),
+        timeout=30,
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for _ in call:
+            pass
+    return caught.value
 
 
 def stopping(max_new_tokens: int, **extra) -> sampling_pb2.StoppingCriteria:

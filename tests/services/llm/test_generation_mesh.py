@@ -32,6 +32,7 @@ from services.llm.kv_transfer import new_handle_id
 from tests.conftest import VENV_BIN
 from tests.services.llm.conftest import (
     MAX_SEQ_LEN,
+    decode_refusal,
     generate,
     greedy_reference,
     prefill_and_decode,
@@ -217,19 +218,8 @@ async def test_unknown_and_expired_kv_handles_are_not_found(llm_mesh, reference)
         unknown.CopyFrom(leased.kv_handle)
         unknown.id = new_handle_id()  # well formed, never leased
         for handle in (unknown, leased.kv_handle):
-            call = decode.Decode(
-                decode_pb2.DecodeRequest(
-                    kv_handle=handle,
-                    prompt_token_ids=prompt_ids,
-                    first_token_id=leased.first_token_id,
-                    max_new_tokens=8,
-                ),
-                timeout=30,
-            )
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                async for _ in call:
-                    pass
-            assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+            error = await decode_refusal(decode, handle, prompt_ids, leased.first_token_id)
+            assert error.code() == grpc.StatusCode.NOT_FOUND
         # Decode pulls only from prefill workers it is configured with, and prefill
         # takes only ids it could have issued: each refusal names the field.
         elsewhere = kv_cache_pb2.KvHandle()
@@ -239,35 +229,15 @@ async def test_unknown_and_expired_kv_handles_are_not_found(llm_mesh, reference)
         made_up.CopyFrom(leased.kv_handle)
         made_up.id = "a" * 16
         for handle, field in ((elsewhere, "kv_handle.address"), (made_up, "kv_handle.id")):
-            call = decode.Decode(
-                decode_pb2.DecodeRequest(
-                    kv_handle=handle,
-                    prompt_token_ids=prompt_ids,
-                    first_token_id=leased.first_token_id,
-                    max_new_tokens=8,
-                ),
-                timeout=30,
-            )
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                async for _ in call:
-                    pass
-            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert [v.field for v in field_violations(caught.value)] == [field]
+            error = await decode_refusal(decode, handle, prompt_ids, leased.first_token_id)
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert [v.field for v in field_violations(error)] == [field]
         # The router resolves the length: decode checks only that it fits its context.
         for length in (0, MAX_SEQ_LEN):
-            call = decode.Decode(
-                decode_pb2.DecodeRequest(
-                    kv_handle=leased.kv_handle,
-                    prompt_token_ids=prompt_ids,
-                    first_token_id=leased.first_token_id,
-                    max_new_tokens=length,
-                ),
-                timeout=30,
+            error = await decode_refusal(
+                decode, leased.kv_handle, prompt_ids, leased.first_token_id, length
             )
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                async for _ in call:
-                    pass
-            assert [v.field for v in field_violations(caught.value)] == ["max_new_tokens"]
+            assert [v.field for v in field_violations(error)] == ["max_new_tokens"]
     async with create_channel(llm_mesh.target("prefill"), MeshSettings()) as channel:
         kv_cache = kv_cache_pb2_grpc.KvCacheServiceStub(channel)
         for made_up in ("x" * 1024 * 1024, "é" * 32, "a" * 16):

@@ -19,6 +19,7 @@ from services.llm.llama import LlamaConfig
 from services.llm.llama_cpp import ENGINE_VERSION, LlamaCpp
 from tests.services.llm.conftest import (
     LlmMesh,
+    decode_refusal,
     generate,
     prefill_and_decode,
     running_llm_mesh,
@@ -131,32 +132,21 @@ async def test_decode_refuses_kv_it_cannot_continue(llama_cpp_mesh, model_dir):
                 setattr(altered.format, name, value)
             return altered
 
-        async def refusal(altered: kv_cache_pb2.KvHandle) -> grpc.aio.AioRpcError:
-            call = decode.Decode(
-                decode_pb2.DecodeRequest(
-                    kv_handle=altered,
-                    prompt_token_ids=prompt_ids,
-                    first_token_id=leased.first_token_id,
-                    max_new_tokens=8,
-                ),
-                timeout=30,
-            )
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                async for _ in call:
-                    pass
-            return caught.value
-
         for fields, named in (
             ({"engine": ""}, "torch engine"),
             ({"engine_version": "llama-cpp-python 0.0.1"}, "engine_version"),
             ({"layout": "unified"}, "layout"),
             ({"model_sha256": "0" * 64}, "model sha256"),
         ):
-            error = await refusal(changed(**fields))
+            error = await decode_refusal(
+                decode, changed(**fields), prompt_ids, leased.first_token_id
+            )
             assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, fields
             assert error_info(error).reason == "KV_FORMAT_MISMATCH"
             assert named in error.details()
-        error = await refusal(changed(state_bytes=2**40))
+        error = await decode_refusal(
+            decode, changed(state_bytes=2**40), prompt_ids, leased.first_token_id
+        )
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert [v.field for v in field_violations(error)] == ["kv_handle.format.state_bytes"]
         # After every refusal the real handle still decodes.
