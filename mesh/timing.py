@@ -6,10 +6,16 @@ from __future__ import annotations
 from aimesh.common.v1 import common_pb2
 
 
-def stage(name: str, seconds: float, kind: int, service: str = "") -> common_pb2.Stage:
+def stage(
+    name: str, seconds: float, kind: int, service: str = "", tokens: int = 0
+) -> common_pb2.Stage:
     """A stage of `seconds` (clamped at 0: clocks of different hops can disagree)."""
     return common_pb2.Stage(
-        name=name, kind=kind, duration_ns=int(max(seconds, 0.0) * 1e9), service=service
+        name=name,
+        kind=kind,
+        duration_ns=int(max(seconds, 0.0) * 1e9),
+        service=service,
+        tokens=tokens,
     )
 
 

@@ -32,11 +32,12 @@ def finish_reason(reason: int) -> str:
     return "length" if reason == sampling_pb2.FINISH_REASON_LENGTH else "stop"
 
 
-def usage(message: common_pb2.Usage) -> dict[str, int]:
+def usage(message: common_pb2.Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": message.prompt_tokens,
         "completion_tokens": message.completion_tokens,
         "total_tokens": message.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": message.cached_tokens},
     }
 
 

@@ -41,6 +41,10 @@ class Outcome:
     prefill_worker: str = ""
     decode_worker: str = ""
     stages: dict[str, float] = field(default_factory=dict)
+    # Tokens a stage handled, where its service counted them (Stage.tokens).
+    stage_tokens: dict[str, int] = field(default_factory=dict)
+    # Prompt tokens whose KV came from prefill's prefix cache.
+    cached_tokens: int = 0
 
 
 def _stage_seconds(timing: common_pb2.Timing, name: str) -> float:
@@ -69,7 +73,7 @@ class Pipeline:
         limits: Stopping,
         outcome: Outcome,
     ) -> AsyncIterator[list[int]]:
-        prefill_target = self.prefill.pick()
+        prefill_target = self.prefill.pick(prompt_ids)
         outcome.prefill_worker = prefill_target
         # Chosen here so the KV can be released even if this call is cancelled while
         # prefill's answer is on its way (prefill drops a KV released before it exists).
@@ -83,8 +87,15 @@ class Pipeline:
         except BaseException:
             self.releaser.release_later(prefill_target, handle_id)
             raise
+        finally:
+            self.prefill.done(prefill_target)
         outcome.stages["queue"] = _stage_seconds(prefill.timing, "queue")
-        outcome.stages["prefill"] = _stage_seconds(prefill.timing, "prefill")
+        for name in ("prefix_cache", "prefill"):
+            outcome.stages[name] = _stage_seconds(prefill.timing, name)
+            outcome.stage_tokens[name] = sum(
+                s.tokens for s in prefill.timing.stages if s.name == name
+            )
+        outcome.cached_tokens = prefill.cached_tokens
         handle = prefill.kv_handle
         decode_request = decode_pb2.DecodeRequest(
             request_id=request_id,

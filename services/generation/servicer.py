@@ -68,6 +68,7 @@ class Engine(Protocol):
 _KINDS = {
     "tokenize": common_pb2.STAGE_KIND_COMPUTE,
     "queue": common_pb2.STAGE_KIND_QUEUE,
+    "prefix_cache": common_pb2.STAGE_KIND_COMPUTE,
     "prefill": common_pb2.STAGE_KIND_COMPUTE,
     "kv_transfer": common_pb2.STAGE_KIND_TRANSFER,
     "decode": common_pb2.STAGE_KIND_COMPUTE,
@@ -248,9 +249,13 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
                 prompt_tokens=prompt_tokens,
                 completion_tokens=outcome.generated_tokens,
                 total_tokens=prompt_tokens + outcome.generated_tokens,
+                cached_tokens=outcome.cached_tokens,
             ),
             timing=common_pb2.Timing(
-                stages=[stage(name, seconds, _KINDS[name]) for name, seconds in stages.items()],
+                stages=[
+                    stage(name, seconds, _KINDS[name], tokens=outcome.stage_tokens.get(name, 0))
+                    for name, seconds in stages.items()
+                ],
                 total_ns=int((time.perf_counter() - received) * 1e9),
             ),
             prefill_worker=outcome.prefill_worker,

@@ -1,6 +1,8 @@
 """Which prefill and decode worker serves a request.
 
-Prefill workers take turns (round robin); a prompt's cost is known and short. Decode
+A prompt goes to the prefill worker it shares the longest prefix with (by the block hashes
+of the prompts sent to each, so that worker's prefix cache probably holds it), falling back
+to the least busy, in turn among equals. Decode
 workers are picked by load: a background poll of GetLoad every `poll_interval_s` keeps
 each worker's running + waiting count, calls placed since the last poll are added, and a
 worker whose poll failed or whose circuit breaker is open is skipped while any other is
@@ -14,7 +16,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -22,6 +25,7 @@ from aimesh.llm.v1 import decode_pb2, decode_pb2_grpc
 from mesh.breaker import State
 from mesh.client import ChannelPool
 from mesh.failures import NotReady
+from services.llm.prefix import block_hashes
 
 log = logging.getLogger(__name__)
 
@@ -39,21 +43,71 @@ def _open(channels: ChannelPool, target: str) -> bool:
     return breaker is not None and breaker.state is State.OPEN
 
 
+@dataclass(eq=False)
+class _PrefillWorker:
+    target: str
+    in_flight: int = 0
+    # Block hashes of the prompts sent here, least recently sent first: what this
+    # worker's prefix cache probably holds.
+    sent: OrderedDict[int, None] = field(default_factory=OrderedDict)
+
+    def cached_blocks(self, hashes: list[int]) -> int:
+        """How many leading blocks of a prompt were sent here before."""
+        for count, chain in enumerate(hashes):
+            if chain not in self.sent:
+                return count
+        return len(hashes)
+
+    def remember(self, hashes: list[int]) -> None:
+        for chain in hashes:
+            self.sent[chain] = None
+            self.sent.move_to_end(chain)
+        while len(self.sent) > REMEMBERED_BLOCKS:
+            self.sent.popitem(last=False)
+
+
+# Per prefill worker: 64k prompt tokens, several times what a default prefix cache holds
+# (256 MiB of f16 KV is about 11k tokens of the embedded model), so the router forgets a
+# prefix after the worker has, not before.
+REMEMBERED_BLOCKS = 4096
+# A prompt goes to the worker with its prefix unless that one has this many more prefills
+# in flight than the least busy: a popular prefix must not queue every prompt on one worker.
+AFFINITY_SLACK = 2
+
+
 class PrefillPicker:
     def __init__(self, targets: list[str], channels: ChannelPool) -> None:
         if not targets:
             raise ValueError("no prefill workers configured")
-        self.targets = targets
+        self.workers = [_PrefillWorker(target) for target in targets]
         self.channels = channels
-        self._turn = itertools.cycle(targets)
+        self._turn = itertools.count()
 
-    def pick(self) -> str:
-        """The next worker in turn whose breaker is not open; the first when every one is."""
-        for _ in self.targets:
-            target = next(self._turn)
-            if not _open(self.channels, target):
-                return target
-        return self.targets[0]
+    def pick(self, prompt_ids: list[int]) -> str:
+        """The worker that was sent the longest prefix of this prompt (at least one block),
+        unless it is busier than the least busy by more than AFFINITY_SLACK; else the least
+        busy, in turn among equals. Workers whose breaker is open are skipped while any
+        other is closed. Call `done` when its prefill ends."""
+        usable = [w for w in self.workers if not _open(self.channels, w.target)] or self.workers
+        hashes = block_hashes(prompt_ids) if len(usable) > 1 else []
+        least = min(worker.in_flight for worker in usable)
+        chosen, longest = None, 0
+        for worker in usable:
+            blocks = worker.cached_blocks(hashes)
+            if blocks > longest and worker.in_flight <= least + AFFINITY_SLACK:
+                chosen, longest = worker, blocks
+        if chosen is None:
+            start = next(self._turn) % len(usable)
+            in_turn = usable[start:] + usable[:start]
+            chosen = next(worker for worker in in_turn if worker.in_flight == least)
+        chosen.remember(hashes)
+        chosen.in_flight += 1
+        return chosen.target
+
+    def done(self, target: str) -> None:
+        for worker in self.workers:
+            if worker.target == target:
+                worker.in_flight -= 1
 
 
 class DecodePicker:

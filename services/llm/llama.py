@@ -299,22 +299,38 @@ class Llama:
     # ---- serving entry points ----
 
     @torch.inference_mode()
-    def prefill(self, token_ids: list[int]) -> tuple[torch.Tensor, list[LayerKV]]:
-        """Runs a whole prompt; returns the last position's logits [vocab] and its KV."""
+    def prefill(
+        self, token_ids: list[int], prefix: list[LayerKV] | None = None, cached: int = 0
+    ) -> tuple[torch.Tensor, list[LayerKV]]:
+        """Runs a prompt; returns the last position's logits [vocab] and its KV. With a
+        `prefix` (an earlier prompt's KV from prefill's prefix cache), its first `cached`
+        positions stand for the prompt's first `cached` tokens, and only the rest run."""
         c = self.config
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        positions = torch.arange(len(token_ids), device=self.device)
+        cached = cached if prefix is not None else 0
+        ids = torch.tensor(token_ids[cached:], dtype=torch.long, device=self.device)
+        positions = torch.arange(cached, len(token_ids), device=self.device)
+        # After a prefix, query i (position cached + i) sees keys 0 .. cached + i.
+        mask = (
+            torch.ones(len(ids), len(token_ids), dtype=torch.bool, device=self.device).tril(cached)
+            if cached
+            else None
+        )
         x = self.embed[ids]
         kv: list[LayerKV] = []
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, positions)
             k_heads, v_heads = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+            if prefix is not None and cached:
+                past_keys, past_values = prefix[index]
+                k_heads = torch.cat([past_keys[:, :cached], k_heads], dim=1)
+                v_heads = torch.cat([past_values[:, :cached], v_heads], dim=1)
             kv.append((k_heads, v_heads))
             attended = F.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0),
                 k_heads.unsqueeze(0),
                 v_heads.unsqueeze(0),
-                is_causal=True,
+                attn_mask=mask,
+                is_causal=mask is None,
                 enable_gqa=c.num_heads != c.num_kv_heads,
             )
             x = self._finish_layer(layer, x, attended[0].transpose(0, 1).reshape(len(ids), -1))

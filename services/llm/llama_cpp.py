@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import struct
 import threading
 from pathlib import Path
 
@@ -28,8 +29,8 @@ import torch
 
 from aimesh.llm.v1 import kv_cache_pb2
 from mesh.failures import NotReady
-from services.llm.kv_codec import SequenceState
-from services.llm.llama import LlamaConfig
+from services.llm.kv_codec import KvState, SequenceState
+from services.llm.llama import LayerKV, LlamaConfig
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,12 @@ LAYOUT = "streams=1"
 _STREAM_COUNT = slice(8, 12)
 # Prompt tokens per llama_decode call in prefill (llama.cpp's default logical batch).
 PREFILL_CHUNK = 512
+# What a one-stream state holds after its 12-byte head (llama-kv-cache.cpp state_write):
+# the cell count; per cell its position, one sequence id and that id; whether V is stored
+# transposed and the layer count; then every layer's K rows, then every layer's V rows,
+# each preceded by its element type and row size.
+_U32, _CELL, _ROWS = struct.Struct("<I"), struct.Struct("<iIi"), struct.Struct("<iQ")
+_GGML_F16 = 1
 
 # ggml_log_level: only warnings and errors reach the service's log; the rest is load chatter.
 _LOG_LEVELS = {3: logging.WARNING, 4: logging.ERROR}
@@ -132,6 +139,9 @@ class LlamaCpp:
         # "<arch> <size class> <weights' type>", e.g. "llama 256M Q4_1": GetInfo's dtype
         # is the weights' type (the size class is llama.cpp's bucket, not the model's).
         self.weights_type = description.value.decode(errors="replace").split(" ", 2)[-1]
+        self._state_head = self._torch_state_head()
+        # Whether torch prefill's KV can be written as this context's state (load).
+        self.reads_torch = self._state_head is not None
 
     def close(self) -> None:
         if self._context:
@@ -142,11 +152,21 @@ class LlamaCpp:
 
     # ---- the calls prefill and decode make ----
 
-    def prefill(self, token_ids: list[int]) -> tuple[torch.Tensor, SequenceState]:
-        """Runs a whole prompt in slot 0; returns the last position's logits [vocab] and the
-        prompt's sequence state, and leaves the slot empty."""
+    def prefill(
+        self, token_ids: list[int], prefix: SequenceState | None = None, cached: int = 0
+    ) -> tuple[torch.Tensor, SequenceState]:
+        """Runs a prompt in slot 0; returns the last position's logits [vocab] and the
+        prompt's sequence state, and leaves the slot empty. With a `prefix` (an earlier
+        prompt's state from prefill's prefix cache), its first `cached` positions stand for
+        the prompt's first `cached` tokens, and only the rest run."""
         try:
-            for start in range(0, len(token_ids), PREFILL_CHUNK):
+            if prefix is not None and cached:
+                self.load(0, prefix)
+                if not lib.llama_memory_seq_rm(self._memory, 0, cached, -1):
+                    raise RuntimeError("llama.cpp could not cut a cached prefix short")
+            else:
+                cached = 0
+            for start in range(cached, len(token_ids), PREFILL_CHUNK):
                 chunk = token_ids[start : start + PREFILL_CHUNK]
                 self._decode(chunk, range(start, start + len(chunk)), [0] * len(chunk), False)
             logits = self._logits(1)[0]
@@ -163,8 +183,10 @@ class LlamaCpp:
         self._decode(token_ids, positions, slots, True)
         return self._logits(len(token_ids))
 
-    def load(self, slot: int, state: SequenceState) -> None:
-        """Reads a sequence's state into `slot`, refusing one that did not fit exactly."""
+    def load(self, slot: int, kv: KvState) -> None:
+        """Reads a sequence's state, or torch prefill's KV written as one, into `slot`,
+        refusing one that did not fit exactly."""
+        state = kv if isinstance(kv, SequenceState) else self.state_of(kv)
         self.free(slot)
         data = self._in_streams(state.data)
         buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
@@ -176,6 +198,35 @@ class LlamaCpp:
                 f"llama.cpp read {read} of {len(state.data)} state bytes ending at position "
                 f"{last}, for {state.num_tokens} tokens"
             )
+
+    def state_of(self, kv: list[LayerKV]) -> SequenceState:
+        """Torch KV ([kv heads, tokens, head dim] per layer, any float dtype) as this
+        context's one-stream state, so that a prefill on torch's GEMMs hands decode KV it
+        continues on llama.cpp's kernels. The torch engine rotates K the Hugging Face way
+        (dimension i with i + half); llama.cpp's GGUF conversion permuted K's weights so
+        that it rotates dimension 2i with 2i + 1, so K's dimensions are permuted likewise."""
+        if self._state_head is None:
+            raise ValueError(
+                "this llama.cpp build's KV state is not one torch KV can be written as"
+            )
+        tokens = kv[0][0].shape[1]
+        cells = np.zeros((tokens, 3), dtype="<i4")
+        cells[:, 0] = np.arange(tokens)
+        cells[:, 1] = 1
+        keys, values = [], []
+        for layer_keys, layer_values in kv:
+            heads, _, dim = layer_keys.shape
+            interleaved = (
+                layer_keys.reshape(heads, tokens, 2, dim // 2)
+                .transpose(2, 3)
+                .reshape(heads, tokens, dim)
+            )
+            for rows, out in ((interleaved, keys), (layer_values, values)):
+                by_token = rows.transpose(0, 1).to(torch.float16).contiguous()
+                out += [_ROWS.pack(_GGML_F16, heads * dim * 2), by_token.numpy().tobytes()]
+        parts = [self._state_head, _U32.pack(tokens), cells.tobytes()]
+        parts += [_U32.pack(0), _U32.pack(len(kv)), *keys, *values]
+        return SequenceState(b"".join(parts), tokens)
 
     def move(self, source: int, target: int, length: int) -> None:
         raise NotImplementedError("llama.cpp sequences keep their slots (compacted is False)")
@@ -224,6 +275,30 @@ class LlamaCpp:
             return data
         count = self.sequences.to_bytes(4, "little")
         return data[:8] + count + data[12:] + bytes(4 * (self.sequences - 1))
+
+    def _torch_state_head(self) -> bytes | None:
+        """The first 12 bytes of a one-stream state, if the rest of this context's layout
+        is what state_of writes (f16 K and V, V not transposed), learned from a state of one
+        token llama.cpp writes here; None otherwise. (A context of n streams writes a
+        sequence's state as n streams, the others empty: `_in_streams` in reverse.)"""
+        c = self.config
+        self._decode([c.bos_token_id or 0], [0], [0], False)
+        data = self._export(0)
+        self.free(0)
+        empty = bytes(4 * (self.sequences - 1))
+        if data[_STREAM_COUNT] != _U32.pack(self.sequences) or not data.endswith(empty):
+            return None
+        body = data[12 : len(data) - len(empty)]
+        cells = _U32.pack(1) + _CELL.pack(0, 1, 0) + _U32.pack(0) + _U32.pack(c.num_layers)
+        if not body.startswith(cells):
+            return None
+        row = c.num_kv_heads * c.head_dim * 2
+        offset = len(cells)
+        for _ in range(2 * c.num_layers):  # K of every layer, then V of every layer
+            if body[offset : offset + _ROWS.size] != _ROWS.pack(_GGML_F16, row):
+                return None
+            offset += _ROWS.size + row
+        return data[:8] + _U32.pack(1) if offset == len(body) else None
 
     def _export(self, slot: int) -> bytes:
         size = lib.llama_state_seq_get_size(self._context, slot)

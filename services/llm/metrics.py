@@ -3,7 +3,7 @@ under the aimesh_llm_ prefix, so existing dashboards translate one to one."""
 
 from __future__ import annotations
 
-from prometheus_client import Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -56,3 +56,15 @@ KV_CACHE_USAGE = Gauge(
 PREFILL_KV_LEASED_BYTES = Gauge(
     "aimesh_llm_prefill_kv_leased_bytes", "Bytes of KV held by prefill for decoders to pull."
 )
+# vLLM's prefix_cache_queries / prefix_cache_hits, in prompt tokens: hits / queries is the
+# share of prompt tokens prefill did not compute.
+PREFIX_CACHE_QUERIES = Counter(
+    "aimesh_llm_prefix_cache_queries", "Prompt tokens prefill looked up in its prefix cache."
+)
+PREFIX_CACHE_HITS = Counter(
+    "aimesh_llm_prefix_cache_hits", "Prompt tokens whose KV came from prefill's prefix cache."
+)
+PREFIX_CACHE_EVICTIONS = Counter(
+    "aimesh_llm_prefix_cache_evictions", "Cached prompts evicted to make room for newer ones."
+)
+PREFIX_CACHE_BYTES = Gauge("aimesh_llm_prefix_cache_bytes", "Bytes of KV in the prefix cache.")

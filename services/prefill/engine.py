@@ -20,6 +20,7 @@ from services.llm.kv_codec import KvState, kv_nbytes, kv_tokens
 from services.llm.kv_transfer import new_handle_id
 from services.llm.llama import Llama
 from services.llm.sampling import SamplingParams, sample
+from services.prefill.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from services.llm.llama_cpp import LlamaCpp
@@ -127,18 +128,36 @@ class PrefillResult:
     logprob: float
     kv: KvState
     compute_s: float
+    # Leading prompt tokens whose KV came from the prefix cache, not computed.
+    cached_tokens: int = 0
+    lookup_s: float = 0.0
 
 
 class PrefillEngine:
-    def __init__(self, model: Llama | LlamaCpp) -> None:
+    def __init__(self, model: Llama | LlamaCpp, prefixes: PrefixCache) -> None:
         self.model = model
+        self.prefixes = prefixes
 
     def run(self, token_ids: list[int], params: SamplingParams) -> PrefillResult:
-        """Blocking: call it on the model thread."""
+        """Blocking: call it on the model thread, the only one that touches the cache."""
         started = time.perf_counter()
-        logits, kv = self.model.prefill(token_ids)
+        hit = self.prefixes.lookup(token_ids)
+        looked_up = time.perf_counter()
+        cached = hit.tokens if hit else 0
+        logits, kv = self.model.prefill(token_ids, hit.kv if hit else None, cached)
         token, logprob = sample(logits, params, token_ids, index=0)
-        return PrefillResult(token, logprob, kv, time.perf_counter() - started)
+        computed = time.perf_counter()
+        self.prefixes.insert(token_ids, kv, hit)
+        return PrefillResult(
+            token,
+            logprob,
+            kv,
+            compute_s=computed - looked_up,
+            cached_tokens=cached,
+            lookup_s=(looked_up - started) + (time.perf_counter() - computed),
+        )
 
     def warm_up(self) -> None:
-        self.run([self.model.config.bos_token_id or 0] * 8, SamplingParams())
+        """One prompt through the engine, not cached: it is no one's prefix."""
+        prompt = [self.model.config.bos_token_id or 0] * 8
+        self.model.prefill(prompt)

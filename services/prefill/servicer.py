@@ -22,6 +22,7 @@ from services.llm.kv_transfer import HANDLE_ID, HANDLE_ID_RULE
 from services.llm.requests import check_prompt, end_token, sampling_params
 from services.llm.settings import LlmSettings, llm_settings
 from services.prefill.engine import KvStore, PrefillEngine
+from services.prefill.prefix_cache import PrefixCache
 from services.prefill.settings import PrefillOptions
 
 DEFAULT_LEASE_S = 30.0
@@ -84,7 +85,7 @@ class PrefillWorker(
         lease = self.store.put(
             result.kv, ttl_s, carrier.get("traceparent", ""), handle_id=request.handle_id
         )
-        waited = time.perf_counter() - queued - result.compute_s
+        waited = time.perf_counter() - queued - result.compute_s - result.lookup_s
         return prefill_pb2.PrefillResponse(
             first_token_id=result.first_token,
             first_token_logprob=result.logprob,
@@ -97,10 +98,22 @@ class PrefillWorker(
                 **kv_codec.handle_fields(result.kv, self.kv_format),
             ),
             prompt_tokens=len(token_ids),
+            cached_tokens=result.cached_tokens,
             timing=common_pb2.Timing(
                 stages=[
                     stage("queue", max(waited, 0.0), common_pb2.STAGE_KIND_QUEUE),
-                    stage("prefill", result.compute_s, common_pb2.STAGE_KIND_COMPUTE),
+                    stage(
+                        "prefix_cache",
+                        result.lookup_s,
+                        common_pb2.STAGE_KIND_COMPUTE,
+                        tokens=result.cached_tokens,
+                    ),
+                    stage(
+                        "prefill",
+                        result.compute_s,
+                        common_pb2.STAGE_KIND_COMPUTE,
+                        tokens=len(token_ids) - result.cached_tokens,
+                    ),
                 ],
                 total_ns=int((time.perf_counter() - received) * 1e9),
             ),
@@ -157,7 +170,7 @@ async def setup(server: MeshServer) -> None:
 
     def load() -> PrefillEngine:
         served = load_served(settings, server.settings.cache_dir, sequences=1)
-        engine = PrefillEngine(served.model)
+        engine = PrefillEngine(served.model, PrefixCache(worker.options.prefix_cache_bytes))
         engine.warm_up()
         worker.kv_format = served.kv_format
         server.describe(served.info)

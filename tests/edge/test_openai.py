@@ -83,8 +83,16 @@ async def test_streamed_text_equals_whole_text(edge, sampling):
     assert text == whole.choices[0].message.content and text
     reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert [r for r in reasons if r] == [whole.choices[0].finish_reason]
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == []
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        whole.usage.prompt_tokens,
+        whole.usage.completion_tokens,
+        whole.usage.total_tokens,
+    )
     assert whole.usage.completion_tokens <= 24
+    # The same prompt again: prefill's prefix cache held all of it but the last token.
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
 
 
 async def test_raw_events_through_envoy_end_with_one_finish_the_usage_and_done(edge):

@@ -107,6 +107,8 @@ class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
                     prompt_tokens=prompt_tokens,
                     completion_tokens=len(words),
                     total_tokens=prompt_tokens + len(words),
+                    # As if every prompt token but the last had been in prefill's cache.
+                    cached_tokens=max(prompt_tokens - 1, 0),
                 ),
                 model=LLM,
             )

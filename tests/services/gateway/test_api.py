@@ -58,7 +58,12 @@ async def test_a_streamed_chat_follows_openais_event_contract(gateway):
     assert [c["choices"][0]["finish_reason"] for c in finished] == ["stop"]
     *content, usage = chunks
     assert usage["choices"] == []
-    assert usage["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+    assert usage["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 4,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
     assert all(chunk["usage"] is None for chunk in content)
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in content)
     assert text == "Hello, world!"
@@ -82,6 +87,7 @@ async def test_the_sdk_gets_the_same_text_streamed_and_whole(gateway):
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].finish_reason == "stop"
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    assert whole.usage.prompt_tokens_details.cached_tokens == whole.usage.prompt_tokens - 1
     streamed = await client.chat.completions.create(model=LLM, messages=USER, seed=3, stream=True)
     parts = [chunk.choices[0].delta.content or "" async for chunk in streamed if chunk.choices]
     assert "".join(parts) == whole.choices[0].message.content == "Hello, world!"

@@ -3,6 +3,8 @@ mesh (tokenizer, prefill, two decode replicas, generation) as separate processes
 
 from __future__ import annotations
 
+import re
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
@@ -191,6 +193,15 @@ async def decode_refusal(
         async for _ in call:
             pass
     return caught.value
+
+
+def metric_at(url: str, name: str) -> float:
+    """One unlabelled sample from a service's /metrics."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert match, f"{name} not exposed at {url}"
+    return float(match.group(1))
 
 
 def stopping(max_new_tokens: int, **extra) -> sampling_pb2.StoppingCriteria:

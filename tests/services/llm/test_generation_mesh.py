@@ -35,19 +35,12 @@ from tests.services.llm.conftest import (
     decode_refusal,
     generate,
     greedy_reference,
+    metric_at,
     prefill_and_decode,
     stopping,
 )
 
 pytestmark = pytest.mark.system
-
-
-def _metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.MULTILINE)
-    assert match, f"{name} not exposed at {url}"
-    return float(match.group(1))
 
 
 async def _loads(llm_mesh) -> list[decode_pb2.GetLoadResponse]:
@@ -106,8 +99,12 @@ async def test_greedy_output_equals_transformers_token_for_token(llm_mesh, refer
                 sampling_pb2.FINISH_REASON_LENGTH,
                 sampling_pb2.FINISH_REASON_EOS,
             )
-            stages = {s.name for s in complete.timing.stages}
-            assert stages == {"tokenize", "queue", "prefill", "kv_transfer", "decode", "detokenize"}
+            stages = {s.name: s for s in complete.timing.stages}
+            assert set(stages) == {
+                *("tokenize", "queue", "prefix_cache", "prefill"),
+                *("kv_transfer", "decode", "detokenize"),
+            }
+            assert stages["prefill"].tokens == len(prompt_ids) - complete.usage.cached_tokens
             assert complete.model == "SmolLM2-135M-Instruct"
 
 
@@ -323,7 +320,7 @@ async def test_text_is_made_once_by_the_router_without_detokenize_stream(llm_mes
 
 async def test_no_leaks_after_200_streams_cancelled_at_random_points(llm_mesh, prompts):
     urls = {name: llm_mesh.metrics_url(name) for name in ("prefill", "decode-0", "decode-1")}
-    tasks_before = {n: _metric(u, "aimesh_runtime_asyncio_tasks") for n, u in urls.items()}
+    tasks_before = {n: metric_at(u, "aimesh_runtime_asyncio_tasks") for n, u in urls.items()}
     stub, channel = llm_mesh.stub()
     rng = random.Random(7)
 
@@ -351,17 +348,17 @@ async def test_no_leaks_after_200_streams_cancelled_at_random_points(llm_mesh, p
             loads = await _loads(llm_mesh)
             return (
                 all(load.running == 0 and load.waiting == 0 for load in loads)
-                and _metric(urls["prefill"], "aimesh_llm_prefill_kv_leased_bytes") == 0
+                and metric_at(urls["prefill"], "aimesh_llm_prefill_kv_leased_bytes") == 0
             )
 
         deadline = time.monotonic() + 10
         while not await idle():
             if time.monotonic() > deadline:
-                leased = _metric(urls["prefill"], "aimesh_llm_prefill_kv_leased_bytes")
+                leased = metric_at(urls["prefill"], "aimesh_llm_prefill_kv_leased_bytes")
                 pytest.fail(f"still held 10 s after: {await _loads(llm_mesh)}, {leased} KV bytes")
             await asyncio.sleep(0.1)
     for name, url in urls.items():
-        after = _metric(url, "aimesh_runtime_asyncio_tasks")
+        after = metric_at(url, "aimesh_runtime_asyncio_tasks")
         assert after <= tasks_before[name] + 2, f"{name}: {tasks_before[name]} -> {after} tasks"
 
 

@@ -21,6 +21,7 @@ from tests.services.llm.conftest import (
     LlmMesh,
     decode_refusal,
     generate,
+    metric_at,
     prefill_and_decode,
     running_llm_mesh,
     stopping,
@@ -162,3 +163,32 @@ async def test_decode_refuses_kv_it_cannot_continue(llama_cpp_mesh, model_dir):
         )
         tokens = [t async for m in call if m.HasField("chunk") for t in m.chunk.token_ids]
         assert len(tokens) == 4
+
+
+async def test_a_prompt_sharing_a_cached_prefix_computes_only_its_tail(
+    llama_cpp_mesh, local, model_dir
+):
+    """Prefill's prefix cache across the processes: a second prompt with the first's
+    preamble reports the preamble as cached (Usage, the prefix_cache stage, the hit
+    metric), computes only its tail, and says what a whole prefill would."""
+    tokenizer = load_tokenizer(model_dir)
+    preamble = (
+        "You are the support assistant of a bicycle shop. Answer from the manual excerpts "
+        "below, in two sentences at most, and name the excerpt you used.\n"
+    )
+    first, second = (preamble + tail for tail in ("Q: How do I fix a flat?", "Q: Brakes?"))
+    first_ids, second_ids = (tokenizer.encode(prompt).ids for prompt in (first, second))
+    shared = next(i for i, (a, b) in enumerate(zip(first_ids, second_ids, strict=False)) if a != b)
+    hits = llama_cpp_mesh.metrics_url("prefill")
+    hits_before = metric_at(hits, "aimesh_llm_prefix_cache_hits_total")
+    stub, channel = llama_cpp_mesh.stub()
+    async with channel:
+        _, _, alone = await generate(stub, prompt=first, stopping=stopping(4))
+        ids, _, after = await generate(stub, prompt=second, stopping=stopping(12, ignore_eos=True))
+    assert alone.usage.cached_tokens == 0
+    assert after.usage.cached_tokens == shared
+    stages = {stage.name: stage for stage in after.timing.stages}
+    assert stages["prefix_cache"].tokens == shared
+    assert stages["prefill"].tokens == len(second_ids) - shared
+    assert metric_at(hits, "aimesh_llm_prefix_cache_hits_total") == hits_before + shared
+    assert ids == greedy_alone(local, second_ids, 12)

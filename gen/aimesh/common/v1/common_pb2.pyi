@@ -29,26 +29,30 @@ class Timing(_message.Message):
     def __init__(self, stages: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ..., total_ns: _Optional[int] = ...) -> None: ...
 
 class Stage(_message.Message):
-    __slots__ = ("name", "kind", "duration_ns", "service")
+    __slots__ = ("name", "kind", "duration_ns", "service", "tokens")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DURATION_NS_FIELD_NUMBER: _ClassVar[int]
     SERVICE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: StageKind
     duration_ns: int
     service: str
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[StageKind, str]] = ..., duration_ns: _Optional[int] = ..., service: _Optional[str] = ...) -> None: ...
+    tokens: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[StageKind, str]] = ..., duration_ns: _Optional[int] = ..., service: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

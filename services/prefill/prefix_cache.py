@@ -1,0 +1,117 @@
+"""Prefill's prefix cache: the KV of recent prompts, so that a prompt sharing a prefix with
+one of them (an agent's system prompt and tool list, a chat template's preamble, RAG
+instructions) computes only what follows it.
+
+An entry is a whole prompt's KV, as prefill made it. A lookup finds the entry sharing the
+longest prefix with the new prompt (block hashes narrow it down, then the tokens
+themselves decide, so a hash collision costs a miss, never wrong KV) and the engine
+keeps that many of its tokens. Bounded by bytes, least recently used evicted first.
+Entries share their bytes with the leases made from the same prefill (bytes and tensors
+are never written after prefill), so caching a prompt costs no copy.
+
+Only the model thread touches it: no locks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from services.llm import metrics
+from services.llm.kv_codec import KvState, kv_nbytes
+from services.llm.prefix import BLOCK_TOKENS, block_hashes
+
+
+@dataclass(eq=False)
+class _Entry:
+    tokens: tuple[int, ...]
+    kv: KvState
+    nbytes: int
+    hashes: list[int]
+
+
+@dataclass(frozen=True)
+class Hit:
+    """`tokens` leading prompt tokens whose KV is the first `tokens` of `entry.kv`."""
+
+    entry: _Entry
+    tokens: int
+
+    @property
+    def kv(self) -> KvState:
+        return self.entry.kv
+
+
+def _common_prefix(left: tuple[int, ...], right: list[int], limit: int) -> int:
+    length = 0
+    for a, b in zip(left[:limit], right[:limit], strict=False):
+        if a != b:
+            break
+        length += 1
+    return length
+
+
+class PrefixCache:
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        # Least recently used first.
+        self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+        # Block hash -> the entries whose prompt has that block chain (dict as ordered set).
+        self._holders: dict[int, dict[_Entry, None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, token_ids: list[int]) -> Hit | None:
+        """The cached prompt sharing the longest prefix (at least one block) with
+        `token_ids`, up to all but its last token, whose logits prefill must compute."""
+        metrics.PREFIX_CACHE_QUERIES.inc(len(token_ids))
+        limit = len(token_ids) - 1
+        found: _Entry | None = None
+        for chain in block_hashes(token_ids, limit // BLOCK_TOKENS):
+            holders = self._holders.get(chain)
+            if not holders:
+                break
+            found = next(iter(holders))
+        if found is None:
+            return None
+        matched = _common_prefix(found.tokens, token_ids, limit)
+        if matched < BLOCK_TOKENS:  # a hash collision
+            return None
+        self._entries.move_to_end(found.tokens)
+        metrics.PREFIX_CACHE_HITS.inc(matched)
+        return Hit(found, matched)
+
+    def insert(self, token_ids: list[int], kv: KvState, hit: Hit | None = None) -> None:
+        """Caches a prompt's KV; a `hit` this prompt extends (its every token matched) is
+        dropped, since the new entry holds all of it."""
+        if hit is not None and hit.tokens == len(hit.entry.tokens):
+            self._remove(hit.entry)
+        tokens = tuple(token_ids)
+        nbytes = kv_nbytes(kv)
+        if len(tokens) < BLOCK_TOKENS or nbytes > self.capacity_bytes:
+            return
+        if tokens in self._entries:
+            self._entries.move_to_end(tokens)
+            return
+        while self.used_bytes + nbytes > self.capacity_bytes:
+            self._remove(next(iter(self._entries.values())))
+            metrics.PREFIX_CACHE_EVICTIONS.inc()
+        entry = _Entry(tokens, kv, nbytes, block_hashes(token_ids))
+        self._entries[tokens] = entry
+        for chain in entry.hashes:
+            self._holders.setdefault(chain, {})[entry] = None
+        self.used_bytes += nbytes
+        metrics.PREFIX_CACHE_BYTES.set(self.used_bytes)
+
+    def _remove(self, entry: _Entry) -> None:
+        if self._entries.pop(entry.tokens, None) is None:
+            return
+        for chain in entry.hashes:
+            holders = self._holders[chain]
+            del holders[entry]
+            if not holders:
+                del self._holders[chain]
+        self.used_bytes -= entry.nbytes
+        metrics.PREFIX_CACHE_BYTES.set(self.used_bytes)
