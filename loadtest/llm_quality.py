@@ -1,6 +1,7 @@
 """What the llama.cpp engine's 4-bit weights cost in quality: top-1 agreement with the fp32
 reference (the torch engine, greedy-equal to transformers) along the reference's own greedy
-continuation, on the benchmark prompts.
+continuation, on the benchmark prompts; for llama.cpp prefilling, and for the torch engine
+prefilling (float32 and bfloat16) with its KV written as llama.cpp's state for decode.
 
 At every step both engines see the same tokens (the reference's), so one disagreement does
 not carry into the next steps: the figure is the share of steps at which llama.cpp would
@@ -12,6 +13,7 @@ pick the reference's next token.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,6 +22,7 @@ from loadtest.llm import PROMPTS
 from loadtest.mesh_overhead import write
 from mesh.config import MeshSettings
 from services.llm.artifacts import gguf_path, load_tokenizer, resolve_model
+from services.llm.kv_codec import SequenceState
 from services.llm.llama import Llama, TorchSlots
 from services.llm.llama_cpp import ENGINE_VERSION, LlamaCpp
 
@@ -41,10 +44,14 @@ def reference_continuation(model: Llama, prompt_ids: list[int]) -> list[int]:
 
 
 def llama_cpp_picks(
-    prefill: LlamaCpp, decode: LlamaCpp, prompt_ids: list[int], forced: list[int]
+    prefilled: tuple[torch.Tensor, SequenceState],
+    decode: LlamaCpp,
+    prompt_ids: list[int],
+    forced: list[int],
 ) -> list[int]:
-    """llama.cpp's greedy pick at each step, fed the reference's tokens."""
-    logits, state = prefill.prefill(prompt_ids)
+    """llama.cpp decode's greedy pick at each step after a prefill's (logits, state), fed
+    the reference's tokens."""
+    logits, state = prefilled
     decode.load(0, state)
     picks = [int(logits.argmax())]
     for step, token in enumerate(forced[:-1]):
@@ -66,15 +73,29 @@ def main() -> None:
         return LlamaCpp(gguf_path(), reference.config, sequences=1, max_seq_len=MAX_LEN, threads=1)
 
     prefill, decode = llama_cpp(), llama_cpp()
-    rows = ["| prompt | steps agreeing |", "|---|---|"]
-    agreed = 0
+    bfloat16 = Llama.load(directory, torch.bfloat16)
+
+    def on_torch(model: Llama, ids: list[int]) -> tuple[torch.Tensor, SequenceState]:
+        logits, kv = model.prefill(ids)
+        return logits, decode.state_of(kv)
+
+    prefills: dict[str, Callable[[list[int]], tuple[torch.Tensor, SequenceState]]] = {
+        "llama.cpp": prefill.prefill,
+        "torch float32": lambda ids: on_torch(reference, ids),
+        "torch bfloat16": lambda ids: on_torch(bfloat16, ids),
+    }
+    rows = ["| prompt | " + " | ".join(prefills) + " |", "|---" * (len(prefills) + 1) + "|"]
+    agreed = dict.fromkeys(prefills, 0)
     for prompt in PROMPTS:
         ids = tokenizer.encode(prompt).ids
         expected = reference_continuation(reference, ids)
-        picks = llama_cpp_picks(prefill, decode, ids, expected)
-        same = sum(p == e for p, e in zip(picks, expected, strict=True))
-        agreed += same
-        rows.append(f"| {prompt[:48]} | {same} / {STEPS} |")
+        cells = []
+        for name, prefilled in prefills.items():
+            picks = llama_cpp_picks(prefilled(ids), decode, ids, expected)
+            same = sum(p == e for p, e in zip(picks, expected, strict=True))
+            agreed[name] += same
+            cells.append(f"{same} / {STEPS}")
+        rows.append(f"| {prompt[:48]} | " + " | ".join(cells) + " |")
     total = STEPS * len(PROMPTS)
     markdown = "\n".join(
         [
@@ -82,13 +103,20 @@ def main() -> None:
             "## LLM quality: the llama.cpp engine against the fp32 reference",
             "",
             "Command: `python -m loadtest.llm_quality`. SmolLM2-135M-Instruct: the torch engine "
-            "in float32 (greedy-equal to transformers) against the llama.cpp engine on the "
+            "in float32 (greedy-equal to transformers) against llama.cpp decode on the "
             f"shipped Q4_1 GGUF ({ENGINE_VERSION}), {STEPS} steps per prompt along the "
-            "reference's greedy continuation, both fed the reference's tokens.",
+            "reference's greedy continuation, both fed the reference's tokens. Columns: "
+            "which engine prefilled the prompt (torch's KV written as llama.cpp's state, "
+            "`[engines.llm] prefill_engine`).",
             "",
             *rows,
             "",
-            f"Top-1 agreement: **{agreed} / {total} = {agreed / total:.1%}** of steps.",
+            "Top-1 agreement: "
+            + "; ".join(
+                f"{name} prefill **{count} / {total} = {count / total:.1%}**"
+                for name, count in agreed.items()
+            )
+            + ".",
             END,
         ]
     )

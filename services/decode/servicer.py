@@ -35,12 +35,17 @@ FINISH_REASONS = {
 }
 
 
-def format_problem(got: kv_cache_pb2.KvFormat, ours: kv_cache_pb2.KvFormat) -> str | None:
-    """Why KV of format `got` cannot continue here, or None. A handle without a format
-    is torch KV of an unnamed model (prefill before KvFormat existed)."""
+def format_problem(
+    got: kv_cache_pb2.KvFormat, reads: tuple[kv_cache_pb2.KvFormat, ...]
+) -> str | None:
+    """Why KV of format `got` cannot continue here, or None: it must match the format of
+    `reads` its engine writes. A handle without a format is torch KV of an unnamed model
+    (prefill before KvFormat existed)."""
     engine = got.engine or "torch"
-    if engine != ours.engine:
-        return f"the KV was made by the {engine} engine; this decode worker runs {ours.engine}"
+    ours = next((known for known in reads if known.engine == engine), None)
+    if ours is None:
+        readable = " or ".join(known.engine for known in reads)
+        return f"the KV was made by the {engine} engine; this decode worker reads {readable}"
     if got.model_sha256 and got.model_sha256 != ours.model_sha256:
         return (
             f"the KV was made by model sha256 {got.model_sha256[:12]}..., this decode worker "
@@ -74,7 +79,7 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
         self.sources = sources
         # Set by the warm-up; MeshServer answers every call NOT_READY until it has run.
         self.engine: DecodeEngine
-        self.kv_format: kv_cache_pb2.KvFormat
+        self.reads: tuple[kv_cache_pb2.KvFormat, ...]
         self.releaser = KvReleaser(server.channels)
 
     def _validate(self, request: decode_pb2.DecodeRequest, engine: DecodeEngine):
@@ -87,7 +92,7 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
         check_prompt(prompt, config.vocab_size, self.settings, violations, "prompt_token_ids")
         if violations.check(request.HasField("kv_handle"), "kv_handle", "is required"):
             # KV this worker cannot continue: its format decides what else it must hold.
-            if problem := format_problem(handle.format, self.kv_format):
+            if problem := format_problem(handle.format, self.reads):
                 raise Conflict(problem, reason="KV_FORMAT_MISMATCH")
             violations.check(
                 HANDLE_ID.fullmatch(handle.id) is not None, "kv_handle.id", HANDLE_ID_RULE
@@ -167,7 +172,10 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
         transfer_s = time.perf_counter() - pulled_at
         # The handoff, on Decode's span: which engine's KV, and how many bytes moved.
         trace.get_current_span().set_attributes(
-            {"aimesh.kv.engine": self.kv_format.engine, "aimesh.kv.bytes": kv_codec.kv_nbytes(kv)}
+            {
+                "aimesh.kv.engine": handle.format.engine or "torch",
+                "aimesh.kv.bytes": kv_codec.kv_nbytes(kv),
+            }
         )
 
         sequence = Sequence(
@@ -239,14 +247,16 @@ async def setup(server: MeshServer) -> None:
     server.add_service(decode_pb2_grpc.add_DecodeServiceServicer_to_server, worker, DECODE)
 
     def load() -> DecodeEngine:
-        served = load_served(settings, server.settings.cache_dir, sequences=settings.max_batch_size)
+        served = load_served(
+            settings, server.settings.cache_dir, phase="decode", sequences=settings.max_batch_size
+        )
         model = served.model
         slots = (
             TorchSlots(model, settings.max_batch_size, settings.max_seq_len)
             if isinstance(model, Llama)
             else model
         )
-        worker.kv_format = served.kv_format
+        worker.reads = served.reads
         server.describe(served.info)
         return DecodeEngine(slots, settings.max_batch_size, settings.max_seq_len)
 

@@ -68,9 +68,15 @@ def gguf_of(settings: LlmSettings) -> Path | None:
     return gguf_path() if settings.model is None else None
 
 
-def engine_of(settings: LlmSettings) -> Literal["torch", "llama.cpp"]:
-    """auto: llama.cpp on the CPU where the model has a GGUF; torch on a GPU (bfloat16) or
-    for a model directory without one."""
+def engine_of(
+    settings: LlmSettings, phase: Literal["prefill", "decode"]
+) -> Literal["torch", "llama.cpp"]:
+    """Decode, auto: llama.cpp on the CPU where the model has a GGUF (a step reads every
+    weight: 4-bit weights read fastest); torch on a GPU (bfloat16) or for a model directory
+    without one. Prefill, auto: torch (a prompt is compute-bound: torch's GEMMs ran 256
+    tokens 3.7x faster than llama.cpp here, docs/benchmarks.md)."""
+    if phase == "prefill":
+        return "torch" if settings.prefill_engine == "auto" else settings.prefill_engine
     if settings.engine != "auto":
         return settings.engine
     if resolve_device(settings.device).type == "cuda" or gguf_of(settings) is None:
@@ -80,20 +86,28 @@ def engine_of(settings: LlmSettings) -> Literal["torch", "llama.cpp"]:
 
 @dataclass(frozen=True)
 class Served:
-    """The model prefill or decode serves, its GetInfo entry, and the KV format it writes
-    and reads (decode refuses KV of another)."""
+    """The model prefill or decode serves, its GetInfo entry, the KV format it writes, and
+    those it reads (decode refuses KV of any other)."""
 
     model: Llama | LlamaCpp
     info: ModelInfo
     kv_format: kv_cache_pb2.KvFormat
+    reads: tuple[kv_cache_pb2.KvFormat, ...]
 
 
-def load_served(settings: LlmSettings, cache_dir: Path, *, sequences: int) -> Served:
-    """The configured engine's model, holding up to `sequences` at once (llama.cpp sizes
+def load_served(
+    settings: LlmSettings,
+    cache_dir: Path,
+    *,
+    phase: Literal["prefill", "decode"],
+    sequences: int,
+) -> Served:
+    """The model of `phase`'s engine, holding up to `sequences` at once (llama.cpp sizes
     its context by it). Blocking: call it in a thread."""
-    if engine_of(settings) == "torch":
+    if engine_of(settings, phase) == "torch":
         model, info = load_llama(settings, cache_dir)
-        return Served(model, info, kv_cache_pb2.KvFormat(engine="torch", model_sha256=info.sha256))
+        torch_kv = kv_cache_pb2.KvFormat(engine="torch", model_sha256=info.sha256)
+        return Served(model, info, torch_kv, (torch_kv,))
     gguf = gguf_of(settings)
     if gguf is None:
         raise NotReady(
@@ -119,4 +133,7 @@ def load_served(settings: LlmSettings, cache_dir: Path, *, sequences: int) -> Se
         device="cpu",
         artifact=gguf,
     )
-    return Served(model, info, kv_format(info.sha256))
+    own = kv_format(info.sha256)
+    # Torch prefill's KV of the same model directory, written as llama.cpp's state on load.
+    torch_kv = kv_cache_pb2.KvFormat(engine="torch", model_sha256=artifact_digest(directory))
+    return Served(model, info, own, (own, torch_kv) if model.reads_torch else (own,))

@@ -22,10 +22,16 @@ class LlmSettings(BaseModel, extra="forbid"):
     )
     engine: Literal["auto", "torch", "llama.cpp"] = Field(
         default="auto",
-        description="prefill's and decode's engine. auto: llama.cpp (the GGUF's 4-bit weights "
-        "on its CPU kernels) on the CPU when the model has a GGUF, which the embedded one "
-        "has; torch (the exact reference, and bfloat16 on GPUs) otherwise. Prefill and "
-        "decode must agree: decode refuses KV of another engine",
+        description="decode's engine. auto: llama.cpp (the GGUF's 4-bit weights on its CPU "
+        "kernels) on the CPU when the model has a GGUF, which the embedded one has; torch "
+        "(the exact reference, and bfloat16 on GPUs) otherwise",
+    )
+    prefill_engine: Literal["auto", "torch", "llama.cpp"] = Field(
+        default="auto",
+        description="prefill's engine. auto: torch, whose GEMMs run a prompt several times "
+        "faster than llama.cpp's kernels on a CPU (docs/benchmarks.md); llama.cpp decode "
+        "reads its KV written as llama.cpp's state. llama.cpp prefill hands decode "
+        "llama.cpp's own state, which only llama.cpp decode reads",
     )
     gguf: Path | None = Field(
         default=None,

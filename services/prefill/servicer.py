@@ -169,7 +169,7 @@ async def setup(server: MeshServer) -> None:
     reaper: list[asyncio.Task[None]] = []
 
     def load() -> PrefillEngine:
-        served = load_served(settings, server.settings.cache_dir, sequences=1)
+        served = load_served(settings, server.settings.cache_dir, phase="prefill", sequences=1)
         engine = PrefillEngine(served.model, PrefixCache(worker.options.prefix_cache_bytes))
         engine.warm_up()
         worker.kv_format = served.kv_format

@@ -105,11 +105,12 @@ class LlmMesh:
 
 @contextmanager
 def running_llm_mesh(
-    root: Path, dtype: str = "float32", engine: str = "torch"
+    root: Path, dtype: str = "float32", engine: str = "torch", prefill_engine: str = "torch"
 ) -> Iterator[LlmMesh]:
-    """Five processes, as `aimesh up` runs them, on `engine` (torch in `dtype`). Pinned,
-    not "auto": auto is llama.cpp on a CPU, and bfloat16 on a CPU with AVX-512 BF16, and
-    the torch tests compare output with transformers float32 bit for bit."""
+    """Five processes, as `aimesh up` runs them: decode on `engine`, prefill on
+    `prefill_engine`, torch in `dtype`. Pinned, not "auto": auto is llama.cpp decode on a
+    CPU, and bfloat16 on a CPU with AVX-512 BF16, and the torch tests compare output with
+    transformers float32 bit for bit."""
     ports = {name: free_port() for name in ("tokenizer", "prefill", "generation")}
     ports["tokenizer_metrics"] = free_port()
     ports["prefill_metrics"] = free_port()
@@ -119,7 +120,7 @@ def running_llm_mesh(
     config = root / "aimesh.toml"
     config.write_text(
         f"[engines.llm]\nmax_seq_len = {MAX_SEQ_LEN}\nmax_batch_size = {MAX_BATCH}\n"
-        f'engine = "{engine}"\ndtype = "{dtype}"\n'
+        f'engine = "{engine}"\nprefill_engine = "{prefill_engine}"\ndtype = "{dtype}"\n'
         f"[services.tokenizer]\nport = {ports['tokenizer']}\n"
         f"metrics_port = {ports['tokenizer_metrics']}\n"
         f"[services.prefill]\nport = {ports['prefill']}\n"

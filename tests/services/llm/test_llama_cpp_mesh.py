@@ -1,6 +1,8 @@
-"""The LLM mesh on the llama.cpp engine: tokenizer, prefill, two decode replicas and the
-router as processes, checked against llama.cpp itself in this process (the GGUF's 4-bit
-model is not transformers' float32 one, so transformers is no reference here)."""
+"""The LLM mesh with llama.cpp decode: tokenizer, prefill, two decode replicas and the
+router as processes, with prefill on llama.cpp (its own state handed over) and on torch
+(the default: its KV written as llama.cpp's state at decode), checked against the same
+engines in this process (the GGUF's 4-bit model is not transformers' float32 one, so
+transformers is no reference here)."""
 
 from __future__ import annotations
 
@@ -11,11 +13,11 @@ import grpc
 import pytest
 
 from aimesh.llm.v1 import decode_pb2, kv_cache_pb2, prefill_pb2, sampling_pb2
-from mesh.artifacts import sha256_of
+from mesh.artifacts import artifact_digest, sha256_of
 from mesh.errors import error_info, field_violations
 from mesh.info import get_info
 from services.llm.artifacts import gguf_path, load_tokenizer
-from services.llm.llama import LlamaConfig
+from services.llm.llama import Llama, LlamaConfig
 from services.llm.llama_cpp import ENGINE_VERSION, LlamaCpp
 from tests.services.llm.conftest import (
     LlmMesh,
@@ -32,7 +34,17 @@ pytestmark = pytest.mark.system
 
 @pytest.fixture(scope="module")
 def llama_cpp_mesh(tmp_path_factory, model_dir) -> Iterator[LlmMesh]:
-    with running_llm_mesh(tmp_path_factory.mktemp("llama-cpp-mesh"), engine="llama.cpp") as mesh:
+    root = tmp_path_factory.mktemp("llama-cpp-mesh")
+    with running_llm_mesh(root, engine="llama.cpp", prefill_engine="llama.cpp") as mesh:
+        yield mesh
+
+
+@pytest.fixture(scope="module")
+def mixed_mesh(tmp_path_factory, model_dir) -> Iterator[LlmMesh]:
+    """The default on a CPU: torch prefill (float32 here, to compare across machines),
+    llama.cpp decode."""
+    root = tmp_path_factory.mktemp("mixed-mesh")
+    with running_llm_mesh(root, engine="llama.cpp", prefill_engine="torch") as mesh:
         yield mesh
 
 
@@ -134,7 +146,8 @@ async def test_decode_refuses_kv_it_cannot_continue(llama_cpp_mesh, model_dir):
             return altered
 
         for fields, named in (
-            ({"engine": ""}, "torch engine"),
+            # Relabelled as torch KV: this worker reads torch KV, but of its model directory.
+            ({"engine": ""}, "model sha256"),
             ({"engine_version": "llama-cpp-python 0.0.1"}, "engine_version"),
             ({"layout": "unified"}, "layout"),
             ({"model_sha256": "0" * 64}, "model sha256"),
@@ -192,3 +205,66 @@ async def test_a_prompt_sharing_a_cached_prefix_computes_only_its_tail(
     assert stages["prefill"].tokens == len(second_ids) - shared
     assert metric_at(hits, "aimesh_llm_prefix_cache_hits_total") == hits_before + shared
     assert ids == greedy_alone(local, second_ids, 12)
+
+
+async def test_torch_prefill_kv_continues_on_llama_cpp_as_it_does_in_process(
+    mixed_mesh, local, model_dir, prompts
+):
+    """Engines mixed across processes: torch prefills, decode writes its KV as llama.cpp's
+    state and joins it to the batch; each stream is what the same handoff gives in this
+    process."""
+    tokenizer = load_tokenizer(model_dir)
+    torch_model = Llama.load(model_dir)
+    _, decode = local
+
+    def mixed_alone(prompt_ids: list[int], count: int) -> list[int]:
+        logits, kv = torch_model.prefill(prompt_ids)
+        decode.load(0, kv)
+        tokens = [int(logits.argmax())]
+        while len(tokens) < count:
+            position = len(prompt_ids) + len(tokens) - 1
+            tokens.append(int(decode.decode([tokens[-1]], [position], [0])[0].argmax()))
+        decode.free(0)
+        return tokens
+
+    stub, channel = mixed_mesh.stub()
+    lengths = [24, 9, 17, 30, 5, 12]
+    async with channel:
+        runs = await asyncio.gather(
+            *(
+                generate(stub, prompt=prompt, stopping=stopping(n, ignore_eos=True))
+                for prompt, n in zip(prompts, lengths, strict=False)
+            )
+        )
+    for prompt, n, (ids, _, _) in zip(prompts, lengths, runs, strict=False):
+        assert ids == mixed_alone(tokenizer.encode(prompt).ids, n), prompt
+
+
+async def test_llama_cpp_decode_refuses_torch_kv_of_another_model(mixed_mesh, model_dir):
+    prompt_ids = load_tokenizer(model_dir).encode("Hello there").ids
+    async with prefill_and_decode(
+        mixed_mesh.target("prefill"), f"127.0.0.1:{mixed_mesh.decode_ports[0]}"
+    ) as (prefill, decode):
+        leased = await prefill.Prefill(prefill_pb2.PrefillRequest(token_ids=prompt_ids), timeout=30)
+        handle = leased.kv_handle
+        assert (handle.format.engine, handle.dtype) == ("torch", "float32")
+        assert handle.format.model_sha256 == artifact_digest(model_dir)
+        other = kv_cache_pb2.KvHandle()
+        other.CopyFrom(handle)
+        other.format.model_sha256 = "0" * 64
+        error = await decode_refusal(decode, other, prompt_ids, leased.first_token_id)
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error_info(error).reason == "KV_FORMAT_MISMATCH"
+        assert "model sha256" in error.details()
+        call = decode.Decode(
+            decode_pb2.DecodeRequest(
+                kv_handle=handle,
+                prompt_token_ids=prompt_ids,
+                first_token_id=leased.first_token_id,
+                max_new_tokens=4,
+                ignore_eos=True,
+            ),
+            timeout=30,
+        )
+        tokens = [t async for m in call if m.HasField("chunk") for t in m.chunk.token_ids]
+        assert len(tokens) == 4
