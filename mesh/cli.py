@@ -52,6 +52,7 @@ def serve(
 ) -> None:
     """Run one service in this process until SIGTERM, then drain."""
     spec = _spec(name)
+    spec.apply_environment()
     settings = MeshSettings()
     _refuse_bad_options([spec], settings)
     logs.configure(name)

@@ -8,6 +8,7 @@ function (and with it torch, models and so on).
 
 from __future__ import annotations
 
+import os
 import pkgutil
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -52,6 +53,13 @@ class ServiceSpec:
     # "package.module:Class": the mesh.config.ServiceOptions model of the service's own
     # keys in [services.<name>]; the module must be cheap to import. None: it has none.
     options: str | None = None
+    # Process environment defaults `aimesh serve` sets before the setup's modules load (a
+    # value the user set wins): for native runtimes that read theirs once, when loaded.
+    environment: tuple[tuple[str, str], ...] = field(default=())
+
+    def apply_environment(self) -> None:
+        for key, value in self.environment:
+            os.environ.setdefault(key, value)
 
     def load_options(self) -> type[ServiceOptions]:
         return ServiceOptions if self.options is None else pkgutil.resolve_name(self.options)

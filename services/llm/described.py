@@ -50,7 +50,7 @@ def described(
 def load_llama(settings: LlmSettings, cache_dir: Path) -> tuple[Llama, ModelInfo]:
     """The configured model on the device and in the dtype resolved on this machine, and
     its GetInfo entry. Blocking: call it in a thread."""
-    torch.set_num_threads(settings.threads)
+    torch.set_num_threads(settings.thread_count())
     directory = resolve_model(settings.model, cache_dir)
     device = resolve_device(settings.device)
     dtype = resolve_dtype(settings.dtype, device)
@@ -123,7 +123,7 @@ def load_served(
         LlamaConfig.from_directory(directory),
         sequences=sequences,
         max_seq_len=settings.max_seq_len,
-        threads=settings.threads,
+        threads=settings.thread_count(),
     )
     info = described(
         directory,

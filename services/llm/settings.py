@@ -6,6 +6,7 @@ section instead of three copies in their own service options.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -56,12 +57,20 @@ class LlmSettings(BaseModel, extra="forbid"):
     kv_store_bytes: int = Field(
         default=512 * 1024 * 1024, ge=1024 * 1024, description="prefill's leased KV budget"
     )
-    # One thread per model process suits a machine whose cores prefill, decode and the
-    # router share: batched decode scales better, and a single stream loses nothing (a
-    # decode step is bound by memory, not cores; docs/benchmarks.md, "LLM serving:
-    # in-process transformers vs the aimesh LLM mesh"). Raise it for a worker with cores
-    # of its own.
-    threads: int = Field(default=1, ge=1, description="torch intra-op threads per process")
+    # Decode steps llama.cpp's kernels on every thread it is given, and a step waits for
+    # the slowest: on two cores shared with prefill and the router, two decode threads
+    # still stream 1.3-1.6x the tokens of one at 16 streams (docs/benchmarks.md). Prefill's
+    # idle threads sleep instead of spinning (its ServiceSpec's OMP_WAIT_POLICY), so its
+    # cores are decode's between prompts.
+    threads: int = Field(
+        default=0,
+        ge=0,
+        description="threads per prefill or decode process (torch intra-op, llama.cpp); "
+        "0: every core the process may run on",
+    )
+
+    def thread_count(self) -> int:
+        return self.threads or len(os.sched_getaffinity(0))
 
 
 def llm_settings(settings: MeshSettings) -> LlmSettings:

@@ -14,4 +14,8 @@ SPEC = ServiceSpec(
         "/aimesh.llm.v1.KvCacheService/Pull",
         "/aimesh.llm.v1.KvCacheService/Release",
     ),
+    # Torch's OpenMP threads sleep between prompts instead of spinning on the cores that
+    # decode steps on: at 16 streams a spinning prefill took half a core and decode's
+    # tokens/s fell by a quarter (docs/benchmarks.md).
+    environment=(("OMP_WAIT_POLICY", "PASSIVE"),),
 )

@@ -129,3 +129,28 @@ def test_the_cli_imports_no_engine():
         check=True,
     ).stdout.split()
     assert not {"torch", "transformers", "onnxruntime", "qdrant_client"} & set(loaded)
+
+
+def test_a_services_environment_is_set_before_its_engine_loads_and_the_users_wins(monkeypatch):
+    """`aimesh serve` sets a spec's environment (OpenMP's wait policy for prefill) before
+    the setup imports torch, which reads it once, when it loads; a value already set
+    stays."""
+    script = (
+        "import os, sys, mesh.cli; from mesh.config import MeshSettings; "
+        "spec = mesh.cli._spec('prefill'); spec.apply_environment(); "
+        "mesh.cli._refuse_bad_options([spec], MeshSettings()); "
+        "print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+    )
+
+    def serve_start(**env: str) -> str:
+        return subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=subprocess_env(**env),
+        ).stdout.strip()
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert serve_start() == "PASSIVE False"
+    assert serve_start(OMP_WAIT_POLICY="ACTIVE") == "ACTIVE False"
