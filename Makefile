@@ -83,6 +83,7 @@ llama-server: $(LLAMA_SERVER)
 bench-llm-peers: install $(LLAMA_SERVER)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m loadtest.llm_kernels --out docs/benchmarks.md
+	$(PY) -m loadtest.llm_engines --out docs/benchmarks.md
 	$(PY) -m loadtest.llm_peers --llama-server $(LLAMA_SERVER) --out docs/benchmarks.md
 	$(PY) -m loadtest.llm_quality --out docs/benchmarks.md
 

@@ -2,14 +2,16 @@
 transformers (fp32, bf16) and llama.cpp's `llama-server` on the same GGUF, in one run on
 the same prompts.
 
-Every engine decodes greedily, ignores EOS so every stream has the same length, and
-reuses no prompt cache. Measured per engine: TTFT for a short (~9-token) and a 256-token
-prompt, inter-token latency, and per-stream and aggregate tokens/s with 1, 4, 8 and 16
-concurrent streams; beside them the memory-bandwidth floor (every weight read once per
-decode step). Transformers runs static batches with `generate` (a batch of c prompts
-stands for c streams), as ANCHORS.md measured it; the mesh and llama-server stream over
-loopback (gRPC, HTTP) with continuous batching. Writes a section of docs/benchmarks.md and
-a plot of aggregate tokens/s against concurrency next to it.
+Every engine decodes greedily, ignores EOS so every stream has the same length, and reuses
+no earlier prompt's KV, except where measured: TTFT for a short (~9-token) and a 256-token
+prompt, the same 256 tokens followed by a new question once they were seen (the mesh's
+prefix cache, llama-server's `cache_prompt`), inter-token latency, and per-stream and
+aggregate tokens/s with 1, 4, 8 and 16 concurrent streams; beside them the
+memory-bandwidth floor (every weight read once per decode step). Transformers runs static batches
+with `generate` (a batch of c prompts stands for c streams), as ANCHORS.md measured it;
+the mesh and llama-server stream over loopback (gRPC, HTTP) with continuous batching.
+Writes a section of docs/benchmarks.md and a plot of aggregate tokens/s against
+concurrency next to it.
 
     python -m loadtest.llm_peers --llama-server var/llama-venv/bin/llama-server \\
         --out docs/benchmarks.md      # `make bench-llm-peers`
@@ -48,11 +50,18 @@ LLAMA_PORT = 50770
 # Weight bytes per parameter for the floor; Q4_1 is taken from the GGUF file's size.
 BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2}
 
-# The mesh's [engines.llm] engine, dtype (torch only) and threads per process, one run each.
-MESH_VARIANTS = (("llama.cpp", "auto", 1), ("llama.cpp", "auto", 2), ("torch", "float32", 2))
+# The mesh's [engines.llm] engine (decode), prefill_engine, dtype (torch only) and threads
+# per process (0: every core), one run each; the first is the default configuration.
+MESH_VARIANTS = (
+    ("llama.cpp", "torch", "auto", 0),
+    ("llama.cpp", "torch", "auto", 1),
+    ("llama.cpp", "llama.cpp", "auto", 0),
+    ("torch", "torch", "float32", 0),
+)
 
-# One streamed request: yields how many tokens each arrival carried.
-Stream = Callable[[str, int], AsyncIterator[int]]
+# One streamed request (prompt, new tokens, whether it may reuse an earlier prompt's KV):
+# yields how many tokens each arrival carried.
+Stream = Callable[[str, int, bool], AsyncIterator[int]]
 
 
 @dataclass
@@ -63,6 +72,7 @@ class Engine:
     weight_bytes: int
     ttft_short: float = float("nan")
     ttft_long: float = float("nan")
+    ttft_cached: float = float("nan")
     runs: dict[int, Run] = field(default_factory=dict)
 
 
@@ -80,13 +90,18 @@ FULL = Plan(concurrency=(1, 4, 8, 16), new_tokens=64, rounds=3, ttft_repeats=5)
 QUICK = Plan(concurrency=(1, 4), new_tokens=16, rounds=1, ttft_repeats=1)
 
 
-def long_prompt(model_dir: Path) -> str:
-    """A prompt of exactly LONG_TOKENS tokens (in the shared SmolLM2 tokenizer)."""
+def long_prompts(model_dir: Path, count: int) -> list[str]:
+    """`count` prompts of exactly LONG_TOKENS tokens (in the shared SmolLM2 tokenizer), no
+    two starting alike, so that no prompt's KV can stand for another's."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ids = tokenizer(" ".join(PROMPTS * 40), add_special_tokens=False)["input_ids"]
-    return tokenizer.decode(ids[:LONG_TOKENS])
+    prompts = []
+    for start in range(count):
+        words = " ".join((PROMPTS[start % len(PROMPTS) :] + PROMPTS) * 40)
+        ids = tokenizer(f"{start}. {words}", add_special_tokens=False)["input_ids"]
+        prompts.append(tokenizer.decode(ids[:LONG_TOKENS]))
+    return prompts
 
 
 def prompts_for(clients: int, rounds: int) -> list[list[str]]:
@@ -97,7 +112,7 @@ def prompts_for(clients: int, rounds: int) -> list[list[str]]:
 # ---- in-process transformers: static batches ----
 
 
-def transformers_engine(model_dir: Path, dtype: str, plan: Plan, long: str) -> Engine:
+def transformers_engine(model_dir: Path, dtype: str, plan: Plan, long: list[str]) -> Engine:
     """`generate` on batches of c prompts; TTFT is the batch's first token (prefill + 1)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -122,7 +137,7 @@ def transformers_engine(model_dir: Path, dtype: str, plan: Plan, long: str) -> E
     with torch.inference_mode():
         generate(["warm up"], 4)
         engine.ttft_short = min(generate([SHORT_PROMPT], 1) for _ in range(plan.ttft_repeats))
-        engine.ttft_long = min(generate([long], 1) for _ in range(plan.ttft_repeats))
+        engine.ttft_long = min(generate([prompt], 1) for prompt in long)
         for clients in plan.concurrency:
             run = Run()
             for batch in zip(*prompts_for(clients, plan.rounds), strict=True):
@@ -140,11 +155,13 @@ def transformers_engine(model_dir: Path, dtype: str, plan: Plan, long: str) -> E
 # ---- streaming engines: the mesh and llama-server ----
 
 
-async def timed(stream: Stream, prompt: str, new_tokens: int, run: Run) -> None:
+async def timed(
+    stream: Stream, prompt: str, new_tokens: int, run: Run, reuse: bool = False
+) -> None:
     """One request into `run`: TTFT, the gap per token after it, end to end."""
     started = time.perf_counter()
     last = None
-    async for count in stream(prompt, new_tokens):
+    async for count in stream(prompt, new_tokens, reuse):
         last = run.arrived(count, started, last)
     run.e2e.append(time.perf_counter() - started)
 
@@ -163,19 +180,23 @@ async def closed_loop(stream: Stream, clients: int, plan: Plan) -> Run:
     return run
 
 
-async def first_token(stream: Stream, prompt: str, repeats: int) -> float:
-    """Best TTFT of `repeats` single requests (best: the least disturbed by the machine)."""
+async def first_token(stream: Stream, prompts: list[str], reuse: bool = False) -> float:
+    """Best TTFT of single requests, one per prompt (best: the least disturbed)."""
     run = Run()
-    for _ in range(repeats):
-        await timed(stream, prompt, 2, run)
+    for prompt in prompts:
+        await timed(stream, prompt, 2, run, reuse)
     return min(run.ttft)
 
 
-async def measure_stream(engine: Engine, stream: Stream, plan: Plan, long: str) -> Engine:
-    """Warm up, then TTFT (short, long) and every concurrency, one after another."""
+async def measure_stream(engine: Engine, stream: Stream, plan: Plan, long: list[str]) -> Engine:
+    """Warm up, then TTFT (short, long, long after its prefix was seen) and every
+    concurrency, one after another."""
     await closed_loop(stream, 1, Plan((1,), 4, 1, 1))
-    engine.ttft_short = await first_token(stream, SHORT_PROMPT, plan.ttft_repeats)
-    engine.ttft_long = await first_token(stream, long, plan.ttft_repeats)
+    engine.ttft_short = await first_token(stream, [SHORT_PROMPT] * plan.ttft_repeats)
+    engine.ttft_long = await first_token(stream, long)
+    questions = [f"{long[0]}\nQuestion {n}: what comes next?" for n in range(plan.ttft_repeats)]
+    await first_token(stream, [long[0]], reuse=True)  # seen once
+    engine.ttft_cached = await first_token(stream, questions, reuse=True)
     for clients in plan.concurrency:
         engine.runs[clients] = await closed_loop(stream, clients, plan)
     return engine
@@ -204,17 +225,19 @@ def stop(processes: list[subprocess.Popen]) -> None:
 
 
 def mesh_engine(
-    kind: str, dtype: str, threads: int, weight_bytes: int, plan: Plan, long: str
+    variant: tuple[str, str, str, int], weight_bytes: int, plan: Plan, long: list[str]
 ) -> Engine:
-    """The four-process mesh as loadtest.llm runs it, with [engines.llm] engine, dtype and
-    threads."""
+    """The four-process mesh as loadtest.llm runs it, with [engines.llm] engine,
+    prefill_engine, dtype and threads."""
+    kind, prefill_kind, dtype, threads = variant
 
     async def measure() -> Engine:
         await wait_mesh()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{PORTS['generation']}") as channel:
             stub = generation_pb2_grpc.GenerationServiceStub(channel)
 
-            async def stream(prompt: str, new_tokens: int) -> AsyncIterator[int]:
+            async def stream(prompt: str, new_tokens: int, reuse: bool) -> AsyncIterator[int]:
+                # The prefix cache is always on; only prompts meant to share a prefix do.
                 request = generation_pb2.GenerateRequest(
                     prompt=prompt,
                     stopping=sampling_pb2.StoppingCriteria(
@@ -226,8 +249,10 @@ def mesh_engine(
                         yield len(message.chunk.token_ids)
 
             weights = "Q4_1" if kind == "llama.cpp" else dtype
+            cores = f"{threads} thread(s)" if threads else "all cores"
+            name = f"aimesh mesh, {prefill_kind} prefill, {kind} {weights} decode, {cores}"
             return await measure_stream(
-                Engine(f"aimesh mesh, {kind} {weights}, {threads} thread(s)", weight_bytes),
+                Engine(name, weight_bytes),
                 stream,
                 plan,
                 long,
@@ -236,6 +261,7 @@ def mesh_engine(
     with tempfile.TemporaryDirectory() as root:
         with environment(
             AIMESH_ENGINES__LLM__ENGINE=kind,
+            AIMESH_ENGINES__LLM__PREFILL_ENGINE=prefill_kind,
             AIMESH_ENGINES__LLM__DTYPE=dtype,
             AIMESH_ENGINES__LLM__THREADS=str(threads),
         ):
@@ -284,7 +310,7 @@ def streamed_tokens(line: str) -> int:
     return 0 if event.get("stop") else len(event.get("tokens", []))
 
 
-def llama_engine(binary: Path, plan: Plan, long: str, url: str | None = None) -> Engine:
+def llama_engine(binary: Path, plan: Plan, long: list[str], url: str | None = None) -> Engine:
     """llama-server's streaming /completion endpoint over HTTP: one started here, or the
     one already running at `url` (started as start_llama_server starts it)."""
     gguf = gguf_path()
@@ -299,13 +325,13 @@ def llama_engine(binary: Path, plan: Plan, long: str, url: str | None = None) ->
             if process is not None:
                 await wait_llama(client, process)
 
-            async def stream(prompt: str, new_tokens: int) -> AsyncIterator[int]:
+            async def stream(prompt: str, new_tokens: int, reuse: bool) -> AsyncIterator[int]:
                 body = {
                     "prompt": prompt,
                     "n_predict": new_tokens,
                     "stream": True,
                     "ignore_eos": True,
-                    "cache_prompt": False,
+                    "cache_prompt": reuse,
                     "temperature": 0.0,
                     "top_k": 1,
                     "return_tokens": True,
@@ -384,10 +410,11 @@ def report(engines: list[Engine], plan: Plan, bandwidth_gbs: float, image: str) 
     ms = 1000
     levels = plan.concurrency
     summary = [
-        "| engine | TTFT ~9-token prompt ms | TTFT 256 ms | ITL p50 ms (c=1) | floor ms/token "
+        "| engine | TTFT ~9-token prompt ms | TTFT 256 ms | TTFT 256 seen + 9 ms "
+        "| ITL p50 ms (c=1) | floor ms/token "
         + "".join(f"| agg tok/s c={c} " for c in levels)
         + "|",
-        "|---|---|---|---|---" + "|---" * len(levels) + "|",
+        "|---|---|---|---|---|---" + "|---" * len(levels) + "|",
     ]
     detail = [
         "| engine | streams | TTFT p50/p99 ms | ITL p50/p99 ms | per-stream tok/s | agg tok/s |",
@@ -396,6 +423,7 @@ def report(engines: list[Engine], plan: Plan, bandwidth_gbs: float, image: str) 
     for engine in engines:
         summary.append(
             f"| {engine.name} | {engine.ttft_short * ms:.0f} | {engine.ttft_long * ms:.0f} | "
+            f"{engine.ttft_cached * ms:.0f} | "
             f"{pct(engine.runs[levels[0]].itl, 0.5) * ms:.1f} | "
             f"{floor_ms(engine.weight_bytes, bandwidth_gbs):.1f} "
             + "".join(f"| {engine.runs[c].tokens_per_s:.1f} " for c in levels)
@@ -415,13 +443,16 @@ def report(engines: list[Engine], plan: Plan, bandwidth_gbs: float, image: str) 
             "",
             f"Command: `python -m loadtest.llm_peers` (`make bench-llm-peers`). "
             f"SmolLM2-135M-Instruct, greedy, EOS ignored, {plan.new_tokens} new tokens per "
-            f"request, {plan.rounds} request(s) per stream, no prompt cache. Machine: "
+            f"request, {plan.rounds} request(s) per stream. Machine: "
             f"{os.cpu_count()} cores, Python {platform.python_version()}, torch "
             f"{torch.__version__}. Transformers runs static batches of c prompts in this "
             "process (TTFT: the batch's first token); the mesh (four processes) and "
             "llama-server (Q4_1 GGUF, 2 threads, continuous batching, a slot per stream) "
             "stream over loopback. TTFT columns: best of "
-            f"{plan.ttft_repeats}, one request alone. Floor: all weights read once per decode "
+            f"{plan.ttft_repeats}, one request alone; no prompt starts like another but in "
+            "'256 seen + 9': the 256-token prompt, already sent once, and a new question after "
+            "it (the mesh's prefix cache; llama-server's `cache_prompt`; transformers has "
+            "none, nan). Floor: all weights read once per decode "
             f"step at {bandwidth_gbs:.1f} GB/s (measured here: one pass over 512 MB).",
             "",
             *summary,
@@ -449,13 +480,15 @@ def main() -> None:
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
     model_dir = resolve_model(None, MeshSettings().cache_dir)
-    long = long_prompt(model_dir)
+    long = long_prompts(model_dir, plan.ttft_repeats)
     engines = [transformers_engine(model_dir, dtype, plan, long) for dtype in BYTES_PER_PARAM]
     weights = dict(zip(BYTES_PER_PARAM, (e.weight_bytes for e in engines), strict=True))
-    weights["auto"] = gguf_path().stat().st_size  # the llama.cpp engine reads the GGUF
+    gguf_bytes = gguf_path().stat().st_size  # what llama.cpp decode reads per step
     engines += [
-        mesh_engine(kind, dtype, threads, weights[dtype], plan, long)
-        for kind, dtype, threads in MESH_VARIANTS
+        mesh_engine(
+            variant, gguf_bytes if variant[0] == "llama.cpp" else weights[variant[2]], plan, long
+        )
+        for variant in MESH_VARIANTS
     ]
     engines.append(llama_engine(args.llama_server, plan, long, args.llama_url))
     bandwidth = args.bandwidth_gbs or read_bandwidth_gbs()

@@ -8,6 +8,7 @@ RESOURCE_EXHAUSTED rather than letting memory grow without bound.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from services.prefill.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from services.llm.llama_cpp import LlamaCpp
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -144,7 +147,17 @@ class PrefillEngine:
         hit = self.prefixes.lookup(token_ids)
         looked_up = time.perf_counter()
         cached = hit.tokens if hit else 0
-        logits, kv = self.model.prefill(token_ids, hit.kv if hit else None, cached)
+        try:
+            logits, kv = self.model.prefill(token_ids, hit.kv if hit else None, cached)
+        except Exception:
+            if hit is None:
+                raise
+            # A cached prefix that will not load must not fail every prompt that starts
+            # with it: it goes, and this prompt runs whole.
+            log.exception("a cached prefix failed to load; dropped")
+            self.prefixes.discard(hit)
+            hit, cached = None, 0
+            logits, kv = self.model.prefill(token_ids)
         token, logprob = sample(logits, params, token_ids, index=0)
         computed = time.perf_counter()
         self.prefixes.insert(token_ids, kv, hit)

@@ -105,6 +105,10 @@ class PrefixCache:
         self.used_bytes += nbytes
         metrics.PREFIX_CACHE_BYTES.set(self.used_bytes)
 
+    def discard(self, hit: Hit) -> None:
+        """Forgets the entry of a hit (one whose KV would not load)."""
+        self._remove(hit.entry)
+
     def _remove(self, entry: _Entry) -> None:
         if self._entries.pop(entry.tokens, None) is None:
             return

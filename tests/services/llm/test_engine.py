@@ -17,6 +17,8 @@ from services.llm.kv_codec import KvState, SequenceState, kv_tokens
 from services.llm.llama import Llama, SlotCache, TorchSlots, resolve_device, resolve_dtype
 from services.llm.sampling import SamplingParams
 from services.llm.stopping import Finish, StopChecker
+from services.prefill.engine import PrefillEngine
+from services.prefill.prefix_cache import PrefixCache
 from tests.conftest import eventually
 from tests.services.llm.conftest import greedy_reference
 
@@ -401,3 +403,22 @@ async def test_a_dead_scheduler_fails_every_stream_and_refuses_new_ones(engine, 
     with pytest.raises(NotReady):
         decoder.submit(_sequence(engine, tokenizer, "Water boils at", 5))
     await decoder.stop()
+
+
+def test_a_cached_prefix_that_will_not_load_is_dropped_and_the_prompt_runs_whole(llama):
+    from services.llm.llama_cpp import LlamaCpp
+
+    model = LlamaCpp(gguf_path(), llama.config, sequences=1, max_seq_len=128, threads=1)
+    try:
+        cache = PrefixCache(1 << 20)
+        prompt = list(range(100, 140))
+        cache.insert(prompt[:32], SequenceState(bytes(1000), 32))  # no state llama.cpp reads
+        result = PrefillEngine(model, cache).run(prompt, SamplingParams())
+        whole_logits, _ = model.prefill(prompt)
+    finally:
+        model.close()
+    assert result.cached_tokens == 0
+    assert result.first_token == int(whole_logits.argmax())
+    assert len(cache) == 1  # the broken entry went; this prompt's came
+    hit = cache.lookup([*prompt, 7])
+    assert hit is not None and hit.tokens == len(prompt)
