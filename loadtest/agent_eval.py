@@ -55,6 +55,10 @@ class Outcome:
     calculator_value: float | None
     seconds: float
     by_model: bool  # the model planned (no iteration fell back to the rules)
+    # Seconds per kind of hop, from Final.timing: "plan", "answer", "tools" (every tool
+    # call together).
+    stages: dict[str, float]
+    completion_tokens: int
 
 
 def numbers_in(text: str) -> list[float]:
@@ -77,6 +81,8 @@ async def ask(stub, question: dict) -> Outcome:
         question=question["question"], options=agent_pb2.RunOptions(seed=1)
     )
     answer, citations, tools, value, by_model = "", [], [], None, False
+    stages: dict[str, float] = {}
+    completion_tokens = 0
     started = time.perf_counter()
     async for event in stub.Run(request, timeout=120):
         kind = event.WhichOneof("event")
@@ -86,12 +92,18 @@ async def ask(stub, question: dict) -> Outcome:
             citations = list(event.citations.passage_ids)
         elif kind == "final":
             by_model = event.final.planner == agent_pb2.PLANNER_LLM
+            completion_tokens = event.final.usage.completion_tokens
+            for hop in event.final.timing.stages:
+                name = hop.name if hop.name in ("plan", "answer") else "tools"
+                stages[name] = stages.get(name, 0.0) + hop.duration_ns / 1e9
         elif kind == "tool_result":
             tools.append(event.tool_result.name)
             if event.tool_result.name == "calculator" and not event.tool_result.is_error:
                 value = json_format.MessageToDict(event.tool_result.structured)["value"]
     seconds = time.perf_counter() - started
-    return Outcome(question, answer, citations, tools, value, seconds, by_model)
+    return Outcome(
+        question, answer, citations, tools, value, seconds, by_model, stages, completion_tokens
+    )
 
 
 async def evaluate(target: str) -> list[Outcome]:
@@ -129,6 +141,14 @@ def report(outcomes: list[Outcome]) -> str:
         f"{sum(o.by_model for o in outcomes)}/{len(outcomes)} |",
         f"| | latency p50 / max | {statistics.median(o.seconds for o in outcomes):.1f} s"
         f" / {max(o.seconds for o in outcomes):.1f} s |",
+        "| | p50 of planning / tools / answering | "
+        + " / ".join(
+            f"{statistics.median(o.stages.get(name, 0.0) for o in outcomes):.2f} s"
+            for name in ("plan", "tools", "answer")
+        )
+        + " |",
+        f"| | generated tokens per run, p50 | "
+        f"{statistics.median(o.completion_tokens for o in outcomes):.0f} |",
         END,
     ]
     return "\n".join(lines)

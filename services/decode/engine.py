@@ -45,6 +45,12 @@ class Slots(Protocol):
     config: LlamaConfig
     compacted: bool
 
+    def readable(self, kv: KvState) -> KvState:
+        """`kv` as `load` reads it fastest; any thread may call it, so that work such as
+        llama.cpp writing torch KV as its state runs before the sequence joins, not in a
+        step that every running sequence waits for."""
+        ...
+
     def load(self, slot: int, kv: KvState) -> None: ...
 
     def move(self, source: int, target: int, length: int) -> None: ...

@@ -169,7 +169,6 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
             kv = await kv_transfer.pull(self.server.channels, handle)
         finally:
             self.releaser.release_later(handle.address, handle.id)
-        transfer_s = time.perf_counter() - pulled_at
         # The handoff, on Decode's span: which engine's KV, and how many bytes moved.
         trace.get_current_span().set_attributes(
             {
@@ -177,6 +176,10 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
                 "aimesh.kv.bytes": kv_codec.kv_nbytes(kv),
             }
         )
+        # Part of the handoff, off the event loop and the model thread: converting a long
+        # prompt's KV in a step would hold up every running sequence's next token.
+        kv = await asyncio.to_thread(engine.slots.readable, kv)
+        transfer_s = time.perf_counter() - pulled_at
 
         sequence = Sequence(
             prompt=prompt,

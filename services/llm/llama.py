@@ -175,6 +175,9 @@ class TorchSlots:
         self.config = model.config
         self.cache = SlotCache(model.config, slots, max_len, model.dtype, model.device)
 
+    def readable(self, kv: list[LayerKV]) -> list[LayerKV]:
+        return kv
+
     def load(self, slot: int, kv: list[LayerKV]) -> None:
         self.cache.load(slot, kv)
 

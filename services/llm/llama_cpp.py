@@ -183,10 +183,15 @@ class LlamaCpp:
         self._decode(token_ids, positions, slots, True)
         return self._logits(len(token_ids))
 
+    def readable(self, kv: KvState) -> SequenceState:
+        """A sequence's state as it is, torch prefill's KV written as one (`state_of`,
+        which only reads what __init__ set: any thread may call it)."""
+        return kv if isinstance(kv, SequenceState) else self.state_of(kv)
+
     def load(self, slot: int, kv: KvState) -> None:
         """Reads a sequence's state, or torch prefill's KV written as one, into `slot`,
         refusing one that did not fit exactly."""
-        state = kv if isinstance(kv, SequenceState) else self.state_of(kv)
+        state = self.readable(kv)
         self.free(slot)
         data = self._in_streams(state.data)
         buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
