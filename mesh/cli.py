@@ -23,8 +23,10 @@ from mesh.edge import process as edge_process
 from mesh.health import probe
 from mesh.info import get_info, summary
 from mesh.metrics import serve_metrics
+from mesh.pki import throwaway_pki
 from mesh.registry import ServiceSpec, discover, options_problems
 from mesh.server import MeshServer
+from mesh.tls import CLI_IDENTITY, tls_environment
 
 app = typer.Typer(help="aimesh: a gRPC mesh for AI serving.", no_args_is_help=True)
 edge_app = typer.Typer(help="The Envoy edge in front of the mesh.", no_args_is_help=True)
@@ -87,11 +89,30 @@ def up(
     edge: Annotated[
         bool, typer.Option("--edge", help="also start Envoy in front of the mesh (port 8080)")
     ] = False,
+    tls: Annotated[
+        bool,
+        typer.Option(
+            "--tls",
+            help="mutual TLS between every process: a throwaway CA and a certificate per "
+            "service in <cache_dir>/tls, made anew",
+        ),
+    ] = False,
 ) -> None:
     """Start every service as its own process, wait until all are ready, run until Ctrl-C."""
     settings = MeshSettings()
     specs = _specs(only)
     _refuse_bad_options(specs, settings)
+    if tls and edge:
+        raise typer.BadParameter("--tls with --edge: Envoy does not speak TLS to the mesh yet")
+    environments: dict[str, dict[str, str]] = {}
+    if tls:
+        pki = throwaway_pki(settings.cache_dir / "tls", [*(s.name for s in specs), CLI_IDENTITY])
+        settings = settings.model_copy(update={"tls": pki[CLI_IDENTITY]})
+        environments = {spec.name: tls_environment(pki[spec.name]) for spec in specs}
+        console.print(
+            f"mutual TLS: CA {settings.tls.ca_file}; callers from outside use "
+            f"{settings.tls.cert_file} and {settings.tls.key_file}"
+        )
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -107,9 +128,13 @@ def up(
         try:
             for spec in specs:
                 log = log_dir and log_dir / f"{spec.name}.log"
-                children.append(await supervisor.start(spec, settings, log))
-            cold_starts = await supervisor.wait_ready(children, ready_timeout)
-            infos = await asyncio.gather(*(get_info(child.target) for child in children))
+                children.append(
+                    await supervisor.start(spec, settings, log, env=environments.get(spec.name))
+                )
+            cold_starts = await supervisor.wait_ready(children, ready_timeout, settings.tls)
+            infos = await asyncio.gather(
+                *(get_info(child.target, tls=settings.tls) for child in children)
+            )
             _print_endpoints(children, settings, cold_starts, infos)
             not_ready = [name for name, took in cold_starts.items() if took is None]
             if not_ready:
@@ -238,9 +263,9 @@ def health(
         async def one(spec: ServiceSpec) -> tuple[str, str, str, str, GetInfoResponse | None]:
             target = settings.target_of(spec.name, spec.default_port)
             live, ready, info = await asyncio.gather(
-                probe(target, "", timeout),
-                probe(target, spec.name, timeout),
-                get_info(target, timeout),
+                probe(target, "", timeout, settings.tls),
+                probe(target, spec.name, timeout, settings.tls),
+                get_info(target, timeout, settings.tls),
             )
             return spec.name, target, live, ready, info
 

@@ -21,6 +21,7 @@ from mesh import interceptors, tracing
 from mesh.breaker import CircuitBreaker
 from mesh.config import ClientSettings, MeshSettings, TransportSettings
 from mesh.deadline import DeadlinePolicy
+from mesh.tls import channel_credentials
 
 _IDEMPOTENT_LEVELS = frozenset({MethodOptions.NO_SIDE_EFFECTS, MethodOptions.IDEMPOTENT})
 
@@ -92,7 +93,8 @@ def create_channel(
     breaker: CircuitBreaker | None = None,
     credentials: grpc.ChannelCredentials | None = None,
 ) -> grpc.aio.Channel:
-    """A channel with the mesh's interceptors; TLS when `credentials` are given."""
+    """A channel with the mesh's interceptors; TLS with `credentials`, or with the mesh's
+    own when `[tls]` is configured."""
     client = settings.client
     breaker = breaker or CircuitBreaker(target, client.breaker)
     chain = [
@@ -100,6 +102,8 @@ def create_channel(
         *interceptors.client_interceptors(DeadlinePolicy(client), breaker),
     ]
     options = channel_options(settings, services)
+    if credentials is None and settings.tls is not None:
+        credentials = channel_credentials(settings.tls)
     if credentials is not None:
         return grpc.aio.secure_channel(target, credentials, options=options, interceptors=chain)
     return grpc.aio.insecure_channel(target, options=options, interceptors=chain)

@@ -197,6 +197,17 @@ class EdgeSettings(BaseModel):
     envoy_binary: str = Field(default="envoy", description="path or name on PATH")
 
 
+class TlsSettings(BaseModel, extra="forbid"):
+    """[tls]: TLS between mesh processes (mesh/tls.py); absent, everything is plaintext."""
+
+    cert_file: Path = Field(description="this process's certificate chain, PEM")
+    key_file: Path = Field(description="its private key, PEM")
+    ca_file: Path = Field(description="the CA that signs every mesh certificate, PEM")
+    require_client_cert: bool = Field(
+        default=True, description="mutual TLS: refuse callers without a certificate of the CA"
+    )
+
+
 class MeshSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="AIMESH_", env_nested_delimiter="__")
 
@@ -211,6 +222,8 @@ class MeshSettings(BaseSettings):
     client: ClientSettings = Field(default_factory=ClientSettings)
     transport: TransportSettings = Field(default_factory=TransportSettings)
     edge: EdgeSettings = Field(default_factory=EdgeSettings)
+    # None: plaintext (the loopback default); mesh/tls.py.
+    tls: TlsSettings | None = None
 
     @classmethod
     def settings_customise_sources(

@@ -13,6 +13,7 @@ from importlib.metadata import PackageNotFoundError, version
 import grpc
 
 from aimesh.mesh.v1 import info_pb2, info_pb2_grpc
+from mesh.tls import TlsSettings, plain_channel
 
 SERVICE = info_pb2.DESCRIPTOR.services_by_name["InfoService"]
 ModelInfo = info_pb2.ModelInfo
@@ -40,10 +41,12 @@ class InfoServicer(info_pb2_grpc.InfoServiceServicer):
         )
 
 
-async def get_info(target: str, timeout_s: float = 1.0) -> info_pb2.GetInfoResponse | None:
+async def get_info(
+    target: str, timeout_s: float = 1.0, tls: TlsSettings | None = None
+) -> info_pb2.GetInfoResponse | None:
     """One GetInfo over a plain channel (no breaker: a CLI's one-off look); None if the
     process does not answer."""
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with plain_channel(target, tls) as channel:
         try:
             return await info_pb2_grpc.InfoServiceStub(channel).GetInfo(
                 info_pb2.GetInfoRequest(), timeout=timeout_s

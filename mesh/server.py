@@ -42,6 +42,7 @@ from mesh.info import InfoServicer, ModelInfo
 from mesh.interceptors import MeshServerInterceptor
 from mesh.metrics import watch_event_loop
 from mesh.registry import discover
+from mesh.tls import server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +272,13 @@ class MeshServer:
             ],
             self.grpc_server,
         )
-        self.port = self.grpc_server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        address = f"{self.host}:{self.requested_port}"
+        tls = self.settings.tls
+        self.port = (
+            self.grpc_server.add_secure_port(address, server_credentials(tls))
+            if tls is not None
+            else self.grpc_server.add_insecure_port(address)
+        )
         if self.port == 0:
             raise OSError(f"{self.name}: cannot bind {self.host}:{self.requested_port}")
         await self.set_ready(False)

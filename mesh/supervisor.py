@@ -20,6 +20,7 @@ from pathlib import Path
 from mesh.config import MeshSettings
 from mesh.health import wait_until_serving
 from mesh.registry import ServiceSpec
+from mesh.tls import TlsSettings
 
 # Restart backoff: doubles from the first delay to the cap, and starts over once a
 # process has stayed up for STABLE_S (a crash loop waits longer each time; a rare crash
@@ -96,7 +97,9 @@ async def keep_running(child: Child, on_restart: OnRestart) -> None:
         delay = min(delay * 2, MAX_RESTART_DELAY_S)
 
 
-async def wait_ready(children: list[Child], timeout_s: float) -> dict[str, float | None]:
+async def wait_ready(
+    children: list[Child], timeout_s: float, tls: TlsSettings | None = None
+) -> dict[str, float | None]:
     """Each service's cold start: seconds from its start to readiness (the seed's
     cold_start_time), or None for one that did not become ready (or died) in time."""
     loop = asyncio.get_running_loop()
@@ -104,7 +107,7 @@ async def wait_ready(children: list[Child], timeout_s: float) -> dict[str, float
 
     async def one(child: Child) -> float | None:
         ready = asyncio.create_task(
-            wait_until_serving(child.target, child.spec.name, timeout_s, interval_s=0.1)
+            wait_until_serving(child.target, child.spec.name, timeout_s, interval_s=0.1, tls=tls)
         )
         died = asyncio.create_task(child.process.wait())
         await asyncio.wait({ready, died}, return_when=asyncio.FIRST_COMPLETED)

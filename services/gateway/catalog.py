@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from mesh.health import probe
 from mesh.info import get_info
+from mesh.tls import TlsSettings
 from services.gateway.errors import model_not_found
 
 # Dependency -> the API surface its models serve.
@@ -34,6 +35,7 @@ class Catalog:
     """Model names by surface, and whether every dependency was ready at the last look."""
 
     targets: dict[str, str]
+    tls: TlsSettings | None = None
     models: dict[str, list[str]] = field(default_factory=dict)
     ready: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
@@ -51,7 +53,9 @@ class Catalog:
         """The dependency's model names when it is ready; None when it is not. The probes
         go around the mesh channel (as the generation router's do), so a dependency still
         starting trips no circuit breaker."""
-        ready, info = await asyncio.gather(probe(target, name), get_info(target))
+        ready, info = await asyncio.gather(
+            probe(target, name, tls=self.tls), get_info(target, tls=self.tls)
+        )
         if ready != "SERVING" or info is None or not info.models:
             return None
         return [model.name for model in info.models]

@@ -37,7 +37,9 @@ log = logging.getLogger(__name__)
 
 async def setup(server: MeshServer) -> HttpServer:
     options = server.options_as(GatewayOptions)
-    catalog = Catalog({name: server.dependency_target(name) for name in SURFACES})
+    catalog = Catalog(
+        {name: server.dependency_target(name) for name in SURFACES}, server.settings.tls
+    )
     slots = Slots(server.admission)
     store = open_store(options.limits_store)
     limiter = Limiter(store, window_s=options.limit_window_s, reserve_tokens=options.reserve_tokens)

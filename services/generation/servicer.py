@@ -283,7 +283,9 @@ async def setup(server: MeshServer) -> None:
         # Several workers of a kind as the options list them, else the declared dependency.
         prefill = options.prefill or [server.dependency_target("prefill")]
         decode = options.decode or [server.dependency_target("decode")]
-        decode_picker = DecodePicker(decode, server.channels, options.poll_interval_s)
+        decode_picker = DecodePicker(
+            decode, server.channels, options.poll_interval_s, server.settings.tls
+        )
         engine = Pipeline(server.channels, PrefillPicker(prefill, server.channels), decode_picker)
         server.add_warmup(
             lambda: _wait_for_workers(server, tokenizer_target, prefill, decode_picker)
@@ -314,8 +316,8 @@ async def _wait_for_workers(
     await decode_picker.poll()
     while not (
         decode_picker.any_healthy
-        and await probe(tokenizer, "tokenizer") == "SERVING"
-        and any([await probe(target, "prefill") == "SERVING" for target in prefill])
+        and await probe(tokenizer, "tokenizer", tls=server.settings.tls) == "SERVING"
+        and any([await probe(t, "prefill", tls=server.settings.tls) == "SERVING" for t in prefill])
     ):
         await asyncio.sleep(decode_picker.poll_interval_s)
         await decode_picker.poll()

@@ -25,6 +25,7 @@ from aimesh.llm.v1 import decode_pb2, decode_pb2_grpc
 from mesh.breaker import State
 from mesh.client import ChannelPool
 from mesh.failures import NotReady
+from mesh.tls import TlsSettings, plain_channel
 from services.llm.prefix import block_hashes
 
 log = logging.getLogger(__name__)
@@ -112,14 +113,18 @@ class PrefillPicker:
 
 class DecodePicker:
     def __init__(
-        self, targets: list[str], channels: ChannelPool, poll_interval_s: float = 0.25
+        self,
+        targets: list[str],
+        channels: ChannelPool,
+        poll_interval_s: float = 0.25,
+        tls: TlsSettings | None = None,
     ) -> None:
         if not targets:
             raise ValueError("no decode workers configured")
         self.workers = {target: _Worker(target) for target in targets}
         self.channels = channels
         self.poll_interval_s = poll_interval_s
-        self._probes = {target: grpc.aio.insecure_channel(target) for target in targets}
+        self._probes = {target: plain_channel(target, tls) for target in targets}
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> asyncio.Task[None]:

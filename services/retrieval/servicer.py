@@ -342,7 +342,9 @@ async def setup(server: MeshServer) -> None:
         # embedder's, learnt from one real call when the store opens.
         # Around the mesh channel: an embedder still starting must not open its breaker.
         embedder = server.dependency_target("embedder")
-        while not await wait_until_serving(embedder, "embedder", timeout_s=60):
+        while not await wait_until_serving(
+            embedder, "embedder", timeout_s=60, tls=server.settings.tls
+        ):
             log.warning("waiting for the embedder")
         await engine.open(lambda: open_store(settings, server.settings.cache_dir))
         if probe is not None:

@@ -14,8 +14,15 @@ import psutil
 import pytest
 
 from aimesh.echo.v1 import echo_pb2, echo_pb2_grpc
-from mesh.health import wait_until_serving
-from tests.conftest import VENV_BIN, free_port, start_mesh, stop_mesh, subprocess_env
+from mesh.health import probe, wait_until_serving
+from mesh.tls import CLI_IDENTITY, TlsSettings
+from tests.conftest import (
+    VENV_BIN,
+    free_port,
+    start_mesh,
+    stop_mesh,
+    subprocess_env,
+)
 
 pytestmark = pytest.mark.service
 
@@ -154,3 +161,36 @@ def test_a_services_environment_is_set_before_its_engine_loads_and_the_users_win
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     assert serve_start() == "PASSIVE False"
     assert serve_start(OMP_WAIT_POLICY="ACTIVE") == "ACTIVE False"
+
+
+async def test_up_with_tls_serves_mutual_tls_callers_only(tmp_path):
+    """`aimesh up --tls`: every process on certificates of a throwaway CA, and up's own
+    readiness checks over them (it says the mesh is up); a caller with the certificate
+    it names gets through, a plaintext one does not."""
+    port = free_port()
+    env = subprocess_env(
+        AIMESH_SERVICES__ECHO__PORT=str(port),
+        AIMESH_SERVICES__ECHO__METRICS_PORT="0",
+        AIMESH_CACHE_DIR=str(tmp_path),
+        COLUMNS="200",
+    )
+    up = await start_mesh("--only", "echo", "--tls", env=env, output=asyncio.subprocess.PIPE)
+    try:
+        banner = b""
+        while b"mesh is up" not in banner:
+            line = await asyncio.wait_for(up.stdout.readline(), timeout=120)
+            assert line, f"aimesh up exited early: {banner.decode()}"
+            banner += line
+        caller = TlsSettings(
+            cert_file=tmp_path / "tls" / f"{CLI_IDENTITY}.pem",
+            key_file=tmp_path / "tls" / f"{CLI_IDENTITY}.key",
+            ca_file=tmp_path / "tls" / "ca.pem",
+        )
+        assert f"mutual TLS: CA {caller.ca_file}" in banner.decode()
+        target = f"127.0.0.1:{port}"
+        assert await probe(target, "echo", tls=caller) == "SERVING"
+        assert await probe(target, "echo") == "UNREACHABLE"
+        up.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(up.wait(), timeout=30) == 0
+    finally:
+        await stop_mesh(up)
