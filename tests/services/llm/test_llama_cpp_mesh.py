@@ -11,12 +11,14 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+import torch
 
 from aimesh.llm.v1 import decode_pb2, kv_cache_pb2, prefill_pb2, sampling_pb2
 from mesh.artifacts import artifact_digest, sha256_of
 from mesh.errors import error_info, field_violations
 from mesh.info import get_info
 from services.llm.artifacts import gguf_path, load_tokenizer
+from services.llm.kv_codec import KvState
 from services.llm.llama import Llama, LlamaConfig
 from services.llm.llama_cpp import ENGINE_VERSION, LlamaCpp
 from tests.services.llm.conftest import (
@@ -59,17 +61,39 @@ def local(model_dir) -> Iterator[tuple[LlamaCpp, LlamaCpp]]:
     decode.close()
 
 
-def greedy_alone(local: tuple[LlamaCpp, LlamaCpp], prompt_ids: list[int], count: int) -> list[int]:
-    """Greedy tokens of one sequence, prefilled and handed to a decode context alone."""
-    prefill, decode = local
-    logits, state = prefill.prefill(prompt_ids)
-    decode.load(0, state)
+def greedy_after(
+    decode: LlamaCpp, prompt_ids: list[int], logits: torch.Tensor, kv: KvState, count: int
+) -> list[int]:
+    """Greedy tokens of one sequence whose prefill gave (logits, kv), decoded alone."""
+    decode.load(0, kv)
     tokens = [int(logits.argmax())]
     while len(tokens) < count:
         position = len(prompt_ids) + len(tokens) - 1
         tokens.append(int(decode.decode([tokens[-1]], [position], [0])[0].argmax()))
     decode.free(0)
     return tokens
+
+
+def greedy_alone(local: tuple[LlamaCpp, LlamaCpp], prompt_ids: list[int], count: int) -> list[int]:
+    """Greedy tokens of one sequence, prefilled and handed to a decode context alone."""
+    prefill, decode = local
+    return greedy_after(decode, prompt_ids, *prefill.prefill(prompt_ids), count)
+
+
+async def still_decodes(decode, handle, prompt_ids: list[int], first_token_id: int) -> bool:
+    """Whether `handle` decodes four tokens (after refusals of altered copies of it)."""
+    call = decode.Decode(
+        decode_pb2.DecodeRequest(
+            kv_handle=handle,
+            prompt_token_ids=prompt_ids,
+            first_token_id=first_token_id,
+            max_new_tokens=4,
+            ignore_eos=True,
+        ),
+        timeout=30,
+    )
+    tokens = [t async for m in call if m.HasField("chunk") for t in m.chunk.token_ids]
+    return len(tokens) == 4
 
 
 async def test_prefill_and_decode_say_they_serve_the_gguf_on_llama_cpp(llama_cpp_mesh):
@@ -164,18 +188,7 @@ async def test_decode_refuses_kv_it_cannot_continue(llama_cpp_mesh, model_dir):
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert [v.field for v in field_violations(error)] == ["kv_handle.format.state_bytes"]
         # After every refusal the real handle still decodes.
-        call = decode.Decode(
-            decode_pb2.DecodeRequest(
-                kv_handle=handle,
-                prompt_token_ids=prompt_ids,
-                first_token_id=leased.first_token_id,
-                max_new_tokens=4,
-                ignore_eos=True,
-            ),
-            timeout=30,
-        )
-        tokens = [t async for m in call if m.HasField("chunk") for t in m.chunk.token_ids]
-        assert len(tokens) == 4
+        assert await still_decodes(decode, handle, prompt_ids, leased.first_token_id)
 
 
 async def test_a_prompt_sharing_a_cached_prefix_computes_only_its_tail(
@@ -217,16 +230,6 @@ async def test_torch_prefill_kv_continues_on_llama_cpp_as_it_does_in_process(
     torch_model = Llama.load(model_dir)
     _, decode = local
 
-    def mixed_alone(prompt_ids: list[int], count: int) -> list[int]:
-        logits, kv = torch_model.prefill(prompt_ids)
-        decode.load(0, kv)
-        tokens = [int(logits.argmax())]
-        while len(tokens) < count:
-            position = len(prompt_ids) + len(tokens) - 1
-            tokens.append(int(decode.decode([tokens[-1]], [position], [0])[0].argmax()))
-        decode.free(0)
-        return tokens
-
     stub, channel = mixed_mesh.stub()
     lengths = [24, 9, 17, 30, 5, 12]
     async with channel:
@@ -237,7 +240,9 @@ async def test_torch_prefill_kv_continues_on_llama_cpp_as_it_does_in_process(
             )
         )
     for prompt, n, (ids, _, _) in zip(prompts, lengths, runs, strict=False):
-        assert ids == mixed_alone(tokenizer.encode(prompt).ids, n), prompt
+        prompt_ids = tokenizer.encode(prompt).ids
+        in_process = greedy_after(decode, prompt_ids, *torch_model.prefill(prompt_ids), n)
+        assert ids == in_process, prompt
 
 
 async def test_llama_cpp_decode_refuses_torch_kv_of_another_model(mixed_mesh, model_dir):
@@ -256,15 +261,4 @@ async def test_llama_cpp_decode_refuses_torch_kv_of_another_model(mixed_mesh, mo
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert error_info(error).reason == "KV_FORMAT_MISMATCH"
         assert "model sha256" in error.details()
-        call = decode.Decode(
-            decode_pb2.DecodeRequest(
-                kv_handle=handle,
-                prompt_token_ids=prompt_ids,
-                first_token_id=leased.first_token_id,
-                max_new_tokens=4,
-                ignore_eos=True,
-            ),
-            timeout=30,
-        )
-        tokens = [t async for m in call if m.HasField("chunk") for t in m.chunk.token_ids]
-        assert len(tokens) == 4
+        assert await still_decodes(decode, handle, prompt_ids, leased.first_token_id)
