@@ -7,7 +7,7 @@ INSTALLED := $(VENV)/.installed
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
 	-DGGML_F16C=ON -DLLAVA_BUILD=OFF
 
-.PHONY: install test test-fast lint protos demo bench bench-llm bench-retrieval bench-diffusion bench-agent bench-edge bench-gateway bench-triton bench-llm-peers llama-server fuzz chaos clean
+.PHONY: install test test-fast lint protos demo demo-tls bench bench-llm bench-retrieval bench-diffusion bench-agent bench-edge bench-gateway bench-triton bench-llm-peers llama-server fuzz chaos clean
 
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,10 @@ protos: install
 
 demo: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" ./scripts/demo.sh
+
+# The same demo with mutual TLS between every process, Envoy included (docs/security.md).
+demo-tls: install
+	PATH="$(abspath $(VENV))/bin:$$PATH" DEMO_TLS=1 ./scripts/demo.sh
 
 bench: install
 	$(PY) -m loadtest.mesh_overhead --seconds 5 --rounds 3 --out docs/benchmarks.md

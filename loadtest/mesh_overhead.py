@@ -6,8 +6,9 @@ differs. Bare: grpc.aio.server() and grpc.aio.insecure_channel(). Mesh: MeshServ
 admission) and mesh.client.create_channel (tracing, request id, deadline, breaker,
 retry service config). Mesh-untraced: the same with OTEL_SDK_DISABLED=true, which
 removes the OpenTelemetry interceptors, to show what tracing costs on its own.
-Scenarios: unary at concurrency 1 and 32, server streaming (100 messages per call) at
-concurrency 1 and 32.
+Mesh-mtls: the full stack over mutual TLS with caller authorization (certificates of a
+throwaway CA, mesh/pki.py), to show what `[tls]` costs per hop. Scenarios: unary at
+concurrency 1 and 32, server streaming (100 messages per call) at concurrency 1 and 32.
 
     python -m loadtest.mesh_overhead --seconds 5 --out docs/benchmarks.md
 """
@@ -20,6 +21,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -31,8 +33,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from aimesh.echo.v1 import echo_pb2, echo_pb2_grpc
 from mesh import tracing
 from mesh.client import create_channel
-from mesh.config import MeshSettings, ServiceSettings
+from mesh.config import MeshSettings, ServiceSettings, TlsSettings
 from mesh.health import wait_until_serving
+from mesh.pki import throwaway_pki
 from mesh.server import MeshServer
 
 STREAM_MESSAGES = 100
@@ -59,10 +62,24 @@ class _Discard(SpanExporter):
         return SpanExportResult.SUCCESS
 
 
-STACKS = ("bare", "mesh", "mesh-untraced")
+STACKS = ("bare", "mesh", "mesh-untraced", "mesh-mtls")
+CLIENT_IDENTITY = "bench-client"
 
 
-async def serve(stack: str, port: int) -> None:
+def stack_settings(stack: str, pki: Path, identity: str) -> MeshSettings:
+    """`identity`'s settings on `stack`: its certificate from `pki` for mesh-mtls."""
+    if stack != "mesh-mtls":
+        return MeshSettings()
+    return MeshSettings(tls=certificate_of(pki, identity))
+
+
+def certificate_of(pki: Path, identity: str) -> TlsSettings:
+    return TlsSettings(
+        cert_file=pki / f"{identity}.pem", key_file=pki / f"{identity}.key", ca_file=pki / "ca.pem"
+    )
+
+
+async def serve(stack: str, port: int, pki: Path) -> None:
     if stack == "bare":
         server = grpc.aio.server()
         echo_pb2_grpc.add_EchoServiceServicer_to_server(BenchEcho(), server)
@@ -71,8 +88,10 @@ async def serve(stack: str, port: int) -> None:
         await server.wait_for_termination()
         return
     tracing.configure("bench-server", processor=BatchSpanProcessor(_Discard()))
-    settings = MeshSettings(services={"echo": ServiceSettings(max_concurrency=64)})
-    mesh_server = MeshServer("echo", settings, port=port)
+    settings = stack_settings(stack, pki, "echo")
+    settings.services = {"echo": ServiceSettings(max_concurrency=64)}
+    callers = [(SERVICE.full_name, (CLIENT_IDENTITY,))]
+    mesh_server = MeshServer("echo", settings, port=port, callers=callers)
     mesh_server.add_service(echo_pb2_grpc.add_EchoServiceServicer_to_server, BenchEcho(), SERVICE)
     await mesh_server.serve_until_signal()
 
@@ -100,11 +119,14 @@ class Result:
         return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
-async def load(stack: str, target: str, scenario: str, concurrency: int, seconds: float) -> Result:
+async def load(
+    stack: str, target: str, scenario: str, concurrency: int, seconds: float, pki: Path
+) -> Result:
     if stack == "bare":
         channel = grpc.aio.insecure_channel(target)
     else:
-        channel = create_channel(target, MeshSettings(), services=[SERVICE])
+        settings = stack_settings(stack, pki, CLIENT_IDENTITY)
+        channel = create_channel(target, settings, services=[SERVICE])
     stub = echo_pb2_grpc.EchoServiceStub(channel)
     latencies: list[float] = []
     messages = 0
@@ -142,15 +164,26 @@ async def load(stack: str, target: str, scenario: str, concurrency: int, seconds
     return Result(stack, scenario, concurrency, len(latencies), messages, elapsed, latencies)
 
 
-def start_server(stack: str, port: int) -> subprocess.Popen:
+def start_server(stack: str, port: int, pki: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "loadtest.mesh_overhead", "--serve", stack, "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "loadtest.mesh_overhead",
+            "--serve",
+            stack,
+            "--port",
+            str(port),
+            "--pki",
+            str(pki),
+        ],
         env={**os.environ, "GRPC_VERBOSITY": "ERROR", "AIMESH_LOG_LEVEL": "WARNING"},
     )
 
 
-async def run(seconds: float, rounds: int, port: int) -> list[Result]:
+async def run(seconds: float, rounds: int, port: int, pki: Path) -> list[Result]:
     tracing.configure("bench-client", processor=BatchSpanProcessor(_Discard()))
+    throwaway_pki(pki, ["echo", CLIENT_IDENTITY])
     results: list[Result] = []
     scenarios = [("unary", 1), ("unary", 32), ("stream", 1), ("stream", 32)]
     # Alternate stacks round by round so drift on a noisy machine hits both alike.
@@ -158,15 +191,17 @@ async def run(seconds: float, rounds: int, port: int) -> list[Result]:
         for stack in STACKS:
             # Read by mesh.tracing in the server process and in this one's channels.
             os.environ["OTEL_SDK_DISABLED"] = "true" if stack == "mesh-untraced" else "false"
-            server = start_server(stack, port)
+            server = start_server(stack, port, pki)
             try:
                 target = f"127.0.0.1:{port}"
                 if stack != "bare":
-                    assert await wait_until_serving(target, "echo", timeout_s=30)
+                    tls = stack_settings(stack, pki, CLIENT_IDENTITY).tls
+                    assert await wait_until_serving(target, "echo", timeout_s=30, tls=tls)
                 else:
                     await _wait_listening(target)
                 for scenario, concurrency in scenarios:
-                    results.append(await load(stack, target, scenario, concurrency, seconds))
+                    result = await load(stack, target, scenario, concurrency, seconds, pki)
+                    results.append(result)
             finally:
                 server.terminate()
                 server.wait(timeout=30)
@@ -206,7 +241,8 @@ def report(results: list[Result], seconds: float, rounds: int) -> str:
         " 127.0.0.1. Full stack = tracing (spans batched to a discarding exporter),"
         " request id, deadline, metrics, error table, admission on the server; tracing,"
         " request id, deadline, breaker and retry config on the client. Mesh-untraced ="
-        " the same with OTEL_SDK_DISABLED=true. Stacks alternate round by round.",
+        " the same with OTEL_SDK_DISABLED=true. Mesh-mtls = the full stack over mutual TLS"
+        " (EC P-256 certificates) with caller authorization. Stacks alternate round by round.",
         "",
         "| scenario | concurrency | stack | calls/s | msgs/s | p50 (us) | p99 (us) |",
         "|---|---|---|---|---|---|---|",
@@ -226,8 +262,17 @@ def report(results: list[Result], seconds: float, rounds: int) -> str:
             added = (other.percentile(0.5) - bare.percentile(0.5)) * us
             summary.append(
                 f"- {scenario}, c={concurrency}, {stack}: keeps {kept:.0%} of bare throughput;"
-                f" p50 +{added:,.0f} us per call"
+                f" p50 {added:+,.0f} us per call"
             )
+        plain, mtls = (
+            merged[("mesh", scenario, concurrency)],
+            merged[("mesh-mtls", scenario, concurrency)],
+        )
+        summary.append(
+            f"- {scenario}, c={concurrency}, mTLS against the plaintext mesh: keeps"
+            f" {mtls.messages_per_s / plain.messages_per_s:.0%} of its throughput; p50"
+            f" {(mtls.percentile(0.5) - plain.percentile(0.5)) * us:+,.0f} us per call"
+        )
     lines += ["", *summary, END]
     return "\n".join(lines)
 
@@ -252,11 +297,13 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--pki", type=Path, help="(internal) the certificates of mesh-mtls")
     args = parser.parse_args()
     if args.serve:
-        asyncio.run(serve(args.serve, args.port))
+        asyncio.run(serve(args.serve, args.port, args.pki))
         return
-    results = asyncio.run(run(args.seconds, args.rounds, args.port))
+    with tempfile.TemporaryDirectory() as pki:
+        results = asyncio.run(run(args.seconds, args.rounds, args.port, Path(pki)))
     markdown = report(results, args.seconds, args.rounds)
     print(markdown)
     if args.out:

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from aimesh.mesh.v1.info_pb2 import GetInfoResponse
 from mesh import logs, supervisor, tracing
+from mesh.authz import EDGE, OPERATOR
 from mesh.config import MeshSettings
 from mesh.edge import envoy
 from mesh.edge import process as edge_process
@@ -26,7 +27,7 @@ from mesh.metrics import serve_metrics
 from mesh.pki import throwaway_pki
 from mesh.registry import ServiceSpec, discover, options_problems
 from mesh.server import MeshServer
-from mesh.tls import CLI_IDENTITY, tls_environment
+from mesh.tls import tls_environment
 
 app = typer.Typer(help="aimesh: a gRPC mesh for AI serving.", no_args_is_help=True)
 edge_app = typer.Typer(help="The Envoy edge in front of the mesh.", no_args_is_help=True)
@@ -94,24 +95,35 @@ def up(
         typer.Option(
             "--tls",
             help="mutual TLS between every process: a throwaway CA and a certificate per "
-            "service in <cache_dir>/tls, made anew",
+            "service (in --tls-dir), made anew; with --edge, Envoy reaches the services "
+            "over it as `edge`",
         ),
     ] = False,
+    tls_dir: Annotated[
+        Path | None,
+        typer.Option(help="where --tls writes its CA and certificates; default <cache_dir>/tls"),
+    ] = None,
 ) -> None:
     """Start every service as its own process, wait until all are ready, run until Ctrl-C."""
     settings = MeshSettings()
     specs = _specs(only)
     _refuse_bad_options(specs, settings)
-    if tls and edge:
-        raise typer.BadParameter("--tls with --edge: Envoy does not speak TLS to the mesh yet")
     environments: dict[str, dict[str, str]] = {}
+    edge_settings = settings
     if tls:
-        pki = throwaway_pki(settings.cache_dir / "tls", [*(s.name for s in specs), CLI_IDENTITY])
-        settings = settings.model_copy(update={"tls": pki[CLI_IDENTITY]})
+        names = [*(s.name for s in specs), EDGE, OPERATOR]
+        pki = throwaway_pki(tls_dir or settings.cache_dir / "tls", names)
+        settings = settings.model_copy(update={"tls": pki[OPERATOR]})
         environments = {spec.name: tls_environment(pki[spec.name]) for spec in specs}
+        edge_settings = settings.model_copy(update={"tls": pki[EDGE]})
+        exports = " ".join(
+            f"{key}={value}" for key, value in tls_environment(pki[OPERATOR]).items()
+        )
         console.print(
             f"mutual TLS: CA {settings.tls.ca_file}; callers from outside use "
-            f"{settings.tls.cert_file} and {settings.tls.key_file}"
+            f"{settings.tls.cert_file} and {settings.tls.key_file} (aimesh commands: "
+            f"export {exports})",
+            soft_wrap=True,
         )
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -141,7 +153,7 @@ def up(
                 console.print(f"[red]not ready: {', '.join(not_ready)}[/red]")
                 return 1
             if edge:
-                proxy = await _start_edge(specs, settings, log_dir, ready_timeout)
+                proxy = await _start_edge(specs, edge_settings, log_dir, ready_timeout)
                 if proxy is None:
                     return 1
             console.print("[green]mesh is up[/green]; Ctrl-C drains and stops it")

@@ -206,6 +206,17 @@ class TlsSettings(BaseModel, extra="forbid"):
     require_client_cert: bool = Field(
         default=True, description="mutual TLS: refuse callers without a certificate of the CA"
     )
+    authorize_callers: bool = Field(
+        default=True,
+        description="check each caller's certificate identity against the method's allow-list "
+        "(mesh/authz.py); needs require_client_cert",
+    )
+
+    @model_validator(mode="after")
+    def _identity_needs_client_certs(self) -> Self:
+        if self.authorize_callers and not self.require_client_cert:
+            raise ValueError("authorize_callers needs require_client_cert (callers' identities)")
+        return self
 
 
 class MeshSettings(BaseSettings):

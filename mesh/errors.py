@@ -28,6 +28,8 @@ from mesh.failures import (
     NotReady,
     OutOfMemory,
     Overloaded,
+    PermissionDenied,
+    Unauthenticated,
 )
 
 DOMAIN = "aimesh"
@@ -48,6 +50,8 @@ FAILURE_CODES: Mapping[type[Failure], grpc.StatusCode] = {
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     Conflict: grpc.StatusCode.FAILED_PRECONDITION,
     Cancelled: grpc.StatusCode.CANCELLED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 # A dependency's failure that the handler did not handle: these codes mean the same thing
@@ -132,6 +136,7 @@ def status_for_failure(failure: Failure) -> grpc.Status:
         code,
         failure.message,
         reason=failure.reason,
+        metadata=getattr(failure, "metadata", None),
         violations=getattr(failure, "violations", ()),
         retry_after_s=getattr(failure, "retry_after_s", None),
         resource=(

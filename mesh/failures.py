@@ -99,3 +99,22 @@ class Conflict(Failure):
     """The request is valid but the target's state does not allow it (FAILED_PRECONDITION)."""
 
     reason = "CONFLICT"
+
+
+class Unauthenticated(Failure):
+    """The caller did not say who it is (no client certificate naming a mesh identity)."""
+
+    reason = "UNAUTHENTICATED"
+
+
+class PermissionDenied(Failure):
+    """The caller is known and not allowed to call this method (mesh/authz.py);
+    `metadata` (caller, method) goes into ErrorInfo."""
+
+    reason = "PERMISSION_DENIED"
+
+    def __init__(
+        self, message: str, *, reason: str | None = None, metadata: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(message, reason=reason)
+        self.metadata = dict(metadata or {})

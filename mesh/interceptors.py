@@ -1,8 +1,8 @@
 """The mesh's server and client interceptors: every concern applied in one layer each.
 
 Server, outermost first (after OpenTelemetry's span): request id and client -> deadline
--> metrics -> error table -> admission -> handler. Client, after OpenTelemetry: request
-id and client -> deadline -> circuit breaker -> the call.
+-> metrics -> error table -> caller authorization -> admission -> handler. Client, after
+OpenTelemetry: request id and client -> deadline -> circuit breaker -> the call.
 
 Each concern lives in its own module (request_id, deadline, metrics, errors, admission,
 breaker); they are composed here rather than registered as one interceptor each because
@@ -22,6 +22,7 @@ import grpc
 
 from mesh import caller, deadline, request_id
 from mesh.admission import Admission
+from mesh.authz import Policy, peer_identity
 from mesh.breaker import CircuitBreaker
 from mesh.deadline import DeadlinePolicy
 from mesh.errors import fail, local_error
@@ -48,21 +49,36 @@ def checked(request: Any) -> Any:
 
 
 Gate = Callable[[], Failure | None]
+Authorize = Callable[[grpc.aio.ServicerContext], None]
+
+
+def _trust_every_caller(context: grpc.aio.ServicerContext) -> None:
+    """No policy (plaintext): every caller may call every method."""
 
 
 class MeshServerInterceptor(grpc.aio.ServerInterceptor):
-    """Applies request id, deadline, metrics, errors and admission to every non-probe call.
+    """Applies request id, deadline, metrics, errors, authorization and admission to every
+    non-probe call.
 
     Methods in `exempt_methods` (cheap control calls such as GetLoad or Cancel) skip
     admission so they answer even when every compute slot is busy; health and reflection
     skip everything. `gate()` names why the process serves nothing now (its engine still
-    loading, a background task dead), so no servicer needs a guard of its own.
+    loading, a background task dead), so no servicer needs a guard of its own. With a
+    `policy` (mutual TLS), a caller must be on the method's allow-list (mesh/authz.py)
+    before anything else looks at its request.
     """
 
-    def __init__(self, admission: Admission, exempt_methods: Iterable[str], gate: Gate) -> None:
+    def __init__(
+        self,
+        admission: Admission,
+        exempt_methods: Iterable[str],
+        gate: Gate,
+        policy: Policy | None = None,
+    ) -> None:
         self.admission = admission
         self.exempt_methods = frozenset(exempt_methods)
         self.gate = gate
+        self.policy = policy
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
@@ -78,16 +94,30 @@ class MeshServerInterceptor(grpc.aio.ServerInterceptor):
         if cached is None or cached[0] is not handler:
             admit = method not in self.exempt_methods
             metrics = MethodMetrics(method)
+            authorize = self._authorizer(method)
             wrapped = wrap_handler(
                 handler,
-                lambda behavior: self._unary(behavior, method, metrics, admit),
-                lambda behavior: self._stream(behavior, method, metrics, admit),
+                lambda behavior: self._unary(behavior, method, metrics, admit, authorize),
+                lambda behavior: self._stream(behavior, method, metrics, admit, authorize),
             )
             cached = self._wrapped[method] = (handler, wrapped)
         return cached[1]
 
+    def _authorizer(self, method: str) -> Authorize:
+        """The check of one method's callers, its allow-list looked up once."""
+        policy = self.policy
+        if policy is None:
+            return _trust_every_caller
+        allowed = policy.callers_of(method)
+        return lambda context: policy.check(method, allowed, peer_identity(context))
+
     def _unary(
-        self, behavior: UnaryBehavior, method: str, metrics: MethodMetrics, admit: bool
+        self,
+        behavior: UnaryBehavior,
+        method: str,
+        metrics: MethodMetrics,
+        admit: bool,
+        authorize: Authorize,
     ) -> UnaryBehavior:
         admission = self.admission
 
@@ -100,6 +130,7 @@ class MeshServerInterceptor(grpc.aio.ServerInterceptor):
             try:
                 admitted_at = None
                 try:
+                    authorize(context)
                     request = checked(request)
                     if refusal := self.gate():
                         raise refusal
@@ -123,7 +154,12 @@ class MeshServerInterceptor(grpc.aio.ServerInterceptor):
         return handle
 
     def _stream(
-        self, behavior: StreamBehavior, method: str, metrics: MethodMetrics, admit: bool
+        self,
+        behavior: StreamBehavior,
+        method: str,
+        metrics: MethodMetrics,
+        admit: bool,
+        authorize: Authorize,
     ) -> StreamBehavior:
         admission = self.admission
 
@@ -137,6 +173,7 @@ class MeshServerInterceptor(grpc.aio.ServerInterceptor):
             try:
                 admitted_at = None
                 try:
+                    authorize(context)
                     request = checked(request)
                     if refusal := self.gate():
                         raise refusal

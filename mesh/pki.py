@@ -18,13 +18,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from mesh.authz import identity_uri
 from mesh.config import TlsSettings
 
 VALID_FOR = datetime.timedelta(days=7)
-
-
-def identity_uri(service: str) -> str:
-    return f"spiffe://aimesh/{service}"
 
 
 def _name(common_name: str) -> x509.Name:

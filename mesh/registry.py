@@ -44,6 +44,10 @@ class ServiceSpec:
     # Services this one calls, by name: MeshServer.channel_to hands out channels to these
     # only, so the call graph is written down in one place per service.
     dependencies: tuple[str, ...] = field(default=())
+    # Who may call it under mutual TLS (mesh/authz.py): (proto service full name, or a
+    # method '/pkg.Service/Method' that narrows it, caller names). The same call graph
+    # seen from the callee; tests/mesh/test_authz.py holds the two sides to each other.
+    callers: tuple[tuple[str, tuple[str, ...]], ...] = field(default=())
     # HTTP paths the edge routes to the service's own HTTP listener as they are (its
     # options must be a mesh.config.HttpServiceOptions); one ending in "/" is a prefix.
     edge_http_paths: tuple[str, ...] = field(default=())

@@ -34,6 +34,7 @@ from grpc_reflection.v1alpha import reflection
 from aimesh.mesh.v1 import info_pb2_grpc
 from mesh import tracing
 from mesh.admission import Admission
+from mesh.authz import Policy
 from mesh.client import ChannelPool, transport_options
 from mesh.config import MeshSettings, ServiceOptions
 from mesh.failures import NotReady
@@ -68,6 +69,7 @@ class MeshServer:
         exempt_methods: Iterable[str] = (),
         default_max_concurrency: int = 4,
         dependencies: Iterable[str] = (),
+        callers: Iterable[tuple[str, Iterable[str]]] = (),
     ) -> None:
         self.name = name
         self.dependencies = frozenset(dependencies)
@@ -99,7 +101,9 @@ class MeshServer:
         self.grpc_server = grpc.aio.server(
             interceptors=[
                 *tracing.server_interceptors(),
-                MeshServerInterceptor(self.admission, exempt_methods, self._refusal),
+                MeshServerInterceptor(
+                    self.admission, exempt_methods, self._refusal, self._policy(callers)
+                ),
             ],
             options=self._server_options(),
         )
@@ -122,7 +126,13 @@ class MeshServer:
             exempt_methods=spec.exempt_methods,
             default_max_concurrency=spec.max_concurrency,
             dependencies=spec.dependencies,
+            callers=spec.callers,
         )
+
+    def _policy(self, callers: Iterable[tuple[str, Iterable[str]]]) -> Policy | None:
+        """The callers' allow-lists when callers have identities to check (mutual TLS)."""
+        tls = self.settings.tls
+        return Policy(callers) if tls is not None and tls.authorize_callers else None
 
     def _refusal(self) -> NotReady | None:
         """Why a call cannot be served now; None when it can."""

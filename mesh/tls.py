@@ -19,9 +19,6 @@ import grpc
 
 from mesh.config import TlsSettings
 
-# The certificate `aimesh up --tls` and other command-line callers present.
-CLI_IDENTITY = "aimesh-cli"
-
 
 @dataclass
 class _Loaded:

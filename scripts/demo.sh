@@ -8,7 +8,18 @@ mkdir -p "$LOGS"
 
 # The edge (Envoy on :8080) takes this key; any client outside the mesh must present one.
 export AIMESH_EDGE__API_KEYS='["demo-key"]'
-aimesh up --edge --log-dir "$LOGS" &
+# DEMO_TLS=1 (`make demo-tls`): mutual TLS between every process, Envoy included, from a
+# throwaway CA; the aimesh commands and grpcurl below present the operator's certificate.
+UP_TLS=()
+DIRECT=(-plaintext)
+if [ "${DEMO_TLS:-0}" = 1 ]; then
+  PKI=var/demo-tls
+  UP_TLS=(--tls --tls-dir "$PKI")
+  export AIMESH_TLS__CERT_FILE=$PKI/aimesh-cli.pem AIMESH_TLS__KEY_FILE=$PKI/aimesh-cli.key \
+    AIMESH_TLS__CA_FILE=$PKI/ca.pem
+  DIRECT=(-cacert "$PKI/ca.pem" -cert "$PKI/aimesh-cli.pem" -key "$PKI/aimesh-cli.key")
+fi
+aimesh up --edge "${UP_TLS[@]}" --log-dir "$LOGS" &
 UP=$!
 trap 'kill -TERM $UP 2>/dev/null; wait $UP 2>/dev/null || true' EXIT
 
@@ -32,12 +43,12 @@ echo; echo "== the same mesh as JSON, with per-stage timing and the trace id"
 aimesh generate --json --max-new-tokens 16 "The capital of France is"
 
 echo; echo "== grpcurl: JSON straight into the generation service"
-grpcurl -plaintext -max-time 60 \
+grpcurl "${DIRECT[@]}" -max-time 60 \
   -d '{"prompt": "Three primary colours are", "stopping": {"max_new_tokens": 12}}' \
   127.0.0.1:50060 aimesh.llm.v1.GenerationService/Generate | grep '"text"' || true
 
 echo; echo "== bad input: INVALID_ARGUMENT with field violations"
-grpcurl -plaintext -d '{"prompt": "", "sampling": {"temperature": -1}}' \
+grpcurl "${DIRECT[@]}" -d '{"prompt": "", "sampling": {"temperature": -1}}' \
   127.0.0.1:50060 aimesh.llm.v1.GenerationService/Generate || true
 
 echo; echo "== through Envoy (:8080): JSON with curl, a server stream arrives as a JSON array"
@@ -103,13 +114,13 @@ aimesh imagine --model digits --prompt seven --n 4 --seed 7 --out var/demo-image
 aimesh imagine --model terrain --condition difficulty=70 --out var/demo-images/terrain.png --json
 
 echo; echo "== grpcurl: one diffusion job's event stream (queued, progress, image, summary)"
-grpcurl -plaintext -max-time 60 \
+grpcurl "${DIRECT[@]}" -max-time 60 \
   -d '{"model": "digits", "prompt": "3", "steps": 10, "seed": 1}' \
   127.0.0.1:50080 aimesh.diffusion.v1.DiffusionService/Generate
 
 ECHO=127.0.0.1:50100
 echo; echo "== the mesh runtime itself: a 3-hop echo chain under a 2 s budget, one trace and request id"
-grpcurl -plaintext -max-time 2 -d "{\"hops\": [\"$ECHO\", \"$ECHO\"], \"delay_ms\": 50}" \
+grpcurl "${DIRECT[@]}" -max-time 2 -d "{\"hops\": [\"$ECHO\", \"$ECHO\"], \"delay_ms\": 50}" \
   $ECHO aimesh.echo.v1.EchoService/RelayUnary
 
 echo; echo "== LLM metrics (Prometheus, decode on :51063, router on :51060)"

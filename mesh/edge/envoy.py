@@ -29,7 +29,8 @@ from google.protobuf.descriptor import ServiceDescriptor
 from google.rpc import error_details_pb2, status_pb2
 
 from mesh import targets
-from mesh.config import HttpServiceOptions, MeshSettings
+from mesh.authz import identity_uri
+from mesh.config import HttpServiceOptions, MeshSettings, TlsSettings
 from mesh.edge import api
 from mesh.registry import ServiceSpec
 
@@ -321,9 +322,37 @@ def _cluster(
     return config
 
 
+def upstream_tls(tls: TlsSettings, service: str, *, alpn: str = "h2") -> dict[str, Any]:
+    """Envoy's side of the mesh's mutual TLS to `service`: the edge's own certificate
+    (its identity `edge`, mesh/authz.py), and the server's checked against the mesh CA and
+    its identity URI, so a listener on the port that is not that service is refused."""
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": _typed(
+            "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            common_tls_context={
+                "tls_certificates": [
+                    {
+                        "certificate_chain": {"filename": str(tls.cert_file)},
+                        "private_key": {"filename": str(tls.key_file)},
+                    }
+                ],
+                "validation_context": {
+                    "trusted_ca": {"filename": str(tls.ca_file)},
+                    "match_typed_subject_alt_names": [
+                        {"san_type": "URI", "matcher": {"exact": identity_uri(service)}}
+                    ],
+                },
+                "alpn_protocols": [alpn],
+            },
+        ),
+    }
+
+
 def cluster(upstream: Upstream, settings: MeshSettings) -> dict[str, Any]:
-    """`upstream`'s gRPC cluster, health-checked on its readiness name."""
-    return _cluster(
+    """`upstream`'s gRPC cluster, health-checked on its readiness name, over the mesh's
+    mutual TLS when `[tls]` is set (the edge's certificate)."""
+    config = _cluster(
         upstream.name,
         upstream.target,
         None,
@@ -341,14 +370,18 @@ def cluster(upstream: Upstream, settings: MeshSettings) -> dict[str, Any]:
         queue=settings.service(upstream.name).max_queue,
         http2=True,
     )
+    if settings.tls is not None:
+        config["transport_socket"] = upstream_tls(settings.tls, upstream.name)
+    return config
 
 
 def http_cluster(upstream: Upstream, settings: MeshSettings) -> dict[str, Any]:
     """`upstream`'s HTTP API: the hosts of its gRPC target on the HTTP port, spoken to in
-    HTTP/1.1 (what uvicorn serves), health-checked on its own readiness path."""
+    HTTP/1.1 (what uvicorn serves), health-checked on its own readiness path; over mutual
+    TLS like the gRPC cluster when `[tls]` is set."""
     if upstream.http is None:
         raise ValueError(f"{upstream.name} serves no HTTP API")
-    return _cluster(
+    config = _cluster(
         upstream.http_cluster,
         upstream.target,
         upstream.http.port,
@@ -368,6 +401,9 @@ def http_cluster(upstream: Upstream, settings: MeshSettings) -> dict[str, Any]:
         queue=settings.service(upstream.name).max_queue,
         http2=False,
     )
+    if settings.tls is not None:
+        config["transport_socket"] = upstream_tls(settings.tls, upstream.name, alpn="http/1.1")
+    return config
 
 
 def _access_log() -> list[dict[str, Any]]:

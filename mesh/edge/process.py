@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import signal
 import sys
@@ -22,9 +23,12 @@ def find_binary(name: str) -> str:
 
 
 def write_config(config: dict[str, Any], path: Path) -> Path:
-    # JSON is YAML too, so the file works under either extension.
+    """Readable by its owner only: the config holds the edge's API keys. JSON is YAML too,
+    so the file works under either extension."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(config, indent=1))
+    path.unlink(missing_ok=True)  # an older file keeps its mode when written over
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        json.dump(config, file, indent=1)
     return path
 
 

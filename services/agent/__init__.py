@@ -1,5 +1,6 @@
 """agent: answers questions with a plan/act loop over the tools and a grounded answer."""
 
+from mesh.authz import EDGE, OPERATOR
 from mesh.registry import ServiceSpec
 
 SPEC = ServiceSpec(
@@ -12,4 +13,5 @@ SPEC = ServiceSpec(
     max_concurrency=32,
     dependencies=("tools", "generation"),
     edge_services=("aimesh.agent.v1.AgentService",),
+    callers=(("aimesh.agent.v1.AgentService", (EDGE, OPERATOR)),),
 )

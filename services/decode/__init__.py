@@ -13,4 +13,5 @@ SPEC = ServiceSpec(
     max_concurrency=16,
     # The router polls load to pick a worker; that must answer while every slot is busy.
     exempt_methods=("/aimesh.llm.v1.DecodeService/GetLoad",),
+    callers=(("aimesh.llm.v1.DecodeService", ("generation",)),),
 )

@@ -1,5 +1,6 @@
 """diffusion: image generation jobs (digits DDPM, terrain ONNX UNet) with streamed progress."""
 
+from mesh.authz import EDGE, OPERATOR
 from mesh.registry import ServiceSpec
 
 SPEC = ServiceSpec(
@@ -17,4 +18,5 @@ SPEC = ServiceSpec(
         "/aimesh.diffusion.v1.DiffusionService/ListModels",
     ),
     edge_services=("aimesh.diffusion.v1.DiffusionService",),
+    callers=(("aimesh.diffusion.v1.DiffusionService", (EDGE, OPERATOR, "gateway", "tools")),),
 )

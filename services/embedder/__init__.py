@@ -1,5 +1,6 @@
 """embedder: sentence embeddings (all-MiniLM-L6-v2) on torch or ONNX Runtime, batched."""
 
+from mesh.authz import EDGE, OPERATOR
 from mesh.registry import ServiceSpec
 
 SPEC = ServiceSpec(
@@ -11,4 +12,5 @@ SPEC = ServiceSpec(
     # Requests arriving together share a forward pass; slots let them arrive together.
     max_concurrency=32,
     edge_services=("aimesh.retrieval.v1.EmbedderService",),
+    callers=(("aimesh.retrieval.v1.EmbedderService", (EDGE, OPERATOR, "gateway", "retrieval")),),
 )

@@ -9,10 +9,14 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from collections.abc import Iterator
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
+
+from mesh.config import TlsSettings
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +28,23 @@ class _Server(uvicorn.Server):
         yield
 
 
+def _tls_options(tls: TlsSettings | None) -> dict[str, Any]:
+    """uvicorn's TLS settings from the mesh's `[tls]`: its certificate, and callers'
+    certificates required and checked against the mesh CA (the edge's, under mTLS)."""
+    if tls is None:
+        return {}
+    return {
+        "ssl_certfile": str(tls.cert_file),
+        "ssl_keyfile": str(tls.key_file),
+        "ssl_ca_certs": str(tls.ca_file),
+        "ssl_cert_reqs": ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_NONE,
+    }
+
+
 class HttpServer:
-    def __init__(self, app: ASGIApp, host: str, port: int, grace_s: float) -> None:
+    def __init__(
+        self, app: ASGIApp, host: str, port: int, grace_s: float, tls: TlsSettings | None = None
+    ) -> None:
         self.config = uvicorn.Config(
             app,
             host=host,
@@ -38,6 +57,7 @@ class HttpServer:
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=grace_s,
+            **_tls_options(tls),
         )
         self.server = _Server(self.config)
         self.port = 0

@@ -76,6 +76,7 @@ async def setup(server: MeshServer) -> HttpServer:
         service.host,
         options.http_port,
         service.grace_s,
+        server.settings.tls,
     )
 
     async def listen() -> None:

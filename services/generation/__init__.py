@@ -1,6 +1,7 @@
 """generation: the router that turns text into a disaggregated prefill/decode run, and
 that run's ids back into text."""
 
+from mesh.authz import EDGE, OPERATOR
 from mesh.registry import ServiceSpec
 
 SPEC = ServiceSpec(
@@ -13,4 +14,5 @@ SPEC = ServiceSpec(
     max_concurrency=64,
     edge_services=("aimesh.llm.v1.GenerationService",),
     dependencies=("tokenizer", "prefill", "decode"),
+    callers=(("aimesh.llm.v1.GenerationService", (EDGE, OPERATOR, "agent", "gateway")),),
 )

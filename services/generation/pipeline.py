@@ -22,7 +22,7 @@ from aimesh.llm.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_
 from mesh.client import ChannelPool
 from mesh.validation import Violations
 from services.generation.workers import DecodePicker, PrefillPicker
-from services.llm.kv_transfer import KvReleaser, new_handle_id
+from services.llm.kv_transfer import KvReleaser
 from services.llm.requests import Stopping
 
 PREFILL = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"]
@@ -75,18 +75,14 @@ class Pipeline:
     ) -> AsyncIterator[list[int]]:
         prefill_target = self.prefill.pick(prompt_ids)
         outcome.prefill_worker = prefill_target
-        # Chosen here so the KV can be released even if this call is cancelled while
-        # prefill's answer is on its way (prefill drops a KV released before it exists).
-        handle_id = new_handle_id()
+        # Cancelled while prefill's answer is on its way, this call never learns the
+        # handle; prefill drops the KV of a call cancelled before it answered.
         try:
             stub = prefill_pb2_grpc.PrefillServiceStub(self.channels.get(prefill_target, PREFILL))
             request = prefill_pb2.PrefillRequest(
-                request_id=request_id, token_ids=prompt_ids, sampling=sampling, handle_id=handle_id
+                request_id=request_id, token_ids=prompt_ids, sampling=sampling
             )
             prefill = await stub.Prefill(request)
-        except BaseException:
-            self.releaser.release_later(prefill_target, handle_id)
-            raise
         finally:
             self.prefill.done(prefill_target)
         outcome.stages["queue"] = _stage_seconds(prefill.timing, "queue")

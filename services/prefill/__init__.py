@@ -18,4 +18,11 @@ SPEC = ServiceSpec(
     # decode steps on: at 16 streams a spinning prefill took half a core and decode's
     # tokens/s fell by a quarter (docs/benchmarks.md).
     environment=(("OMP_WAIT_POLICY", "PASSIVE"),),
+    # Only the router asks for prompts; only decode takes KV away, and the router frees
+    # the KV of a generation that ended before decode took it.
+    callers=(
+        ("aimesh.llm.v1.PrefillService", ("generation",)),
+        ("/aimesh.llm.v1.KvCacheService/Pull", ("decode",)),
+        ("/aimesh.llm.v1.KvCacheService/Release", ("decode", "generation")),
+    ),
 )

@@ -4,18 +4,21 @@ The KV of a prefilled prompt stays here until the decode worker has pulled it an
 Release, or until its lease runs out, so a decoder that crashed mid-pull cannot leak
 this worker's memory. The store has a byte budget; past it, Prefill is refused with
 RESOURCE_EXHAUSTED rather than letting memory grow without bound.
+
+A handle's id is made here (128 random bits), never by a caller, and the KV is bound to
+the client its Prefill was for (`x-aimesh-client`, mesh/caller.py): a Pull or Release for
+another client finds nothing, as if the id were unknown.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mesh.failures import FieldViolation, InvalidInput, NotFound, Overloaded
+from mesh.failures import NotFound, Overloaded
 from services.llm import metrics
 from services.llm.kv_codec import KvState, kv_nbytes, kv_tokens
 from services.llm.kv_transfer import new_handle_id
@@ -38,14 +41,7 @@ class Lease:
     expires_at: float  # time.monotonic()
     expires_unix_ms: int
     traceparent: str = ""
-
-
-# How long a Release for a handle that does not exist yet is remembered: longer than any
-# prefill can take, so a KV made after its caller already gave up is dropped at once.
-# Bounded in number too (ids are 32 characters, so 10,000 take about 1.5 MB); past the
-# bound the oldest is forgotten, and that KV, if it ever comes, lives out its lease.
-TOMBSTONE_S = 300.0
-MAX_TOMBSTONES = 10_000
+    owner: str = ""
 
 
 @dataclass
@@ -53,18 +49,13 @@ class KvStore:
     capacity_bytes: int
     clock: Callable[[], float] = time.monotonic
     _leases: dict[str, Lease] = field(default_factory=dict)
-    # Handle id -> when it is forgotten; insertion order is expiry order (one TTL).
-    _tombstones: OrderedDict[str, float] = field(default_factory=OrderedDict)
     used_bytes: int = 0
 
     def __len__(self) -> int:
         return len(self._leases)
 
-    def put(self, kv: KvState, ttl_s: float, traceparent: str = "", handle_id: str = "") -> Lease:
-        """Leases `kv`; a caller-chosen `handle_id` that was already released is honoured
-        by not keeping the KV at all."""
-        if handle_id in self._leases:
-            raise InvalidInput([FieldViolation("handle_id", "is already in use")])
+    def put(self, kv: KvState, ttl_s: float, traceparent: str = "", owner: str = "") -> Lease:
+        """Leases `kv` to `owner` under a new id."""
         nbytes = kv_nbytes(kv)
         if self.used_bytes + nbytes > self.capacity_bytes:
             self.expire()
@@ -76,26 +67,26 @@ class KvStore:
                 reason="KV_STORE_FULL",
             )
         lease = Lease(
-            handle_id=handle_id or new_handle_id(),
+            handle_id=new_handle_id(),
             kv=kv,
             num_tokens=kv_tokens(kv),
             nbytes=nbytes,
             expires_at=self.clock() + ttl_s,
             expires_unix_ms=int((time.time() + ttl_s) * 1000),
             traceparent=traceparent,
+            owner=owner,
         )
-        if self._tombstones.pop(lease.handle_id, None) is not None:
-            return lease  # its caller released it before it existed
         self._leases[lease.handle_id] = lease
         self.used_bytes += nbytes
         metrics.PREFILL_KV_LEASED_BYTES.set(self.used_bytes)
         return lease
 
-    def get(self, handle_id: str) -> Lease:
+    def get(self, handle_id: str, owner: str = "") -> Lease:
         lease = self._leases.get(handle_id)
-        if lease is None or lease.expires_at <= self.clock():
-            if lease is not None:
-                self.release(handle_id)
+        if lease is not None and lease.expires_at <= self.clock():
+            self.release(handle_id, lease.owner)
+            lease = None
+        if lease is None or lease.owner != owner:
             raise NotFound(
                 f"KV handle {handle_id!r} is unknown, released or expired",
                 resource_type="kv_handle",
@@ -103,25 +94,20 @@ class KvStore:
             )
         return lease
 
-    def release(self, handle_id: str) -> bool:
-        lease = self._leases.pop(handle_id, None)
-        if lease is None:
-            self._tombstones[handle_id] = self.clock() + TOMBSTONE_S
-            self._tombstones.move_to_end(handle_id)
-            while len(self._tombstones) > MAX_TOMBSTONES:
-                self._tombstones.popitem(last=False)
+    def release(self, handle_id: str, owner: str = "") -> bool:
+        lease = self._leases.get(handle_id)
+        if lease is None or lease.owner != owner:
             return False
+        del self._leases[handle_id]
         self.used_bytes -= lease.nbytes
         metrics.PREFILL_KV_LEASED_BYTES.set(self.used_bytes)
         return True
 
     def expire(self) -> int:
         now = self.clock()
-        while self._tombstones and next(iter(self._tombstones.values())) <= now:
-            self._tombstones.popitem(last=False)
-        expired = [h for h, lease in self._leases.items() if lease.expires_at <= now]
-        for handle_id in expired:
-            self.release(handle_id)
+        expired = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        for lease in expired:
+            self.release(lease.handle_id, lease.owner)
         return len(expired)
 
 

@@ -13,6 +13,7 @@ from opentelemetry import propagate
 
 from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import kv_cache_pb2, kv_cache_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from mesh import caller
 from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
@@ -34,8 +35,8 @@ KV_CACHE = kv_cache_pb2.DESCRIPTOR.services_by_name["KvCacheService"]
 
 
 def check_handle_id(handle_id: str, violations: Violations) -> None:
-    """Pull and Release take only ids this service could have issued: a made-up id of a
-    megabyte would otherwise be remembered (as a tombstone) at that size."""
+    """Pull and Release take only ids this service could have issued, and say so rather
+    than NOT_FOUND for one it never could."""
     violations.check(HANDLE_ID.fullmatch(handle_id) is not None, "handle_id", HANDLE_ID_RULE)
 
 
@@ -72,8 +73,6 @@ class PrefillWorker(
             request.sampling, config.vocab_size, violations, end_token=end_token(config)
         )
         violations.check(request.lease_ttl_ms >= 0, "lease_ttl_ms", "must not be negative")
-        if request.handle_id:  # else the store picks one
-            check_handle_id(request.handle_id, violations)
         violations.raise_if_any()
         ttl_s = min(request.lease_ttl_ms / 1000 or DEFAULT_LEASE_S, MAX_LEASE_S)
 
@@ -82,9 +81,17 @@ class PrefillWorker(
         result = await loop.run_in_executor(self.model_thread, engine.run, token_ids, params)
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
-        lease = self.store.put(
-            result.kv, ttl_s, carrier.get("traceparent", ""), handle_id=request.handle_id
-        )
+        owner = caller.current()
+        lease = self.store.put(result.kv, ttl_s, carrier.get("traceparent", ""), owner)
+
+        # A caller that gave up before this answer reached it never learns the id: the KV
+        # goes now instead of at the end of its lease. (An answer lost after it left, in
+        # the microseconds before the caller's cancel, still waits for the lease.)
+        def drop_if_undelivered(call: grpc.aio.ServicerContext) -> None:
+            if call.cancelled():
+                self.store.release(lease.handle_id, owner)
+
+        context.add_done_callback(drop_if_undelivered)
         waited = time.perf_counter() - queued - result.compute_s - result.lookup_s
         return prefill_pb2.PrefillResponse(
             first_token_id=result.first_token,
@@ -127,7 +134,7 @@ class PrefillWorker(
         check_handle_id(request.handle_id, violations)
         violations.check(request.max_chunk_bytes >= 0, "max_chunk_bytes", "must not be negative")
         violations.raise_if_any()
-        lease = self.store.get(request.handle_id)
+        lease = self.store.get(request.handle_id, caller.current())
         count = 0
         total = 0
         for chunk in kv_codec.encode(lease.kv, kv_codec.clamp_chunk_bytes(request.max_chunk_bytes)):
@@ -153,7 +160,8 @@ class PrefillWorker(
         violations = Violations()
         check_handle_id(request.handle_id, violations)
         violations.raise_if_any()
-        return kv_cache_pb2.ReleaseResponse(released=self.store.release(request.handle_id))
+        released = self.store.release(request.handle_id, caller.current())
+        return kv_cache_pb2.ReleaseResponse(released=released)
 
     async def reap_expired_leases(self) -> None:
         while True:

@@ -1,5 +1,6 @@
 """rerank: reorders retrieved passages by a model-based relevance score."""
 
+from mesh.authz import EDGE, OPERATOR
 from mesh.registry import ServiceSpec
 
 SPEC = ServiceSpec(
@@ -9,4 +10,5 @@ SPEC = ServiceSpec(
     setup="services.rerank.servicer:setup",
     options="services.rerank.settings:RerankSettings",
     edge_services=("aimesh.rerank.v1.RerankService",),
+    callers=(("aimesh.rerank.v1.RerankService", (EDGE, OPERATOR, "gateway", "retrieval")),),
 )

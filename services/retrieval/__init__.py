@@ -1,6 +1,7 @@
 """retrieval: collections of passages in Qdrant, searched dense, sparse or hybrid, and
 reranked by the rerank service when a search asks."""
 
+from mesh.authz import EDGE, OPERATOR
 from mesh.registry import ServiceSpec
 
 SPEC = ServiceSpec(
@@ -13,4 +14,9 @@ SPEC = ServiceSpec(
     max_concurrency=16,
     edge_services=("aimesh.retrieval.v1.RetrievalService",),
     dependencies=("embedder", "rerank"),
+    # Tools only search; writes come from outside (the edge checks the key's write scope).
+    callers=(
+        ("aimesh.retrieval.v1.RetrievalService", (EDGE, OPERATOR)),
+        ("/aimesh.retrieval.v1.RetrievalService/Search", (EDGE, OPERATOR, "tools")),
+    ),
 )

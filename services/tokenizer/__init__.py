@@ -10,4 +10,5 @@ SPEC = ServiceSpec(
     # A generation's detokenize stream stays open as long as the generation; it is cheap
     # per message and must not hold one of the compute slots Tokenize calls queue for.
     exempt_methods=("/aimesh.tokenizer.v1.TokenizerService/DetokenizeStream",),
+    callers=(("aimesh.tokenizer.v1.TokenizerService", ("generation",)),),
 )

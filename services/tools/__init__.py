@@ -1,5 +1,6 @@
 """tools: MCP's tool model over gRPC; built-in tools wrap retrieval and diffusion."""
 
+from mesh.authz import EDGE, OPERATOR
 from mesh.registry import ServiceSpec
 
 SPEC = ServiceSpec(
@@ -13,4 +14,5 @@ SPEC = ServiceSpec(
     exempt_methods=("/aimesh.tools.v1.ToolsService/ListTools",),
     edge_services=("aimesh.tools.v1.ToolsService",),
     dependencies=("retrieval", "diffusion"),
+    callers=(("aimesh.tools.v1.ToolsService", (EDGE, OPERATOR, "agent")),),
 )

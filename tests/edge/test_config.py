@@ -357,3 +357,41 @@ def test_two_services_claiming_one_http_path_are_refused(settings):
     twin = dataclasses.replace(gateway, name="gateway-twin", default_port=50121)
     with pytest.raises(ValueError, match="both claim /v1/chat/completions"):
         envoy.upstreams_for([gateway, twin], settings)
+
+
+def test_with_tls_envoy_reaches_each_service_over_mutual_tls_as_the_edge(settings, tmp_path):
+    """`aimesh up --tls --edge`: every cluster, gRPC and HTTP, presents the edge's
+    certificate and accepts only the certificate naming the service it routes to."""
+    from mesh.authz import EDGE, identity_uri
+    from mesh.pki import throwaway_pki
+
+    settings.tls = throwaway_pki(tmp_path / "pki", [EDGE])[EDGE]
+    config = edge_config(settings)
+    upstream = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    meshed = {name: c for name, c in upstream.items() if name not in (envoy.ADMIN_CLUSTER,)}
+    assert {"generation", "gateway-http", "diffusion"} <= set(meshed)
+    for name, cluster in meshed.items():
+        context = cluster["transport_socket"]["typed_config"]["common_tls_context"]
+        (certificate,) = context["tls_certificates"]
+        assert certificate["certificate_chain"]["filename"] == str(settings.tls.cert_file)
+        service = name.removesuffix("-http")
+        (san,) = context["validation_context"]["match_typed_subject_alt_names"]
+        assert san["matcher"] == {"exact": identity_uri(service)}
+        assert context["alpn_protocols"] == (["http/1.1"] if name.endswith("-http") else ["h2"])
+    assert "transport_socket" not in upstream[envoy.ADMIN_CLUSTER]
+    path = tmp_path / "envoy.json"
+    path.write_text(json.dumps(config))
+    assert_envoy_accepts(path)
+
+
+def test_the_written_config_is_readable_by_its_owner_only(settings, tmp_path):
+    """It holds the edge's API keys; a file already there (once 0644) is replaced."""
+    from mesh.edge.process import write_config
+
+    path = tmp_path / "edge" / "envoy.json"
+    path.parent.mkdir()
+    path.write_text("{}")
+    path.chmod(0o644)
+    write_config(edge_config(settings), path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert json.loads(path.read_text())["static_resources"]

@@ -14,8 +14,9 @@ import psutil
 import pytest
 
 from aimesh.echo.v1 import echo_pb2, echo_pb2_grpc
+from mesh.authz import OPERATOR
 from mesh.health import probe, wait_until_serving
-from mesh.tls import CLI_IDENTITY, TlsSettings
+from mesh.tls import TlsSettings
 from tests.conftest import (
     VENV_BIN,
     free_port,
@@ -182,8 +183,8 @@ async def test_up_with_tls_serves_mutual_tls_callers_only(tmp_path):
             assert line, f"aimesh up exited early: {banner.decode()}"
             banner += line
         caller = TlsSettings(
-            cert_file=tmp_path / "tls" / f"{CLI_IDENTITY}.pem",
-            key_file=tmp_path / "tls" / f"{CLI_IDENTITY}.key",
+            cert_file=tmp_path / "tls" / f"{OPERATOR}.pem",
+            key_file=tmp_path / "tls" / f"{OPERATOR}.key",
             ca_file=tmp_path / "tls" / "ca.pem",
         )
         assert f"mutual TLS: CA {caller.ca_file}" in banner.decode()

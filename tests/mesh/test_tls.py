@@ -8,10 +8,11 @@ import grpc
 import pytest
 
 from aimesh.echo.v1 import echo_pb2, echo_pb2_grpc
+from mesh.authz import identity_uri
 from mesh.client import create_channel
 from mesh.config import MeshSettings
 from mesh.health import probe
-from mesh.pki import identity_uri, throwaway_pki
+from mesh.pki import throwaway_pki
 from mesh.tls import TlsSettings
 from tests.harness import InProcess
 

@@ -14,7 +14,6 @@ from aimesh.llm.v1 import kv_cache_pb2, sampling_pb2
 from mesh.artifacts import manifest_problems
 from mesh.validation import Violations
 from services.llm import artifacts, kv_codec
-from services.llm.kv_transfer import new_handle_id
 from services.llm.requests import sampling_params
 from services.llm.sampling import SamplingParams, sample
 from services.llm.stopping import Finish, StopChecker
@@ -190,34 +189,24 @@ def test_corrupt_model_cache_is_rebuilt_before_it_is_served(tmp_path, model_dir)
     assert weights.stat().st_size == (model_dir / "model.safetensors").stat().st_size
 
 
-def test_kv_released_before_it_exists_is_never_kept():
-    """A router cancelled while prefill's answer was in flight releases by the id it chose;
-    the KV made afterwards must not linger until its lease expires."""
+def test_kv_is_found_only_by_the_client_it_was_made_for():
+    """A handle's id is the store's own (128 random bits) and its KV belongs to the client
+    of the Prefill that made it: another client's Pull or Release finds nothing."""
+    from mesh.failures import NotFound
+    from services.llm.kv_transfer import HANDLE_ID
     from services.prefill.engine import KvStore
 
     store = KvStore(capacity_bytes=10**9)
-    released, other = new_handle_id(), new_handle_id()
-    assert store.release(released) is False
-    lease = store.put(_kv(8), ttl_s=30, handle_id=released)
-    assert lease.handle_id == released
+    mine, also_mine = store.put(_kv(8), 30, owner="acme"), store.put(_kv(8), 30, owner="acme")
+    assert HANDLE_ID.fullmatch(mine.handle_id) and mine.handle_id != also_mine.handle_id
+    with pytest.raises(NotFound):
+        store.get(mine.handle_id, "intruder")
+    with pytest.raises(NotFound):
+        store.get(mine.handle_id)  # no client at all
+    assert store.release(mine.handle_id, "intruder") is False and len(store) == 2
+    assert store.get(mine.handle_id, "acme") is mine
+    assert store.release(mine.handle_id, "acme") and store.release(also_mine.handle_id, "acme")
     assert len(store) == 0 and store.used_bytes == 0
-    kept = store.put(_kv(8), ttl_s=30, handle_id=other)
-    assert len(store) == 1 and store.release(kept.handle_id) and store.used_bytes == 0
-
-
-def test_releases_of_unknown_handles_are_remembered_in_bounded_number_and_time():
-    """Each Release of an id never leased leaves a tombstone: a flood of them must not
-    grow prefill's memory without bound, nor cost a scan of all of them per second."""
-    from services.prefill import engine
-
-    clock = [0.0]
-    store = engine.KvStore(capacity_bytes=10**9, clock=lambda: clock[0])
-    for _ in range(engine.MAX_TOMBSTONES + 500):
-        store.release(new_handle_id())
-    assert len(store._tombstones) == engine.MAX_TOMBSTONES
-    clock[0] = engine.TOMBSTONE_S + 1
-    store.expire()
-    assert len(store._tombstones) == 0
 
 
 def test_a_local_model_directory_is_used_as_given_and_checked(tmp_path, model_dir):

@@ -42,8 +42,8 @@ class ToolsMesh:
 StartTools = Callable[..., Awaitable[ToolsMesh]]
 
 
-async def fill_knowledge(target: str) -> None:
-    async with create_channel(target, MeshSettings()) as channel:
+async def fill_knowledge(target: str, settings: MeshSettings | None = None) -> None:
+    async with create_channel(target, settings or MeshSettings()) as channel:
         stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
         await stub.CreateCollection(
             retrieval_pb2.CreateCollectionRequest(collection="knowledge", sparse_enabled=True)

@@ -34,7 +34,9 @@ class KvCacheServiceStub:
     Lifecycle: Prefill creates the KV and returns a KvHandle with a lease; decode calls Pull
     (as often as it needs, e.g. to retry after a broken stream) and then Release. A handle
     nobody releases is freed when its lease expires, so a crashed decode worker cannot leak
-    prefill memory.
+    prefill memory. A handle belongs to the client (x-aimesh-client) its Prefill was for: a
+    Pull or Release on behalf of another client finds nothing. Under mutual TLS only decode
+    may Pull, and only decode and the router may Release.
     """
 
     def __init__(self, channel):
@@ -64,7 +66,9 @@ class KvCacheServiceServicer:
     Lifecycle: Prefill creates the KV and returns a KvHandle with a lease; decode calls Pull
     (as often as it needs, e.g. to retry after a broken stream) and then Release. A handle
     nobody releases is freed when its lease expires, so a crashed decode worker cannot leak
-    prefill memory.
+    prefill memory. A handle belongs to the client (x-aimesh-client) its Prefill was for: a
+    Pull or Release on behalf of another client finds nothing. Under mutual TLS only decode
+    may Pull, and only decode and the router may Release.
     """
 
     def Pull(self, request, context):
@@ -113,7 +117,9 @@ class KvCacheService:
     Lifecycle: Prefill creates the KV and returns a KvHandle with a lease; decode calls Pull
     (as often as it needs, e.g. to retry after a broken stream) and then Release. A handle
     nobody releases is freed when its lease expires, so a crashed decode worker cannot leak
-    prefill memory.
+    prefill memory. A handle belongs to the client (x-aimesh-client) its Prefill was for: a
+    Pull or Release on behalf of another client finds nothing. Under mutual TLS only decode
+    may Pull, and only decode and the router may Release.
     """
 
     @staticmethod
