@@ -172,15 +172,50 @@ class EdgeSettings(BaseModel):
     host: str = LOOPBACK
     port: int = Field(default=8080, ge=1, le=65535)
     admin_port: int = Field(default=9901, ge=1, le=65535, description="Envoy admin, loopback only")
+    metrics_host: str = Field(
+        default=LOOPBACK, description="where /stats/prometheus listens (0.0.0.0 in a pod)"
+    )
     metrics_port: int = Field(
-        default=9902, ge=0, le=65535, description="/stats/prometheus on `host`; 0: none"
+        default=9902, ge=0, le=65535, description="/stats/prometheus on metrics_host; 0: none"
     )
     api_keys: list[SecretStr] = Field(
         default_factory=list,
         description="keys accepted as `authorization: Bearer KEY` or `x-api-key: KEY`",
     )
     cors_allow_origins: list[str] = Field(
-        default_factory=lambda: ["*"], description="browser origins for gRPC-Web and JSON"
+        default_factory=list,
+        description="browser origins allowed to call gRPC-Web and JSON ('*': any); none: "
+        "no cross-origin calls",
+    )
+    trusted_hops: int = Field(
+        default=0,
+        ge=0,
+        description="proxies in front of Envoy whose x-forwarded-for entries are believed "
+        "(a cloud load balancer: 1); the client's own are never",
+    )
+    max_request_bytes: int = Field(
+        default=1024 * 1024,
+        ge=1024,
+        description="largest request body a unary route takes (413 past it); client "
+        "streams are bounded per message by transport.max_message_bytes",
+    )
+    route_max_request_bytes: dict[str, int] = Field(
+        default_factory=dict,
+        description="per-route overrides of max_request_bytes: a gRPC method path "
+        "('/aimesh.retrieval.v1.EmbedderService/Embed') or an HTTP path ('/v1/embeddings')",
+    )
+    max_heap_bytes: int = Field(
+        default=1024**3,
+        ge=64 * 1024**2,
+        description="Envoy's heap: it frees memory past 95% and takes no new requests past 98%",
+    )
+    max_connections: int = Field(default=10_000, ge=1, description="downstream connections")
+    http2_max_concurrent_streams: int = Field(default=100, ge=1, le=2**31 - 1)
+    request_headers_timeout_s: float = Field(
+        default=10.0, gt=0, description="a client must send its headers within this"
+    )
+    idle_timeout_s: float = Field(
+        default=3600.0, gt=0, description="a downstream connection with no stream is closed"
     )
     rate_limit_per_s: int = Field(default=200, ge=1, description="requests/s per Envoy process")
     rate_limit_burst: int = Field(default=400, ge=1)

@@ -56,6 +56,13 @@ TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
 API_KEY_AUTH = "envoy.filters.http.api_key_auth"
 # An HTTP API answers its own timeout (in its own error shape) before the edge gives up.
 HTTP_TIMEOUT_MARGIN_S = 5.0
+BUFFER = "envoy.filters.http.buffer"
+# Envoy's edge guide: per-connection buffers of 32 KiB downstream and upstream, HTTP/2
+# windows of 64 KiB per stream and 1 MiB per connection, so a slow or hostile client
+# cannot make Envoy hold much of anything for it.
+BUFFER_LIMIT_BYTES = 32 * 1024
+HTTP2_STREAM_WINDOW_BYTES = 64 * 1024
+HTTP2_CONNECTION_WINDOW_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -208,6 +215,11 @@ def route(method: api.EdgeMethod, cluster: str, settings: MeshSettings) -> dict[
         # Not `grpc: {}`: a browser's CORS preflight (OPTIONS, no gRPC content type) must
         # match the route too, or the CORS filter lets it through to auth.
         "match": {"path": method.path},
+        # A client stream is bounded per message by the services' max_message_bytes; a
+        # whole body waits in the buffer filter only where one message is the body.
+        "typed_per_filter_config": {
+            BUFFER: NO_BODY_LIMIT if method.client_streaming else body_limit(method.path, settings)
+        },
         "route": {
             "cluster": cluster,
             # No per-route response timeout: the deadline is the stream's whole duration,
@@ -226,6 +238,30 @@ def route(method: api.EdgeMethod, cluster: str, settings: MeshSettings) -> dict[
 def _disabled() -> dict[str, Any]:
     """A route's typed_per_filter_config entry that turns an HTTP filter off there."""
     return _typed("envoy.config.route.v3.FilterConfig", disabled=True)
+
+
+# The buffer filter's per-route configs are read when its turn comes, after the
+# transcoder has turned a JSON request into its gRPC method's path and route (a filter
+# turned off with FilterConfig would be decided on the JSON path, before that).
+NO_BODY_LIMIT = _typed("envoy.extensions.filters.http.buffer.v3.BufferPerRoute", disabled=True)
+# Anything else: 404 (UNIMPLEMENTED to a gRPC client) at once, its body never awaited (a
+# reflection stream, which never ends, would otherwise wait in the buffer filter).
+NOT_ROUTED = {
+    "match": {"prefix": "/"},
+    "direct_response": {"status": 404},
+    "typed_per_filter_config": {BUFFER: NO_BODY_LIMIT},
+}
+
+
+def body_limit(path: str, settings: MeshSettings) -> dict[str, Any]:
+    """The buffer filter's limit on one route: a body past it is answered 413 at the edge
+    before any of it reaches a service."""
+    edge = settings.edge
+    limit = edge.route_max_request_bytes.get(path, edge.max_request_bytes)
+    return _typed(
+        "envoy.extensions.filters.http.buffer.v3.BufferPerRoute",
+        buffer={"max_request_bytes": limit},
+    )
 
 
 def http_routes(upstream: Upstream, settings: MeshSettings) -> list[dict[str, Any]]:
@@ -253,7 +289,8 @@ def http_routes(upstream: Upstream, settings: MeshSettings) -> list[dict[str, An
             # A completion is no idempotent call: retried only when it never left Envoy.
             "retry_policy": _retry_policy(NEVER_SENT, settings),
         }
-        return {"match": match, "route": action, "typed_per_filter_config": dict(off)}
+        limits = {BUFFER: body_limit(next(iter(match.values())), settings)}
+        return {"match": match, "route": action, "typed_per_filter_config": {**off, **limits}}
 
     return [to_http({"prefix" if path.endswith("/") else "path": path}) for path in http.paths]
 
@@ -293,6 +330,7 @@ def _cluster(
         "name": name,
         "type": discovery,
         "connect_timeout": _seconds(edge.connect_timeout_s),
+        "per_connection_buffer_limit_bytes": BUFFER_LIMIT_BYTES,
         "lb_policy": "LEAST_REQUEST",
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": lb_endpoints}]},
         "health_checks": [
@@ -417,6 +455,10 @@ def _access_log() -> list[dict[str, Any]]:
         "upstream": "%UPSTREAM_HOST%",
         "flags": "%RESPONSE_FLAGS%",
         "client": "%REQ(X-AIMESH-CLIENT)%",
+        "user_agent": "%REQ(USER-AGENT)%",
+        # Who Envoy believes sent the request: the socket's peer, x-forwarded-for only as
+        # far as edge.trusted_hops allow.
+        "remote": "%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT%",
         "request_id": "%REQ(X-REQUEST-ID)%",
         "trace_id": "%TRACE_ID%",
     }
@@ -436,6 +478,8 @@ def _http_filters(
 ) -> list[dict[str, Any]]:
     edge = settings.edge
     max_body = settings.transport.max_message_bytes
+    # The JSON body the transcoder holds while converting it: no more than any route takes.
+    max_json = max([edge.max_request_bytes, *edge.route_max_request_bytes.values()])
     credentials = [
         {"key": key.get_secret_value(), "client": f"key-{index}"}
         for index, key in enumerate(edge.api_keys, start=1)
@@ -456,7 +500,7 @@ def _http_filters(
                 "reject_unknown_method": True,
                 "reject_unknown_query_parameters": True,
             },
-            max_request_body_size=max_body,
+            max_request_body_size=min(max_json, max_body),
             max_response_body_size=max_body,
         ),
     }
@@ -506,6 +550,15 @@ def _http_filters(
         },
         # Only with gRPC services to transcode: a mesh fronted for its HTTP API alone has none.
         *([transcoder] if services else []),
+        # After the transcoder, which turns a JSON request into its gRPC route's; each route
+        # sets its own limit (body_limit, NO_BODY_LIMIT).
+        {
+            "name": BUFFER,
+            "typed_config": _typed(
+                "envoy.extensions.filters.http.buffer.v3.Buffer",
+                max_request_bytes=edge.max_request_bytes,
+            ),
+        },
         {
             "name": "envoy.filters.http.grpc_stats",
             "typed_config": _typed(
@@ -585,6 +638,40 @@ def _metrics_listener(host: str, port: int) -> dict[str, Any]:
     return _listener("metrics", host, port, manager)
 
 
+def _overload_manager(settings: MeshSettings) -> dict[str, Any]:
+    """Past 95% of its heap Envoy gives memory back; past 98% it takes no new requests;
+    past max_connections it accepts no more connections (the edge guide's settings)."""
+    heap = "envoy.resource_monitors.fixed_heap"
+
+    def past(share: float) -> list[dict[str, Any]]:
+        return [{"name": heap, "threshold": {"value": share}}]
+
+    return {
+        "refresh_interval": "0.25s",
+        "resource_monitors": [
+            {
+                "name": heap,
+                "typed_config": _typed(
+                    "envoy.extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig",
+                    max_heap_size_bytes=settings.edge.max_heap_bytes,
+                ),
+            },
+            {
+                "name": "envoy.resource_monitors.global_downstream_max_connections",
+                "typed_config": _typed(
+                    "envoy.extensions.resource_monitors.downstream_connections.v3."
+                    "DownstreamConnectionsConfig",
+                    max_active_downstream_connections=settings.edge.max_connections,
+                ),
+            },
+        ],
+        "actions": [
+            {"name": "envoy.overload_actions.shrink_heap", "triggers": past(0.95)},
+            {"name": "envoy.overload_actions.stop_accepting_requests", "triggers": past(0.98)},
+        ],
+    }
+
+
 def bootstrap(
     upstreams: list[Upstream], settings: MeshSettings, *, otlp_endpoint: str | None = None
 ) -> dict[str, Any]:
@@ -609,13 +696,28 @@ def bootstrap(
         for method in api.methods(upstream.services)
     ]
     routes += [r for upstream in upstreams for r in http_routes(upstream, settings)]
+    routes.append(NOT_ROUTED)
     manager: dict[str, Any] = _typed(
         HTTP_CONNECTION_MANAGER,
         stat_prefix="edge",
         codec_type="AUTO",
         generate_request_id=True,
+        # The client is the connection's peer, never what its x-forwarded-for claims;
+        # only `trusted_hops` proxies in front of Envoy add entries that are believed.
+        use_remote_address=True,
+        xff_num_trusted_hops=edge.trusted_hops,
+        # No internal_address_config: since Envoy 1.36 no client address is "internal"
+        # by default, so x-envoy-* headers from outside (retries, timeouts) are stripped
+        # for loopback and private addresses too (tests/edge/test_hardening.py).
+        request_headers_timeout=_seconds(edge.request_headers_timeout_s),
+        common_http_protocol_options={
+            "idle_timeout": _seconds(edge.idle_timeout_s),
+            "headers_with_underscores_action": "REJECT_REQUEST",
+        },
         http2_protocol_options={
-            "max_concurrent_streams": settings.transport.max_concurrent_streams
+            "max_concurrent_streams": edge.http2_max_concurrent_streams,
+            "initial_stream_window_size": HTTP2_STREAM_WINDOW_BYTES,
+            "initial_connection_window_size": HTTP2_CONNECTION_WINDOW_BYTES,
         },
         access_log=_access_log(),
         route_config={
@@ -639,12 +741,15 @@ def bootstrap(
     if otlp_endpoint:
         manager["tracing"], collector = _tracing(otlp_endpoint)
         clusters.append(collector)
-    listeners = [_listener("edge", edge.host, edge.port, manager)]
+    listener = _listener("edge", edge.host, edge.port, manager)
+    listener["per_connection_buffer_limit_bytes"] = BUFFER_LIMIT_BYTES
+    listeners = [listener]
     if edge.metrics_port:
-        listeners.append(_metrics_listener(edge.host, edge.metrics_port))
+        listeners.append(_metrics_listener(edge.metrics_host, edge.metrics_port))
     return {
         "node": {"id": "aimesh-edge", "cluster": "aimesh-edge"},
         "admin": {"address": _address("127.0.0.1", edge.admin_port)},
+        "overload_manager": _overload_manager(settings),
         # Spans reach the collector within a second instead of Envoy's default five.
         "layered_runtime": {
             "layers": [

@@ -26,6 +26,8 @@ SERVICES = (
     "generation", "tokenizer", "prefill", "decode", "embedder", "rerank", "diffusion", "gateway",
 )  # fmt: skip
 API_KEY = "test-edge-key"
+# The one browser origin the edge grants cross-origin calls (edge.cors_allow_origins).
+BROWSER_ORIGIN = "http://app.example.test"
 # The gateway's keys: key -> (tenant, scopes). "tiny" may send one request per
 # LIMIT_WINDOW_S.
 GATEWAY_KEYS = {
@@ -74,6 +76,7 @@ async def edge(tmp_path_factory) -> AsyncIterator[Edge]:
         AIMESH_EDGE__ADMIN_PORT=str(edge.admin_port),
         AIMESH_EDGE__METRICS_PORT=str(edge.metrics_port),
         AIMESH_EDGE__API_KEYS=f'["{API_KEY}"]',
+        AIMESH_EDGE__CORS_ALLOW_ORIGINS=f'["{BROWSER_ORIGIN}"]',
         **{f"AIMESH_SERVICES__{name.upper()}__PORT": str(port) for name, port in ports.items()},
         **{f"AIMESH_SERVICES__{name.upper()}__METRICS_PORT": "0" for name in SERVICES},
         AIMESH_SERVICES__DIFFUSION__MODELS='["digits"]',

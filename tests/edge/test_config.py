@@ -73,8 +73,13 @@ def routes_of(config: dict) -> dict[str, dict]:
 
 
 def http_routes_of(config: dict) -> list[dict]:
-    """Every other route: the OpenAI-compatible paths to the gateway's HTTP API."""
-    return [r for r in all_routes_of(config) if not GRPC_PATH.fullmatch(r["match"].get("path", ""))]
+    """Every other route to a service: the OpenAI-compatible paths to the gateway's HTTP API
+    (not the last one, which answers 404 to whatever no route takes)."""
+    return [
+        r
+        for r in all_routes_of(config)
+        if "route" in r and not GRPC_PATH.fullmatch(r["match"].get("path", ""))
+    ]
 
 
 def clusters_of(config: dict) -> dict[str, dict]:
@@ -230,9 +235,10 @@ def test_openai_paths_go_to_the_gateways_http_port_untranscoded(settings):
         assert seconds(action["max_stream_duration"]["max_stream_duration"]) > budget_s
         # A completion is no idempotent call: retried only when it never left Envoy.
         assert action["retry_policy"]["retry_on"] == envoy.NEVER_SENT
-    # Nothing holds a response back until it ends.
-    filters = [f["name"] for f in manager_of(config)["http_filters"]]
-    assert not [name for name in filters if "buffer" in name or "compressor" in name]
+    # Nothing holds a response back until it ends: the buffer filter holds requests only.
+    filters = {f["name"]: f["typed_config"] for f in manager_of(config)["http_filters"]}
+    assert not [name for name in filters if "compressor" in name]
+    assert set(filters[envoy.BUFFER]) == {"@type", "max_request_bytes"}
     clusters = clusters_of(config)
     http = clusters["gateway-http"]
     assert endpoints_of(http) == [("127.0.0.1", 8000)]
@@ -278,7 +284,7 @@ def test_a_gateway_that_checks_keys_gets_the_authorization_header(settings, tmp_
     assert routes_of(config)
     for route in all_routes_of(config):
         if route not in http_routes_of(config):
-            assert not disabled_filters(route), route["match"]
+            assert not disabled_filters(route) - {envoy.BUFFER}, route["match"]
     path = tmp_path / "envoy.yaml"
     path.write_text(json.dumps(config))
     assert_envoy_accepts(path)
@@ -395,3 +401,50 @@ def test_the_written_config_is_readable_by_its_owner_only(settings, tmp_path):
     write_config(edge_config(settings), path)
     assert path.stat().st_mode & 0o777 == 0o600
     assert json.loads(path.read_text())["static_resources"]
+
+
+def test_the_edge_follows_envoys_edge_guide(settings, tmp_path):
+    """Envoy's "configuring Envoy as an edge proxy": the client is the socket's peer, buffers
+    and HTTP/2 windows small, timeouts on headers and idle connections, an overload manager;
+    bodies bounded per route, client streams per message; admin and metrics on loopback."""
+    settings.edge.route_max_request_bytes = {"/aimesh.retrieval.v1.EmbedderService/Embed": 4 << 20}
+    config = edge_config(settings)
+    manager = manager_of(config)
+    assert manager["use_remote_address"] is True and manager["xff_num_trusted_hops"] == 0
+    assert "internal_address_config" not in manager  # Envoy >= 1.36: nobody is internal
+    assert manager["common_http_protocol_options"]["headers_with_underscores_action"] == (
+        "REJECT_REQUEST"
+    )
+    assert manager["http2_protocol_options"]["max_concurrent_streams"] == 100
+    assert manager["http2_protocol_options"]["initial_stream_window_size"] == 65536
+    assert seconds(manager["request_headers_timeout"]) == 10
+    (listener, metrics) = config["static_resources"]["listeners"]
+    assert listener["per_connection_buffer_limit_bytes"] == 32768
+    assert metrics["address"]["socket_address"]["address"] == "127.0.0.1"
+    assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    for cluster in clusters_of(config).values():
+        if cluster["name"] != envoy.ADMIN_CLUSTER:
+            assert cluster["per_connection_buffer_limit_bytes"] == 32768
+    monitors = {m["name"] for m in config["overload_manager"]["resource_monitors"]}
+    assert monitors == {
+        "envoy.resource_monitors.fixed_heap",
+        "envoy.resource_monitors.global_downstream_max_connections",
+    }
+
+    def limit(route: dict) -> int | None:
+        buffer = route["typed_per_filter_config"][envoy.BUFFER]
+        return None if buffer.get("disabled") else buffer["buffer"]["max_request_bytes"]
+
+    by_path = {next(iter(r["match"].values())): r for r in all_routes_of(config)}
+    assert by_path["/"] == envoy.NOT_ROUTED and all_routes_of(config)[-1] == envoy.NOT_ROUTED
+    assert limit(by_path["/aimesh.retrieval.v1.EmbedderService/Embed"]) == 4 << 20
+    assert limit(by_path["/aimesh.llm.v1.GenerationService/Generate"]) == 1 << 20
+    assert limit(by_path["/v1/chat/completions"]) == 1 << 20
+    assert limit(by_path["/aimesh.retrieval.v1.RetrievalService/Upsert"]) is None
+    # No browser origin is allowed unless configured.
+    (host,) = manager["route_config"]["virtual_hosts"]
+    cors = host["typed_per_filter_config"]["envoy.filters.http.cors"]
+    assert cors["allow_origin_string_match"] == []
+    path = tmp_path / "envoy.json"
+    path.write_text(json.dumps(config))
+    assert_envoy_accepts(path)

@@ -16,7 +16,7 @@ import pytest
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
 from tests.conftest import VENV_BIN, eventually, spans_of
-from tests.edge.conftest import API_KEY
+from tests.edge.conftest import API_KEY, BROWSER_ORIGIN
 
 pytestmark = pytest.mark.system
 
@@ -98,7 +98,7 @@ def grpc_web_frames(body: bytes) -> tuple[list[bytes], dict[str, str]]:
 
 
 async def test_grpc_web_from_a_browser_origin(edge):
-    origin = "http://app.example.test"
+    origin = BROWSER_ORIGIN
     path = "/aimesh.retrieval.v1.EmbedderService/Embed"
     request = embedder_pb2.EmbedRequest(inputs=["a cat sat on the mat"])
     async with httpx.AsyncClient(base_url=edge.url, timeout=30) as client:

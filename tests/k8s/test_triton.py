@@ -58,8 +58,15 @@ TRITON_OBJECTS = {
     ("Deployment", "triton"),
     ("Service", "triton"),
     ("PodDisruptionBudget", "triton"),
+    ("NetworkPolicy", "triton"),
 }
-WORKER_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler")
+WORKER_KINDS = (
+    "Deployment",
+    "Service",
+    "NetworkPolicy",
+    "PodDisruptionBudget",
+    "HorizontalPodAutoscaler",
+)
 TRACE_CONFIG = "--trace-config="
 
 
