@@ -86,6 +86,7 @@ async def run(seconds: float, rounds: int) -> dict[tuple[str, str], Sample]:
         "AIMESH_LOG_LEVEL": "WARNING",
         "AIMESH_EDGE__PORT": str(edge_port),
         "AIMESH_EDGE__ADMIN_PORT": str(admin_port),
+        "AIMESH_EDGE__AUTHORIZER_PORT": str(free_port()),
         "AIMESH_EDGE__METRICS_PORT": "0",
         # The benchmark is the load: the edge's rate limit must not shape it.
         "AIMESH_EDGE__RATE_LIMIT_PER_S": "1000000",

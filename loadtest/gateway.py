@@ -247,6 +247,7 @@ async def run(
         "AIMESH_LOG_LEVEL": "WARNING",
         "AIMESH_EDGE__PORT": str(edge_port),
         "AIMESH_EDGE__ADMIN_PORT": str(admin_port),
+        "AIMESH_EDGE__AUTHORIZER_PORT": str(free_port()),
         "AIMESH_EDGE__METRICS_PORT": "0",
         "AIMESH_EDGE__RATE_LIMIT_PER_S": "1000000",
         "AIMESH_EDGE__RATE_LIMIT_BURST": "1000000",

@@ -21,6 +21,7 @@ from mesh.authz import EDGE, OPERATOR
 from mesh.config import MeshSettings
 from mesh.edge import envoy
 from mesh.edge import process as edge_process
+from mesh.edge.authorizer import AuthorizerServer
 from mesh.health import probe
 from mesh.info import get_info, summary
 from mesh.metrics import serve_metrics
@@ -137,6 +138,7 @@ def up(
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)
         children: list[supervisor.Child] = []
         proxy = None
+        checker: AuthorizerServer | None = None
         try:
             for spec in specs:
                 log = log_dir and log_dir / f"{spec.name}.log"
@@ -153,6 +155,9 @@ def up(
                 console.print(f"[red]not ready: {', '.join(not_ready)}[/red]")
                 return 1
             if edge:
+                _ensure_a_key(edge_settings)
+                checker = AuthorizerServer(edge_settings)
+                await checker.start()
                 proxy = await _start_edge(specs, edge_settings, log_dir, ready_timeout)
                 if proxy is None:
                     return 1
@@ -168,6 +173,8 @@ def up(
             # The edge goes first so that no new request arrives while services drain.
             if proxy is not None:
                 await edge_process.stop(proxy)
+            if checker is not None:
+                await checker.stop()
             grace = max(settings.service(s.name).grace_s for s in specs) + 5
             await supervisor.stop(children, grace)
 
@@ -189,6 +196,14 @@ def _say_restart(child: supervisor.Child, exit_code: int, delay_s: float) -> Non
     )
 
 
+def _ensure_a_key(settings: MeshSettings) -> None:
+    """With no key configured, one made up for this run (every scope), and said."""
+    if not settings.edge.api_keys and settings.edge.api_keys_file is None:
+        key = secrets.token_urlsafe(24)
+        settings.edge.api_keys = [SecretStr(key)]
+        console.print(f"edge API key for this run (set AIMESH_EDGE__API_KEYS to fix one): {key}")
+
+
 def _edge_config(specs: list[ServiceSpec], settings: MeshSettings) -> dict[str, Any]:
     """The same Envoy config for `up --edge` and `edge render`: spans go where ours do."""
     return envoy.bootstrap(
@@ -199,11 +214,7 @@ def _edge_config(specs: list[ServiceSpec], settings: MeshSettings) -> dict[str, 
 async def _start_edge(
     specs: list[ServiceSpec], settings: MeshSettings, log_dir: Path | None, timeout_s: float
 ) -> asyncio.subprocess.Process | None:
-    """Envoy on the running services; with no key configured, one made up for this run."""
-    if not settings.edge.api_keys:
-        key = secrets.token_urlsafe(24)
-        settings.edge.api_keys = [SecretStr(key)]
-        console.print(f"edge API key for this run (set AIMESH_EDGE__API_KEYS to fix one): {key}")
+    """Envoy on the running services, its authorizer already listening."""
     config = _edge_config(specs, settings)
     run_dir = log_dir or settings.cache_dir / "edge"
     path = edge_process.write_config(config, run_dir / "envoy.json")
@@ -301,10 +312,28 @@ def edge_render(
     ] = None,
 ) -> None:
     """Write Envoy's config for the configured mesh: routes from the protos, upstreams from
-    the service table, keys from AIMESH_EDGE__API_KEYS, tracing from OTEL_*."""
+    the service table, tracing from OTEL_*. It holds no key: `aimesh edge authorize` does."""
     settings = MeshSettings()
     edge_process.write_config(_edge_config(_specs(only), settings), out)
     console.print(f"wrote {out}")
+
+
+@edge_app.command("authorize")
+def edge_authorize() -> None:
+    """Check the edge's API keys for Envoy beside it (127.0.0.1:edge.authorizer_port):
+    keys from edge.api_keys_file (re-read when it changes) or AIMESH_EDGE__API_KEYS."""
+    settings = MeshSettings()
+
+    async def serve() -> None:
+        checker = AuthorizerServer(settings)
+        await checker.start()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await checker.stop()
+
+    asyncio.run(serve())
 
 
 def _add_service_commands() -> None:

@@ -180,7 +180,16 @@ class EdgeSettings(BaseModel):
     )
     api_keys: list[SecretStr] = Field(
         default_factory=list,
-        description="keys accepted as `authorization: Bearer KEY` or `x-api-key: KEY`",
+        description="keys in clear text (tenants key-1, key-2, ..., every scope), for a "
+        "machine of one's own; else api_keys_file",
+    )
+    api_keys_file: Path | None = Field(
+        default=None,
+        description="sha256 digests of keys with their tenants and scopes (mesh/keys.py), "
+        "re-read when the file changes",
+    )
+    authorizer_port: int = Field(
+        default=9903, ge=1, le=65535, description="the edge's key checker, loopback only"
     )
     cors_allow_origins: list[str] = Field(
         default_factory=list,

@@ -48,6 +48,10 @@ class ServiceSpec:
     # method '/pkg.Service/Method' that narrows it, caller names). The same call graph
     # seen from the callee; tests/mesh/test_authz.py holds the two sides to each other.
     callers: tuple[tuple[str, tuple[str, ...]], ...] = field(default=())
+    # The scope an edge key needs (mesh/keys.py: read, generate, embed, images, write,
+    # admin) per proto service of edge_services or per method narrowing it; a method of
+    # neither is refused to every key (mesh/edge/authorizer.py).
+    scopes: tuple[tuple[str, str], ...] = field(default=())
     # HTTP paths the edge routes to the service's own HTTP listener as they are (its
     # options must be a mesh.config.HttpServiceOptions); one ending in "/" is a prefix.
     edge_http_paths: tuple[str, ...] = field(default=())

@@ -31,7 +31,7 @@ from google.rpc import error_details_pb2, status_pb2
 from mesh import targets
 from mesh.authz import identity_uri
 from mesh.config import HttpServiceOptions, MeshSettings, TlsSettings
-from mesh.edge import api
+from mesh.edge import api, authorizer
 from mesh.registry import ServiceSpec
 
 ADMIN_CLUSTER = "envoy_admin"
@@ -53,7 +53,8 @@ ROUTER = {
     "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
 }
 TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
-API_KEY_AUTH = "envoy.filters.http.api_key_auth"
+EXT_AUTHZ = "envoy.filters.http.ext_authz"
+AUTHORIZER_CLUSTER = "edge_authorizer"
 # An HTTP API answers its own timeout (in its own error shape) before the edge gives up.
 HTTP_TIMEOUT_MARGIN_S = 5.0
 BUFFER = "envoy.filters.http.buffer"
@@ -273,7 +274,7 @@ def http_routes(upstream: Upstream, settings: MeshSettings) -> list[dict[str, An
     # answer 404); the key check only where the service does not check keys itself.
     off = {TRANSCODER: _disabled()}
     if http.own_keys:
-        off[API_KEY_AUTH] = _disabled()
+        off[EXT_AUTHZ] = _disabled()
     limit = _seconds(http.budget_s + HTTP_TIMEOUT_MARGIN_S)
 
     def to_http(match: dict[str, str]) -> dict[str, Any]:
@@ -480,10 +481,6 @@ def _http_filters(
     max_body = settings.transport.max_message_bytes
     # The JSON body the transcoder holds while converting it: no more than any route takes.
     max_json = max([edge.max_request_bytes, *edge.route_max_request_bytes.values()])
-    credentials = [
-        {"key": key.get_secret_value(), "client": f"key-{index}"}
-        for index, key in enumerate(edge.api_keys, start=1)
-    ]
     every_request = {"numerator": 100, "denominator": "HUNDRED"}
     enabled = {"runtime_key": "edge_rate_limit.enabled", "default_value": every_request}
     enforced = {"runtime_key": "edge_rate_limit.enforced", "default_value": every_request}
@@ -524,16 +521,6 @@ def _http_filters(
             "typed_config": _typed("envoy.extensions.filters.http.grpc_web.v3.GrpcWeb"),
         },
         {
-            "name": API_KEY_AUTH,
-            "typed_config": _typed(
-                "envoy.extensions.filters.http.api_key_auth.v3.ApiKeyAuth",
-                credentials=credentials,
-                key_sources=[{"header": "authorization"}, {"header": "x-api-key"}],
-                # Services learn who called, never the key itself.
-                forwarding={"header": "x-aimesh-client", "hide_credentials": True},
-            ),
-        },
-        {
             "name": "envoy.filters.http.local_ratelimit",
             "typed_config": _typed(
                 "envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
@@ -550,6 +537,9 @@ def _http_filters(
         },
         # Only with gRPC services to transcode: a mesh fronted for its HTTP API alone has none.
         *([transcoder] if services else []),
+        # After the transcoder, so a JSON request is checked as the gRPC method it became;
+        # before the buffer, so nothing is held for a caller without a key.
+        _ext_authz(settings),
         # After the transcoder, which turns a JSON request into its gRPC route's; each route
         # sets its own limit (body_limit, NO_BODY_LIMIT).
         {
@@ -569,6 +559,36 @@ def _http_filters(
         },
         ROUTER,
     ]
+
+
+def _ext_authz(settings: MeshSettings) -> dict[str, Any]:
+    """The key check (mesh/edge/authorizer.py): Envoy asks the authorizer beside it with
+    the key headers only, and copies the tenant and scopes it answers onto the request.
+    An authorizer that does not answer fails the request closed (503)."""
+
+    def exactly(names: tuple[str, ...]) -> dict[str, Any]:
+        return {"patterns": [{"exact": name} for name in names]}
+
+    return {
+        "name": EXT_AUTHZ,
+        "typed_config": _typed(
+            "envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
+            http_service={
+                "server_uri": {
+                    "uri": f"http://127.0.0.1:{settings.edge.authorizer_port}",
+                    "cluster": AUTHORIZER_CLUSTER,
+                    "timeout": "1s",
+                },
+                "path_prefix": authorizer.PATH_PREFIX,
+                "authorization_response": {
+                    "allowed_upstream_headers": exactly(authorizer.UPSTREAM_HEADERS),
+                },
+            },
+            allowed_headers=exactly(authorizer.KEY_HEADERS),
+            failure_mode_allow=False,
+            status_on_error={"code": "ServiceUnavailable"},
+        ),
+    }
 
 
 def _cors_policy(origins: list[str]) -> dict[str, Any]:
@@ -681,8 +701,6 @@ def bootstrap(
             "no service declares edge_services or serves an HTTP API: nothing to put behind "
             "the edge"
         )
-    if not settings.edge.api_keys:
-        raise ValueError("the edge needs at least one API key (edge.api_keys)")
     edge = settings.edge
     every_service = [s for upstream in upstreams for s in upstream.services]
     # google.rpc.Status and its details too, so the transcoder can turn an error's
@@ -710,6 +728,16 @@ def bootstrap(
         # by default, so x-envoy-* headers from outside (retries, timeouts) are stripped
         # for loopback and private addresses too (tests/edge/test_hardening.py).
         request_headers_timeout=_seconds(edge.request_headers_timeout_s),
+        # Who a request is for is the authorizer's to say, never the client's.
+        early_header_mutation_extensions=[
+            {
+                "name": "envoy.http.early_header_mutation.header_mutation",
+                "typed_config": _typed(
+                    "envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+                    mutations=[{"remove": name} for name in authorizer.UPSTREAM_HEADERS],
+                ),
+            }
+        ],
         common_http_protocol_options={
             "idle_timeout": _seconds(edge.idle_timeout_s),
             "headers_with_underscores_action": "REJECT_REQUEST",
@@ -738,6 +766,9 @@ def bootstrap(
     clusters = [cluster(upstream, settings) for upstream in upstreams if upstream.services]
     clusters += [http_cluster(upstream, settings) for upstream in upstreams if upstream.http]
     clusters.append(_static_cluster(ADMIN_CLUSTER, "127.0.0.1", edge.admin_port, http2=False))
+    clusters.append(
+        _static_cluster(AUTHORIZER_CLUSTER, "127.0.0.1", edge.authorizer_port, http2=False)
+    )
     if otlp_endpoint:
         manager["tracing"], collector = _tracing(otlp_endpoint)
         clusters.append(collector)

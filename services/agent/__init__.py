@@ -14,4 +14,5 @@ SPEC = ServiceSpec(
     dependencies=("tools", "generation"),
     edge_services=("aimesh.agent.v1.AgentService",),
     callers=(("aimesh.agent.v1.AgentService", (EDGE, OPERATOR)),),
+    scopes=(("aimesh.agent.v1.AgentService", "generate"),),
 )

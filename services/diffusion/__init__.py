@@ -19,4 +19,8 @@ SPEC = ServiceSpec(
     ),
     edge_services=("aimesh.diffusion.v1.DiffusionService",),
     callers=(("aimesh.diffusion.v1.DiffusionService", (EDGE, OPERATOR, "gateway", "tools")),),
+    scopes=(
+        ("aimesh.diffusion.v1.DiffusionService", "images"),
+        ("/aimesh.diffusion.v1.DiffusionService/ListModels", "read"),
+    ),
 )

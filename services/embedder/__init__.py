@@ -13,4 +13,5 @@ SPEC = ServiceSpec(
     max_concurrency=32,
     edge_services=("aimesh.retrieval.v1.EmbedderService",),
     callers=(("aimesh.retrieval.v1.EmbedderService", (EDGE, OPERATOR, "gateway", "retrieval")),),
+    scopes=(("aimesh.retrieval.v1.EmbedderService", "embed"),),
 )

@@ -15,4 +15,5 @@ SPEC = ServiceSpec(
     edge_services=("aimesh.llm.v1.GenerationService",),
     dependencies=("tokenizer", "prefill", "decode"),
     callers=(("aimesh.llm.v1.GenerationService", (EDGE, OPERATOR, "agent", "gateway")),),
+    scopes=(("aimesh.llm.v1.GenerationService", "generate"),),
 )

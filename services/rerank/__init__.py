@@ -11,4 +11,5 @@ SPEC = ServiceSpec(
     options="services.rerank.settings:RerankSettings",
     edge_services=("aimesh.rerank.v1.RerankService",),
     callers=(("aimesh.rerank.v1.RerankService", (EDGE, OPERATOR, "gateway", "retrieval")),),
+    scopes=(("aimesh.rerank.v1.RerankService", "embed"),),
 )

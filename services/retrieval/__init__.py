@@ -19,4 +19,9 @@ SPEC = ServiceSpec(
         ("aimesh.retrieval.v1.RetrievalService", (EDGE, OPERATOR)),
         ("/aimesh.retrieval.v1.RetrievalService/Search", (EDGE, OPERATOR, "tools")),
     ),
+    # Writes change what every tenant's searches find: a scope of their own.
+    scopes=(
+        ("aimesh.retrieval.v1.RetrievalService", "write"),
+        ("/aimesh.retrieval.v1.RetrievalService/Search", "read"),
+    ),
 )

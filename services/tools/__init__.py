@@ -15,4 +15,8 @@ SPEC = ServiceSpec(
     edge_services=("aimesh.tools.v1.ToolsService",),
     dependencies=("retrieval", "diffusion"),
     callers=(("aimesh.tools.v1.ToolsService", (EDGE, OPERATOR, "agent")),),
+    scopes=(
+        ("aimesh.tools.v1.ToolsService", "generate"),
+        ("/aimesh.tools.v1.ToolsService/ListTools", "read"),
+    ),
 )

@@ -1,7 +1,8 @@
 """The LLM stack, the embedder, rerank, diffusion (digits) and the OpenAI gateway behind a
 real Envoy (`aimesh up --edge`), on free ports, with a real OTLP collector receiving the
-spans of every process, Envoy included. The gateway checks its own keys (GATEWAY_KEYS,
-one tenant with a tiny quota); every other route takes the edge's API_KEY."""
+spans of every process, Envoy included. One key file (KEYS, digests only) serves the
+gateway, which checks its own keys (one tenant with a tiny quota), and the edge's
+authorizer for every other route, beside the edge's clear-text API_KEY (tenant key-1)."""
 
 from __future__ import annotations
 
@@ -34,8 +35,11 @@ GATEWAY_KEYS = {
     "sk-everything": ("acme", ["generate", "embed", "images"]),
     "sk-embed-only": ("embedco", ["embed"]),
     "sk-tiny": ("tiny", ["generate", "embed"]),
+    "sk-reader": ("reader", ["read", "embed"]),
+    "sk-writer": ("writer", ["read", "write"]),
 }
 LIMIT_WINDOW_S = 2
+TENANT_LIMITS = {"tiny": {"requests_per_minute": 1}}
 
 
 @dataclass
@@ -47,6 +51,7 @@ class Edge:
     http_port: int  # the gateway's own HTTP port, behind Envoy
     spans: Path  # the OTLP collector's debug log
     access_log: Path  # Envoy's stdout: one JSON line per request
+    keys: Path  # the key file the gateway and the edge's authorizer share
 
     @property
     def target(self) -> str:
@@ -63,17 +68,19 @@ async def edge(tmp_path_factory) -> AsyncIterator[Edge]:
     spans = logs / "spans.log"
     collector, otlp_port = await start_collector(spans)
     ports = {name: free_port() for name in SERVICES}
+    keys = logs / "keys.json"
+    write_keys(keys, GATEWAY_KEYS, TENANT_LIMITS)
     edge = Edge(
-        free_port(), free_port(), free_port(), ports, free_port(), spans, logs / "envoy.log"
+        free_port(), free_port(), free_port(), ports, free_port(), spans, logs / "envoy.log", keys
     )
-    keys = logs / "gateway-keys.json"
-    write_keys(keys, GATEWAY_KEYS, {"tiny": {"requests_per_minute": 1}})
     env = subprocess_env(
         OTEL_TRACES_EXPORTER="otlp",
         OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp_port}",
         OTEL_BSP_SCHEDULE_DELAY="200",
         AIMESH_EDGE__PORT=str(edge.port),
         AIMESH_EDGE__ADMIN_PORT=str(edge.admin_port),
+        AIMESH_EDGE__AUTHORIZER_PORT=str(free_port()),
+        AIMESH_EDGE__API_KEYS_FILE=str(keys),
         AIMESH_EDGE__METRICS_PORT=str(edge.metrics_port),
         AIMESH_EDGE__API_KEYS=f'["{API_KEY}"]',
         AIMESH_EDGE__CORS_ALLOW_ORIGINS=f'["{BROWSER_ORIGIN}"]',

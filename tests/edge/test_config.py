@@ -14,7 +14,7 @@ from google.api import annotations_pb2
 from pydantic import SecretStr
 
 from mesh.config import MeshSettings, ServiceSettings
-from mesh.edge import api, envoy
+from mesh.edge import api, authorizer, envoy
 from mesh.registry import discover
 from tests.conftest import ROOT, VENV_BIN, subprocess_env
 
@@ -203,9 +203,15 @@ def test_a_target_without_a_port_is_refused(target):
 
 
 def test_no_keys_no_edge(settings):
+    """An edge nobody can pass is a mistake: its authorizer refuses to start without keys,
+    and the rendered config holds none (the authorizer has them)."""
+    config = json.dumps(
+        envoy.bootstrap(envoy.upstreams_for(list(discover().values()), settings), settings)
+    )
+    assert "api_key_auth" not in config and '"k"' not in config
     settings.edge.api_keys = []
     with pytest.raises(ValueError, match="API key"):
-        envoy.bootstrap(envoy.upstreams_for(list(discover().values()), settings), settings)
+        authorizer.Keys(settings)
 
 
 def test_tracing_only_when_a_collector_is_named(settings):
@@ -280,7 +286,7 @@ def test_a_gateway_that_checks_keys_gets_the_authorization_header(settings, tmp_
     settings.services["gateway"] = ServiceSettings(api_keys_file=str(tmp_path / "keys.json"))
     config = edge_config(settings)
     for route in http_routes_of(config):
-        assert disabled_filters(route) == {envoy.TRANSCODER, envoy.API_KEY_AUTH}
+        assert disabled_filters(route) == {envoy.TRANSCODER, envoy.EXT_AUTHZ}
     assert routes_of(config)
     for route in all_routes_of(config):
         if route not in http_routes_of(config):
@@ -299,7 +305,7 @@ def test_openai_paths_only_when_the_gateway_runs(settings):
     assert [route["match"] for route in http_routes_of(alone)] == OPENAI_MATCHES
     # No gRPC service to transcode: no transcoder at all, and the real Envoy agrees.
     filters = [f["name"] for f in manager_of(alone)["http_filters"]]
-    assert envoy.TRANSCODER not in filters and envoy.API_KEY_AUTH in filters
+    assert envoy.TRANSCODER not in filters and envoy.EXT_AUTHZ in filters
 
 
 def test_the_real_envoy_accepts_the_gateway_alone(settings, tmp_path):
@@ -374,7 +380,8 @@ def test_with_tls_envoy_reaches_each_service_over_mutual_tls_as_the_edge(setting
     settings.tls = throwaway_pki(tmp_path / "pki", [EDGE])[EDGE]
     config = edge_config(settings)
     upstream = {c["name"]: c for c in config["static_resources"]["clusters"]}
-    meshed = {name: c for name, c in upstream.items() if name not in (envoy.ADMIN_CLUSTER,)}
+    local = (envoy.ADMIN_CLUSTER, envoy.AUTHORIZER_CLUSTER)  # on loopback, beside Envoy
+    meshed = {name: c for name, c in upstream.items() if name not in local}
     assert {"generation", "gateway-http", "diffusion"} <= set(meshed)
     for name, cluster in meshed.items():
         context = cluster["transport_socket"]["typed_config"]["common_tls_context"]
@@ -384,7 +391,7 @@ def test_with_tls_envoy_reaches_each_service_over_mutual_tls_as_the_edge(setting
         (san,) = context["validation_context"]["match_typed_subject_alt_names"]
         assert san["matcher"] == {"exact": identity_uri(service)}
         assert context["alpn_protocols"] == (["http/1.1"] if name.endswith("-http") else ["h2"])
-    assert "transport_socket" not in upstream[envoy.ADMIN_CLUSTER]
+    assert not [name for name in local if "transport_socket" in upstream[name]]
     path = tmp_path / "envoy.json"
     path.write_text(json.dumps(config))
     assert_envoy_accepts(path)
@@ -423,7 +430,7 @@ def test_the_edge_follows_envoys_edge_guide(settings, tmp_path):
     assert metrics["address"]["socket_address"]["address"] == "127.0.0.1"
     assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
     for cluster in clusters_of(config).values():
-        if cluster["name"] != envoy.ADMIN_CLUSTER:
+        if cluster["name"] not in (envoy.ADMIN_CLUSTER, envoy.AUTHORIZER_CLUSTER):
             assert cluster["per_connection_buffer_limit_bytes"] == 32768
     monitors = {m["name"] for m in config["overload_manager"]["resource_monitors"]}
     assert monitors == {

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import urllib.request
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -38,6 +39,11 @@ def hosts(admin_port: int) -> dict[int, dict]:
     }
 
 
+def port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 def health(admin_port: int, port: int) -> dict:
     return hosts(admin_port)[port]["health_status"]
 
@@ -66,31 +72,38 @@ EdgeFactory = Callable[..., AbstractAsyncContextManager[Edge]]
 
 @pytest.fixture
 def edge_over(tmp_path: Path) -> EdgeFactory:
-    """Envoy in front of the given embedder targets, configured by `aimesh edge render`."""
+    """Envoy in front of the given embedder targets, configured by `aimesh edge render`,
+    with its key checker (`aimesh edge authorize`) beside it."""
 
     @asynccontextmanager
     async def start(targets: list[str], **edge_settings: str) -> AsyncIterator[Edge]:
         edge = Edge(free_port(), free_port())
         config = tmp_path / "envoy.yaml"
+        authorizer_port = free_port()
+        env = subprocess_env(
+            AIMESH_SERVICES__EMBEDDER__TARGET="ipv4:" + ",".join(targets),
+            AIMESH_EDGE__PORT=str(edge.port),
+            AIMESH_EDGE__ADMIN_PORT=str(edge.admin_port),
+            AIMESH_EDGE__METRICS_PORT="0",
+            AIMESH_EDGE__AUTHORIZER_PORT=str(authorizer_port),
+            AIMESH_EDGE__API_KEYS=f'["{KEY}"]',
+            **{f"AIMESH_EDGE__{key.upper()}": value for key, value in edge_settings.items()},
+        )
+        aimesh = str(VENV_BIN / "aimesh")
         render = await asyncio.create_subprocess_exec(
-            str(VENV_BIN / "aimesh"), "edge", "render", "--only", "embedder", "--out", str(config),
-            env=subprocess_env(
-                AIMESH_SERVICES__EMBEDDER__TARGET="ipv4:" + ",".join(targets),
-                AIMESH_EDGE__PORT=str(edge.port),
-                AIMESH_EDGE__ADMIN_PORT=str(edge.admin_port),
-                AIMESH_EDGE__METRICS_PORT="0",
-                AIMESH_EDGE__API_KEYS=f'["{KEY}"]',
-                **{f"AIMESH_EDGE__{key.upper()}": value for key, value in edge_settings.items()},
-            ),
-            stdout=asyncio.subprocess.DEVNULL,
+            aimesh, "edge", "render", "--only", "embedder", "--out", str(config),
+            env=env, stdout=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         assert await render.wait() == 0
+        checker = await asyncio.create_subprocess_exec(aimesh, "edge", "authorize", env=env)
         envoy = await envoy_process.start("envoy", config, tmp_path / "envoy.log")
         try:
+            await eventually(lambda: port_open(authorizer_port), timeout_s=30, interval_s=0.1)
             assert await envoy_process.wait_ready(envoy, edge.admin_port, timeout_s=30)
             yield edge
         finally:
             await envoy_process.stop(envoy)
+            await envoy_process.stop(checker)
 
     return start
 

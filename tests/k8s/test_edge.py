@@ -40,14 +40,21 @@ RENDER = "aimesh edge render --out "
 def edge(docs):
     deployment = of_kind(docs, "Deployment")["edge"]
     (render,) = pod_spec(deployment)["initContainers"]
-    (envoy,) = pod_spec(deployment)["containers"]
-    return deployment, render, envoy
+    running = {c["name"]: c for c in pod_spec(deployment)["containers"]}
+    assert set(running) == {"envoy", "authorizer"}
+    return deployment, render, running["envoy"]
+
+
+def authorizer(docs):
+    deployment = of_kind(docs, "Deployment")["edge"]
+    (checker,) = [c for c in pod_spec(deployment)["containers"] if c["name"] == "authorizer"]
+    return checker
 
 
 def test_envoy_reads_the_config_the_init_container_renders(overlay):
     deployment, render, envoy = edge(overlay)
-    script = render["args"][-1]
-    out = PurePosixPath(script[script.index(RENDER) + len(RENDER) :].split()[0])
+    command = " ".join(render["command"])
+    out = PurePosixPath(command[command.index(RENDER) + len(RENDER) :].split()[0])
     assert envoy["image"] == "envoyproxy/envoy:v1.40.0"
     assert envoy["args"] == ["-c", str(out), "--service-node", "edge"]
 
@@ -120,9 +127,20 @@ def test_every_upstream_of_the_rendered_config_is_a_service_of_the_overlay(
         assert ports == {settings.service(name).own()["http_port"]}, name
 
 
-def test_api_keys_come_from_the_secret(overlay):
-    _, render, _ = edge(overlay)
-    ref = env_of(render)["AIMESH_EDGE__API_KEYS"]["valueFrom"]["secretKeyRef"]
+def test_api_keys_come_from_the_secrets_to_the_authorizer_only(overlay):
+    """The clear keys of Secret aimesh-edge and the hashed, scoped file the gateway reads
+    too reach the authorizer beside Envoy; neither the renderer nor Envoy sees a key."""
+    deployment, render, envoy_container = edge(overlay)
+    checker = authorizer(overlay)
+    assert checker["image"] == render["image"]
+    assert not [n for n in env_of(render) if "KEY" in n]
+    assert "env" not in envoy_container
+    volumes = {v["name"]: v for v in pod_spec(deployment)["volumes"]}
+    (mount,) = [m for m in checker["volumeMounts"] if m["name"] == "api-keys"]
+    assert volumes["api-keys"]["secret"]["secretName"] == "aimesh-gateway-keys"
+    keys_file = env_of(checker)["AIMESH_EDGE__API_KEYS_FILE"]["value"]
+    assert PurePosixPath(keys_file).parent == PurePosixPath(mount["mountPath"])
+    ref = env_of(checker)["AIMESH_EDGE__API_KEYS"]["valueFrom"]["secretKeyRef"]
     assert ref == {"name": "aimesh-edge", "key": "api-keys"}
     secret = of_kind(overlay, "Secret")["aimesh-edge"]
     keys = json.loads(base64.b64decode(secret["data"]["api-keys"]))
@@ -139,15 +157,14 @@ def run_guard(script: str, keys: str, tmp_path) -> subprocess.CompletedProcess[s
 
 
 def test_the_edge_refuses_to_start_with_the_placeholder_key(rendered, tmp_path):
-    _, render, _ = edge(rendered["cpu"])
-    script = render["args"][-1]
+    script = authorizer(rendered["cpu"])["args"][-1]
     placeholder = of_kind(rendered["cpu"], "Secret")["aimesh-edge"]["data"]["api-keys"]
     refused = run_guard(script, base64.b64decode(placeholder).decode(), tmp_path)
     assert refused.returncode == 1
     assert "placeholder" in refused.stderr
     accepted = run_guard(script, '["a-real-key"]', tmp_path)
     assert accepted.returncode == 0, accepted.stderr
-    assert accepted.stdout.strip() == "rendered edge render --out /etc/envoy/envoy.yaml"
+    assert accepted.stdout.strip() == "rendered edge authorize"
 
 
 def test_an_own_overlay_sets_the_image_and_the_keys(tmp_path):

@@ -65,6 +65,7 @@ async def secure(tmp_path_factory) -> AsyncIterator[SecureMesh]:
     mesh.env = subprocess_env(
         AIMESH_EDGE__PORT=str(mesh.edge_port),
         AIMESH_EDGE__ADMIN_PORT=str(free_port()),
+        AIMESH_EDGE__AUTHORIZER_PORT=str(free_port()),
         AIMESH_EDGE__METRICS_PORT="0",
         AIMESH_EDGE__API_KEYS=f'["{API_KEY}"]',
         AIMESH_SERVICES__GATEWAY__HTTP_PORT=str(mesh.http_port),

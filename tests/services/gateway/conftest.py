@@ -17,9 +17,9 @@ import openai
 import pytest
 
 from mesh.config import MeshSettings, ServiceSettings
+from mesh.keys import digest
 from mesh.server import MeshServer
 from services.gateway.http_server import HttpServer
-from services.gateway.keys import digest
 from services.gateway.service import setup
 from tests.conftest import free_port
 from tests.services.gateway.fakes import (

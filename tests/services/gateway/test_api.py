@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from services.gateway.keys import digest
+from mesh.keys import digest
 from tests.conftest import eventually, metric
 from tests.services.gateway.conftest import KEYS, start_gateway, write_keys
 from tests.services.gateway.fakes import EMBEDDING_MODEL, IMAGE_MODEL, LLM, vector

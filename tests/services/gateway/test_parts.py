@@ -13,9 +13,10 @@ from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import sampling_pb2
 from mesh.errors import local_error, status
 from mesh.failures import FieldViolation
+from mesh.keys import digest
 from services.gateway import store as stores
 from services.gateway.errors import ApiError, from_rpc, param_of, renamed
-from services.gateway.keys import ANONYMOUS, KeyStore, OpenAccess, Principal, TenantLimits, digest
+from services.gateway.keys import ANONYMOUS, KeyStore, OpenAccess, Principal, TenantLimits
 from services.gateway.limits import Limiter
 from services.gateway.periods import current
 from services.gateway.sse import DONE, ChatShape, TextShape, finish_reason, frame

@@ -1,0 +1,70 @@
+"""The edge's authorizer as Envoy asks it (mesh/edge/authorizer.py): keys hashed and
+scoped, every method the edge serves given a scope, the tenant and scopes in the answer."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from pydantic import SecretStr
+
+from mesh.config import MeshSettings
+from mesh.edge import api
+from mesh.edge.authorizer import (
+    CLIENT_HEADER,
+    PATH_PREFIX,
+    SCOPES_HEADER,
+    Keys,
+    build_app,
+    method_scopes,
+    needed_scope,
+)
+from mesh.keys import ALL_SCOPES
+from mesh.registry import discover
+from tests.services.gateway.conftest import write_keys
+
+pytestmark = pytest.mark.unit
+
+SEARCH = "/aimesh.retrieval.v1.RetrievalService/Search"
+DELETE = "/aimesh.retrieval.v1.RetrievalService/Delete"
+
+
+def test_every_method_the_edge_serves_needs_a_scope_a_key_can_hold():
+    scopes = method_scopes(discover().values())
+    names = [name for spec in discover().values() for name in spec.edge_services]
+    for service in api.load_services(names):
+        for method in service.methods:
+            path = f"/{service.full_name}/{method.name}"
+            assert needed_scope(path, scopes) in ALL_SCOPES, path
+    assert needed_scope(DELETE, scopes) == "write" and needed_scope(SEARCH, scopes) == "read"
+    assert needed_scope("/aimesh.llm.v1.DecodeService/Decode", scopes) == ""  # nobody
+    assert needed_scope("/v1/chat/completions", scopes) is None  # any valid key
+
+
+async def ask(app, path: str, **headers: str) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://authorizer") as client:
+        return await client.post(PATH_PREFIX + path, headers=headers)
+
+
+async def test_keys_from_the_file_and_the_settings_answer_with_tenant_and_scopes(tmp_path):
+    keys_file = tmp_path / "keys.json"
+    write_keys(keys_file, {"sk-read": ("acme", ["read"]), "sk-write": ("ops", ["write"])})
+    settings = MeshSettings()
+    settings.edge.api_keys = [SecretStr("plain")]
+    settings.edge.api_keys_file = keys_file
+    app = build_app(Keys(settings), method_scopes(discover().values()))
+
+    allowed = await ask(app, SEARCH, authorization="Bearer sk-read")
+    assert allowed.status_code == 200
+    assert allowed.headers[CLIENT_HEADER] == "acme" and allowed.headers[SCOPES_HEADER] == "read"
+    assert "authorization" in allowed.headers["x-envoy-auth-headers-to-remove"]
+    assert (await ask(app, DELETE, authorization="Bearer sk-read")).status_code == 403
+    assert (await ask(app, DELETE, **{"x-api-key": "sk-write"})).status_code == 200
+    plain = await ask(app, DELETE, authorization="Bearer plain")
+    assert plain.status_code == 200 and plain.headers[CLIENT_HEADER] == "key-1"
+    assert plain.headers[SCOPES_HEADER] == ",".join(sorted(ALL_SCOPES))
+    assert (await ask(app, SEARCH, authorization="Bearer nope")).status_code == 401
+    assert (await ask(app, SEARCH)).status_code == 401
+    assert (await ask(app, "/v1/models", authorization="Bearer sk-write")).status_code == 200
+    internal = await ask(app, "/aimesh.llm.v1.KvCacheService/Pull", authorization="Bearer plain")
+    assert internal.status_code == 403
