@@ -279,6 +279,11 @@ class MeshSettings(BaseSettings):
     edge: EdgeSettings = Field(default_factory=EdgeSettings)
     # None: plaintext (the loopback default); mesh/tls.py.
     tls: TlsSettings | None = None
+    reflection: bool = Field(
+        default=True,
+        description="gRPC server reflection (grpcurl without .proto files); off in production: "
+        "it hands every caller the full API",
+    )
 
     @classmethod
     def settings_customise_sources(

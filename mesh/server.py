@@ -6,8 +6,9 @@ every warm-up has run (readiness), follow the readiness probes of a remote engin
 Triton's ModelReady) after that, and go NOT_SERVING when draining. Until the warm-ups
 end, and after a watched task died, every call is answered UNAVAILABLE (NOT_READY) here,
 so no servicer guards its engine with a "still loading" check. Reflection is on for
-grpcurl. On SIGTERM: NOT_SERVING, new calls refused, in-flight calls (streams included)
-get the grace period to finish, then the process exits.
+grpcurl unless the config says `reflection = false` (the Kubernetes one does). On
+SIGTERM: NOT_SERVING, new calls refused, in-flight calls (streams included) get the grace
+period to finish, then the process exits.
 
 Background tasks a service cannot work without (a batch scheduler, a load poller) are
 `watch`ed: if one ends while the server runs, the process is broken, and says so instead
@@ -273,15 +274,16 @@ class MeshServer:
 
     async def start(self) -> int:
         """Listens, answers liveness at once, warms up, then flips readiness to SERVING."""
-        reflection.enable_server_reflection(
-            [
-                *self._proto_services,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                INFO_SERVICE.full_name,
-                reflection.SERVICE_NAME,
-            ],
-            self.grpc_server,
-        )
+        if self.settings.reflection:
+            reflection.enable_server_reflection(
+                [
+                    *self._proto_services,
+                    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                    INFO_SERVICE.full_name,
+                    reflection.SERVICE_NAME,
+                ],
+                self.grpc_server,
+            )
         address = f"{self.host}:{self.requested_port}"
         tls = self.settings.tls
         self.port = (

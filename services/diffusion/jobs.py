@@ -6,7 +6,8 @@ for instead: the stream opens at once, reports its queue position as it changes,
 job only starts when a compute slot is free AND its estimated memory fits beside the
 running jobs'. A job that could never fit is refused up front. Cancellation is per job:
 an Event the worker checks between (step, image) units, so one job's cancel can never
-touch another.
+touch another. A job belongs to the client it was submitted for (`x-aimesh-client`, the
+edge key's tenant): another client's Cancel finds nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Job:
     plan: Plan
     estimated_bytes: int
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    owner: str = ""
     cancelled: threading.Event = field(default_factory=threading.Event)
     # Set by the worker once every unit is done: a cancel after that stops nothing, so
     # it must not say it did. The lock orders the two between the worker and the loop.
@@ -143,11 +145,12 @@ class JobQueue:
     def job_ids(self) -> list[str]:
         return [job.id for job in (*self._waiting, *self._running)]
 
-    def cancel(self, job_id: str) -> bool:
-        """Stops the waiting or running job `job_id`; False if there is none, it was
-        cancelled already or its work is all done. The running one stops at its next unit."""
+    def cancel(self, job_id: str, owner: str | None) -> bool:
+        """Stops the waiting or running job `job_id` of `owner` (None: whoever's, as the
+        service itself at shutdown); False if there is none, it was cancelled already or
+        its work is all done. The running one stops at its next unit."""
         for job in (*self._waiting, *self._running):
-            if job.id == job_id:
+            if job.id == job_id and owner in (None, job.owner):
                 stopped = job.cancel()
                 self._notify()
                 return stopped

@@ -18,6 +18,7 @@ from opentelemetry import trace
 
 from aimesh.common.v1 import common_pb2
 from aimesh.diffusion.v1 import diffusion_pb2, diffusion_pb2_grpc
+from mesh import caller
 from mesh.failures import Cancelled, OutOfMemory
 from mesh.info import ModelInfo
 from mesh.server import MeshServer
@@ -115,7 +116,9 @@ class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
     ) -> AsyncIterator[diffusion_pb2.GenerateResponse]:
         received = time.perf_counter()
         model, plan = plan_job(request, self.models)
-        job = Job(model, plan, model.estimate_bytes(len(plan.seeds), plan.size))
+        job = Job(
+            model, plan, model.estimate_bytes(len(plan.seeds), plan.size), owner=caller.current()
+        )
         span = trace.get_current_span()
         span.set_attribute("gen_ai.request.model", model.card.name)
         span.set_attribute("aimesh.diffusion.job_id", job.id)
@@ -191,7 +194,8 @@ class DiffusionServicer(diffusion_pb2_grpc.DiffusionServiceServicer):
         violations.check(bool(request.job_id), "job_id", "must name a job (Queued.job_id)")
         violations.max_length(request.job_id, "job_id", MAX_JOB_ID)
         violations.raise_if_any()
-        return diffusion_pb2.CancelResponse(cancelled=self.queue.cancel(request.job_id))
+        stopped = self.queue.cancel(request.job_id, caller.current())
+        return diffusion_pb2.CancelResponse(cancelled=stopped)
 
     async def ListModels(
         self, request: diffusion_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -253,7 +257,7 @@ async def setup(server: MeshServer) -> DiffusionServicer:
 
     async def shut_down() -> None:
         for job_id in servicer.queue.job_ids():
-            servicer.queue.cancel(job_id)
+            servicer.queue.cancel(job_id, None)
         if triton is not None:
             await triton.model.close()
 

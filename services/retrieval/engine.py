@@ -27,7 +27,7 @@ from services.retrieval import bm25
 from services.retrieval.calls import StoreCalls
 from services.retrieval.fusion import Hit, reciprocal_rank_fusion
 from services.retrieval.settings import RetrievalSettings
-from services.retrieval.store import Found, Incoming, Store
+from services.retrieval.store import BulkGuard, Found, Incoming, Store
 
 Mode = Literal["dense", "sparse", "hybrid"]
 # One call to the embedder: at most `embed_batch` texts in, their vectors out, in order.
@@ -223,13 +223,22 @@ class KnowledgeBase:
         return hits
 
     async def delete(
-        self, collection: str, ids: list[str], query_filter: models.Filter | None
+        self,
+        collection: str,
+        ids: list[str],
+        query_filter: models.Filter | None,
+        *,
+        allow_bulk: bool = False,
     ) -> int:
-        """Deletes the documents of `ids`, or else those matching the filter; how many."""
+        """Deletes the documents of `ids`, or else those matching the filter (within the
+        bulk guard unless `allow_bulk`); how many."""
         await self._in_store("info", collection)
         if ids:
             return await self._in_store("delete_ids", collection, ids)
-        return await self._in_store("delete_matching", collection, query_filter)
+        guard = None
+        if not allow_bulk:
+            guard = BulkGuard(self.settings.bulk_delete_share, self.settings.bulk_delete_min)
+        return await self._in_store("delete_matching", collection, query_filter, guard)
 
 
 def _bm25(texts: list[str]) -> list[tuple[list[int], list[float]]]:

@@ -263,7 +263,9 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
                 if violations.check(bool(doc_id), f"ids[{i}]", "must not be empty"):
                     violations.max_length(doc_id.encode(), f"ids[{i}]", MAX_ID_BYTES)
         violations.raise_if_any()
-        deleted = await self.engine.delete(request.collection, list(request.ids), query_filter)
+        deleted = await self.engine.delete(
+            request.collection, list(request.ids), query_filter, allow_bulk=request.allow_bulk
+        )
         return retrieval_pb2.DeleteResponse(deleted=deleted, timing=_timing(started))
 
 

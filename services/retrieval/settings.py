@@ -26,3 +26,12 @@ class RetrievalSettings(ServiceOptions):
     # can promote a document that one retriever ranks low.
     prefetch_factor: int = Field(default=4, ge=1)
     embed_batch: int = Field(default=32, ge=1, le=32)
+    bulk_delete_share: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="a Delete by filter matching more of a collection than this needs allow_bulk",
+    )
+    bulk_delete_min: int = Field(
+        default=100, ge=0, description="deletes of up to this many documents are never held"
+    )

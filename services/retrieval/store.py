@@ -21,7 +21,7 @@ from typing import Any
 
 from qdrant_client import QdrantClient, models
 
-from mesh.failures import AlreadyExists, NotFound
+from mesh.failures import AlreadyExists, Conflict, NotFound
 from services.retrieval.settings import RetrievalSettings
 
 log = logging.getLogger(__name__)
@@ -205,13 +205,33 @@ class Store:
             )
         return len(existing)
 
-    def delete_matching(self, collection: str, query_filter: models.Filter) -> int:
+    def delete_matching(
+        self, collection: str, query_filter: models.Filter, guard: BulkGuard | None = None
+    ) -> int:
+        """Deletes what the filter matches; with a `guard`, refuses (Conflict) a filter
+        that matches more of the collection than it allows."""
         count = self.client.count(collection, count_filter=query_filter, exact=True).count
+        if guard is not None and count > guard.min_documents:
+            total = self.client.count(collection, exact=True).count
+            if count > guard.share * total:
+                raise Conflict(
+                    f"the filter matches {count} of the {total} documents of {collection!r}, "
+                    f"more than {guard.share:.0%}; set allow_bulk to delete them all",
+                    reason="BULK_DELETE",
+                )
         if count:
             self.client.delete(
                 collection, points_selector=models.FilterSelector(filter=query_filter), wait=True
             )
         return count
+
+
+@dataclass(frozen=True)
+class BulkGuard:
+    """How much of a collection one Delete by filter may remove without allow_bulk."""
+
+    share: float
+    min_documents: int
 
 
 def open_store(settings: RetrievalSettings, cache_dir: Path) -> Store:

@@ -331,3 +331,10 @@ def test_qdrant_runs_as_a_cluster(overlay):
     assert '--uri "$self"' in script
     (claim,) = qdrant["spec"]["volumeClaimTemplates"]
     assert any(m["name"] == claim["metadata"]["name"] for m in container["volumeMounts"])
+
+
+def test_the_production_config_turns_reflection_off():
+    """Reflection would hand every caller the whole API (docs/deploy.md: grpcurl with the
+    protos instead); the config the pods mount says so, and the settings read it."""
+    assert config_toml()["reflection"] is False
+    assert MeshSettings.model_validate(config_toml()).reflection is False

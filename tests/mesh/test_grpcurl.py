@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from tests.conftest import VENV_BIN
+from mesh.config import MeshSettings
+from tests.conftest import ROOT, VENV_BIN
+from tests.harness import InProcess
 
 pytestmark = pytest.mark.service
 
@@ -74,3 +76,19 @@ async def test_describe_shows_http_annotations(serve_process):
     code, output = await grpcurl(child.target, "describe", "aimesh.echo.v1.EchoService")
     assert code == 0, output
     assert 'post:"/v1/echo"' in output.replace(" ", "")
+
+
+async def test_without_reflection_grpcurl_needs_the_protos(tmp_path):
+    """`reflection = false` (the Kubernetes config): listing fails, a call with the
+    protos named still works."""
+    async with InProcess() as services:
+        served = await services.start("echo", MeshSettings(reflection=False))
+        code, output = await grpcurl(served.target, "list")
+        assert code != 0 and "reflection" in output.lower(), output
+        code, output = await grpcurl(
+            "-import-path", str(ROOT / "protos"),
+            "-import-path", str(ROOT / "third_party" / "googleapis"),
+            "-proto", "aimesh/echo/v1/echo.proto",
+            "-d", '{"payload": "aGk="}', served.target, "aimesh.echo.v1.EchoService/Echo",
+        )  # fmt: skip
+        assert code == 0 and json.loads(output)["payload"] == "aGk=", output

@@ -82,7 +82,7 @@ async def test_a_cancel_as_the_job_is_admitted_stops_it_and_frees_the_slot(diffu
     stream = diffusion.servicer.Generate(SHORT, None)
     first = await anext(stream)
     assert first.queued.position == 0
-    assert queue.cancel(first.queued.job_id) is True
+    assert queue.cancel(first.queued.job_id, "") is True
     with pytest.raises(Cancelled):
         await anext(stream)
     await eventually(lambda: held(queue) == idle)
@@ -100,7 +100,7 @@ async def test_a_cancel_after_the_last_unit_says_it_stopped_nothing(diffusion):
     events: list[diffusion_pb2.GenerateResponse] = []
     await asyncio.to_thread(run_job, job, events.append, preview_every=0, throttle=Throttle(0, 0))
     assert len(of_kind(events, "image")) == 1
-    assert queue.cancel(job.id) is False
+    assert queue.cancel(job.id, "") is False
     queue.release(job)
     assert held(queue) == (0, 0, 0)
 

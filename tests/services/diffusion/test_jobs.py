@@ -11,7 +11,7 @@ import pytest
 import pytest_asyncio
 
 from aimesh.diffusion.v1 import diffusion_pb2
-from mesh import errors
+from mesh import caller, errors
 from tests.conftest import eventually, metric
 from tests.services.diffusion.conftest import events, of_kind
 
@@ -183,4 +183,27 @@ async def test_a_long_tiled_image_stops_between_tiles(diffusion):
     await eventually(lambda: queue.running == 0, timeout_s=10)
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await events(call)
+    assert caught.value.code() == grpc.StatusCode.CANCELLED
+
+
+async def test_only_the_client_a_job_is_for_may_cancel_it(diffusion):
+    """The edge sets x-aimesh-client to the key's tenant: another tenant that learns a
+    job id (it travels in events and logs) cannot stop the job."""
+
+    def as_(tenant: str) -> tuple[tuple[str, str], ...]:
+        return ((caller.METADATA_KEY, tenant),)
+
+    job = diffusion.stub.Generate(Request(**{**_fields(LONG), "num_images": 4}), metadata=as_("a"))
+    queued = await until(job, "queued")
+    await until(job, "progress")
+    job_id = queued.queued.job_id
+    stub = diffusion.stub
+    other = await stub.Cancel(diffusion_pb2.CancelRequest(job_id=job_id), metadata=as_("b"))
+    unnamed = await stub.Cancel(diffusion_pb2.CancelRequest(job_id=job_id))
+    assert not other.cancelled and not unnamed.cancelled
+    await until(job, "progress")  # still running
+    owner = await stub.Cancel(diffusion_pb2.CancelRequest(job_id=job_id), metadata=as_("a"))
+    assert owner.cancelled
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await events(job)
     assert caught.value.code() == grpc.StatusCode.CANCELLED

@@ -486,3 +486,34 @@ async def test_a_stream_whose_ids_would_not_fit_its_response_is_cut_before_writi
             retrieval_pb2.SearchRequest(collection="ids", query="t", top_k=100)
         )
         assert len(found.hits) == 100  # the first two messages' 128 documents stay
+
+
+async def test_a_delete_matching_most_of_a_collection_needs_allow_bulk(fake_embedder, tmp_path):
+    """One must_not on a key no document has matches every document: refused (with how
+    many it matched) unless the caller says allow_bulk; a narrow filter goes through."""
+    settings = retrieval_settings(
+        fake_embedder, path=str(tmp_path), bulk_delete_share=0.5, bulk_delete_min=1
+    )
+    async with InProcess() as services:
+        served = await services.start("retrieval", settings)
+        stub = retrieval_pb2_grpc.RetrievalServiceStub(services.channel(served.target))
+        await stub.CreateCollection(retrieval_pb2.CreateCollectionRequest(collection="kb"))
+        documents = [
+            _doc(id=f"d{i}", text=f"t{i}", payload=_struct(m=f"m{i % 4}")) for i in range(8)
+        ]
+        await stub.Upsert(_stream(documents, "kb"))
+        everything = retrieval_pb2.Filter(
+            must_not=[retrieval_pb2.Condition(key="missing", keyword="x")]
+        )
+        error = await _refusal(
+            stub.Delete(retrieval_pb2.DeleteRequest(collection="kb", filter=everything))
+        )
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error_info(error).reason == "BULK_DELETE" and "8 of the 8" in error.details()
+        narrow = retrieval_pb2.Filter(must=[retrieval_pb2.Condition(key="m", keyword="m1")])
+        removed = await stub.Delete(retrieval_pb2.DeleteRequest(collection="kb", filter=narrow))
+        assert removed.deleted == 2
+        removed = await stub.Delete(
+            retrieval_pb2.DeleteRequest(collection="kb", filter=everything, allow_bulk=True)
+        )
+        assert removed.deleted == 6

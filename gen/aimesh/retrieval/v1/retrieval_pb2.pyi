@@ -195,16 +195,18 @@ class Range(_message.Message):
     def __init__(self, gt: _Optional[float] = ..., gte: _Optional[float] = ..., lt: _Optional[float] = ..., lte: _Optional[float] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
-    __slots__ = ("request_id", "collection", "ids", "filter")
+    __slots__ = ("request_id", "collection", "ids", "filter", "allow_bulk")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     COLLECTION_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     FILTER_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_BULK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     collection: str
     ids: _containers.RepeatedScalarFieldContainer[str]
     filter: Filter
-    def __init__(self, request_id: _Optional[str] = ..., collection: _Optional[str] = ..., ids: _Optional[_Iterable[str]] = ..., filter: _Optional[_Union[Filter, _Mapping]] = ...) -> None: ...
+    allow_bulk: bool
+    def __init__(self, request_id: _Optional[str] = ..., collection: _Optional[str] = ..., ids: _Optional[_Iterable[str]] = ..., filter: _Optional[_Union[Filter, _Mapping]] = ..., allow_bulk: _Optional[bool] = ...) -> None: ...
 
 class DeleteResponse(_message.Message):
     __slots__ = ("deleted", "timing")
