@@ -28,6 +28,7 @@ from services.retrieval.calls import StoreCalls
 from services.retrieval.fusion import Hit, reciprocal_rank_fusion
 from services.retrieval.settings import RetrievalSettings
 from services.retrieval.store import BulkGuard, Found, Incoming, Store
+from services.retrieval.tenancy import owned
 
 Mode = Literal["dense", "sparse", "hybrid"]
 # One call to the embedder: at most `embed_batch` texts in, their vectors out, in order.
@@ -160,6 +161,14 @@ class KnowledgeBase:
             write_s += time.perf_counter() - write_started
             upserted += len(changed)
         return Upserted(received, upserted, unchanged, ids, embed_s, write_s)
+
+    async def readable(self, collection: str, tenant: str) -> str:
+        """The collection a search by `tenant` reads: its own of that name, else the
+        shared one (services/retrieval/tenancy.py)."""
+        own = owned(collection, tenant)
+        if own != collection and await self._in_store("exists", own):
+            return own
+        return collection
 
     async def search(self, query: Query) -> Searched:
         info = await self._in_store("info", query.collection)

@@ -22,7 +22,7 @@ import grpc
 from aimesh.common.v1 import common_pb2
 from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc, retrieval_pb2, retrieval_pb2_grpc
-from mesh import request_id
+from mesh import caller, request_id
 from mesh.failures import FieldViolation, InvalidInput
 from mesh.health import wait_until_serving
 from mesh.server import MeshServer
@@ -40,6 +40,7 @@ from services.retrieval.engine import (
 )
 from services.retrieval.settings import RetrievalSettings
 from services.retrieval.store import RESERVED_PREFIX, Incoming, open_store
+from services.retrieval.tenancy import owned
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,10 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
         violations.check(request.distance in DISTANCES, "distance", "is not a known distance")
         violations.raise_if_any()
         created = await self.engine.create(
-            request.collection, DISTANCES[request.distance], request.sparse_enabled, request.on_disk
+            owned(request.collection, caller.current()),
+            DISTANCES[request.distance],
+            request.sparse_enabled,
+            request.on_disk,
         )
         return retrieval_pb2.CreateCollectionResponse(
             created=created, vector_size=dimensions, timing=_timing(started)
@@ -169,6 +173,7 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
         _check_collection(first.collection, violations, "upsert[0].collection")
         violations.raise_if_any()
         collection = first.collection
+        stored_as = owned(collection, caller.current())
 
         async def batches() -> AsyncIterator[list[Incoming]]:
             """Each message's documents, validated; refuses one whose ids would not fit in
@@ -189,7 +194,7 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
                 yield documents
                 index, message = index + 1, await anext(messages, None)
 
-        done = await self.engine.upsert(collection, batches())
+        done = await self.engine.upsert(stored_as, batches())
         return retrieval_pb2.UpsertResponse(
             received=done.received,
             upserted=done.upserted,
@@ -220,7 +225,7 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
         violations.raise_if_any()
         found = await self.engine.search(
             Query(
-                collection=request.collection,
+                collection=await self.engine.readable(request.collection, caller.current()),
                 text=request.query,
                 top_k=request.top_k if request.HasField("top_k") else DEFAULT_TOP_K,
                 mode=MODES[request.mode],
@@ -264,7 +269,10 @@ class RetrievalServicer(retrieval_pb2_grpc.RetrievalServiceServicer):
                     violations.max_length(doc_id.encode(), f"ids[{i}]", MAX_ID_BYTES)
         violations.raise_if_any()
         deleted = await self.engine.delete(
-            request.collection, list(request.ids), query_filter, allow_bulk=request.allow_bulk
+            owned(request.collection, caller.current()),
+            list(request.ids),
+            query_filter,
+            allow_bulk=request.allow_bulk,
         )
         return retrieval_pb2.DeleteResponse(deleted=deleted, timing=_timing(started))
 

@@ -90,6 +90,9 @@ class Store:
         self.client = client
         self.local = local
 
+    def exists(self, collection: str) -> bool:
+        return self.client.collection_exists(collection)
+
     def info(self, collection: str) -> CollectionInfo:
         if not self.client.collection_exists(collection):
             raise NotFound(

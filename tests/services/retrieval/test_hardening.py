@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from qdrant_client.http.exceptions import ResponseHandlingException, UnexpectedResponse
 
 from aimesh.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
-from mesh import deadline
+from mesh import caller, deadline
 from mesh.breaker import State
 from mesh.client import create_channel
 from mesh.config import BreakerSettings, MeshSettings, TransportSettings
@@ -517,3 +517,58 @@ async def test_a_delete_matching_most_of_a_collection_needs_allow_bulk(fake_embe
             retrieval_pb2.DeleteRequest(collection="kb", filter=everything, allow_bulk=True)
         )
         assert removed.deleted == 6
+
+
+async def test_each_tenant_writes_its_own_collections_and_reads_the_shared_ones(
+    fake_embedder, tmp_path
+):
+    """x-aimesh-client is the edge key's tenant. A tenant's collection is invisible to
+    another tenant; the shared knowledge base (made with no client, as `aimesh ingest`
+    does) is searchable by every tenant and writable by none of them."""
+    settings = retrieval_settings(fake_embedder, path=str(tmp_path))
+
+    def as_(tenant: str) -> tuple[tuple[str, str], ...]:
+        return ((caller.METADATA_KEY, tenant),) if tenant else ()
+
+    async with InProcess() as services:
+        served = await services.start("retrieval", settings)
+        stub = retrieval_pb2_grpc.RetrievalServiceStub(services.channel(served.target))
+
+        async def create(name: str, tenant: str) -> None:
+            request = retrieval_pb2.CreateCollectionRequest(collection=name)
+            await stub.CreateCollection(request, metadata=as_(tenant))
+
+        async def upsert(name: str, tenant: str, doc_id: str) -> None:
+            documents = _stream([_doc(id=doc_id, text=f"about {doc_id}")], name)
+            await stub.Upsert(documents, metadata=as_(tenant))
+
+        async def hits(name: str, tenant: str) -> set[str]:
+            request = retrieval_pb2.SearchRequest(collection=name, query="about", top_k=10)
+            found = await stub.Search(request, metadata=as_(tenant))
+            return {hit.id for hit in found.hits}
+
+        await create("shared", "")
+        await upsert("shared", "", "public.doc")
+        await create("notes", "acme")
+        await upsert("notes", "acme", "acme.secret")
+        assert await hits("notes", "acme") == {"acme.secret"}
+        missing = await _refusal(hits("notes", "globex"))
+        assert missing.code() == grpc.StatusCode.NOT_FOUND
+        await create("notes", "globex")  # its own, beside acme's
+        await upsert("notes", "globex", "globex.doc")
+        assert await hits("notes", "globex") == {"globex.doc"}
+        assert await hits("notes", "acme") == {"acme.secret"}
+        # The shared collection: every tenant reads it; a write goes to the tenant's own
+        # namespace, where it has none.
+        assert await hits("shared", "acme") == {"public.doc"}
+        refused = await _refusal(upsert("shared", "acme", "defaced"))
+        assert refused.code() == grpc.StatusCode.NOT_FOUND
+        delete = retrieval_pb2.DeleteRequest(collection="shared", ids=["public.doc"])
+        refused = await _refusal(stub.Delete(delete, metadata=as_("acme")))
+        assert refused.code() == grpc.StatusCode.NOT_FOUND
+        assert await hits("shared", "") == {"public.doc"}
+        # A tenant's own collection of a shared name is what its searches read.
+        await create("shared", "acme")
+        await upsert("shared", "acme", "acme.own")
+        assert await hits("shared", "acme") == {"acme.own"}
+        assert await hits("shared", "globex") == {"public.doc"}
