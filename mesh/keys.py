@@ -50,10 +50,12 @@ class KeyEntry(BaseModel):
 
 @dataclass(frozen=True)
 class Principal:
-    """Who a request is for: the tenant its key belongs to and what it may do."""
+    """Who a request is for: the tenant its key belongs to, what it may do, and how often
+    (`[tenants.<tenant>] requests_per_minute` of the file; None: no limit)."""
 
     tenant: str
     scopes: frozenset[str]
+    requests_per_minute: int | None = None
 
 
 def digest(key: str) -> str:
@@ -120,9 +122,18 @@ class KeyFile(BaseModel):
     tenants: dict[str, Any] = Field(default_factory=dict)
 
 
+def _rate(tenant: Any) -> int | None:
+    """A tenant's requests_per_minute, if its table sets a positive integer."""
+    value = tenant.get("requests_per_minute") if isinstance(tenant, dict) else None
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def _principals(data: Any) -> dict[str, Principal]:
     parsed = KeyFile.model_validate(data)
-    return {e.sha256: Principal(e.tenant, frozenset(e.scopes)) for e in parsed.keys}
+    return {
+        e.sha256: Principal(e.tenant, frozenset(e.scopes), _rate(parsed.tenants.get(e.tenant)))
+        for e in parsed.keys
+    }
 
 
 class KeyStore(Generic[P]):

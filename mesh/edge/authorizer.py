@@ -9,7 +9,8 @@ ServiceSpec.scopes) must be among the key's, and the answer tells Envoy which te
 request is for (`x-aimesh-client`, which every hop carries on and services scope their
 data by) and which scopes it holds (`x-aimesh-scopes`), and to drop the key before going
 upstream. No key or an unknown one: 401 (UNAUTHENTICATED to a gRPC client); a key without
-the scope: 403 (PERMISSION_DENIED). Keys given in clear text (`edge.api_keys`, for a
+the scope: 403 (PERMISSION_DENIED); a tenant past the requests_per_minute its file's
+`[tenants.<tenant>]` table sets: 429 (RESOURCE_EXHAUSTED) with retry-after. Keys given in clear text (`edge.api_keys`, for a
 machine of one's own) stand for tenants `key-1`, `key-2`, ... with every scope.
 
 Envoy sends the original method and path (the gRPC method's, the JSON route already
@@ -22,9 +23,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
-from collections.abc import Iterable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
+import grpc
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -77,6 +81,30 @@ class Keys:
         return found
 
 
+class TenantRates:
+    """A token bucket per tenant with a requests_per_minute (its whole minute is the
+    burst, refilled continuously), as the gateway meters its own routes: one edge process's
+    share, like Envoy's local rate limit. Tenants come from the key file: bounded."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, when)
+
+    def wait_s(self, principal: Principal) -> float:
+        """0 and one request taken, or how long until the tenant may send the next."""
+        rate = principal.requests_per_minute
+        if rate is None:
+            return 0.0
+        now = self.clock()
+        tokens, then = self._buckets.get(principal.tenant, (float(rate), now))
+        tokens = min(float(rate), tokens + (now - then) * rate / 60)
+        if tokens < 1:
+            self._buckets[principal.tenant] = (tokens, now)
+            return (1 - tokens) * 60 / rate
+        self._buckets[principal.tenant] = (tokens - 1, now)
+        return 0.0
+
+
 def presented_key(headers: Mapping[str, str]) -> str | None:
     scheme, _, bearer = headers.get("authorization", "").partition(" ")
     if scheme.lower() == "bearer" and bearer.strip():
@@ -97,7 +125,9 @@ def _refusal(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-def build_app(keys: Keys, scopes: Mapping[str, str]) -> Starlette:
+def build_app(keys: Keys, scopes: Mapping[str, str], rates: TenantRates | None = None) -> Starlette:
+    metered = rates or TenantRates()
+
     async def check(request: Request) -> Response:
         path = request.url.path.removeprefix(PATH_PREFIX) or "/"
         principal = keys.lookup(presented_key(request.headers))
@@ -107,6 +137,16 @@ def build_app(keys: Keys, scopes: Mapping[str, str]) -> Starlette:
         if needed is not None and needed not in principal.scopes:
             reason = f"the {needed!r} scope" if needed else "a scope no key has"
             return _refusal(403, f"this key may not call {path}: it needs {reason}")
+        wait_s = metered.wait_s(principal)
+        if wait_s > 0:
+            message = f"tenant {principal.tenant!r} is past its requests_per_minute"
+            refused = _refusal(429, message)
+            refused.headers["retry-after"] = str(math.ceil(wait_s))
+            # Envoy would say UNAVAILABLE to a gRPC client for a 429, which clients and
+            # breakers read as a sick server; this is the caller's backpressure.
+            refused.headers["grpc-status"] = str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
+            refused.headers["grpc-message"] = message
+            return refused
         return Response(
             status_code=200,
             headers={

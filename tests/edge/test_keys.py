@@ -129,3 +129,23 @@ async def test_a_key_added_to_the_file_works_and_a_removed_one_stops_without_a_r
             assert await code_of(call) == grpc.StatusCode.UNAUTHENTICATED
     finally:
         write_keys(edge.keys, GATEWAY_KEYS, TENANT_LIMITS)
+
+
+async def test_a_tenant_past_its_requests_per_minute_is_held_back_at_the_edge(edge: Edge):
+    """sk-tiny's tenant may send one request a minute (the same [tenants.tiny] limit the
+    gateway applies): the next gRPC call is RESOURCE_EXHAUSTED, backpressure rather than a
+    sick server, and JSON gets 429 with retry-after."""
+    request = embedder_pb2.EmbedRequest(inputs=["hi"])
+    async with grpc.aio.insecure_channel(edge.target) as channel:
+        embedder = embedder_pb2_grpc.EmbedderServiceStub(channel)
+        first = embedder.Embed(request, metadata=auth("sk-tiny"), timeout=30)
+        second = embedder.Embed(request, metadata=auth("sk-tiny"), timeout=30)
+        assert await code_of(first) == grpc.StatusCode.OK
+        assert await code_of(second) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        other = embedder.Embed(request, metadata=auth("sk-reader"), timeout=30)
+        assert await code_of(other) == grpc.StatusCode.OK
+    async with httpx.AsyncClient(base_url=edge.url, timeout=60) as client:
+        held = await client.post(
+            "/v1/embed", headers={"authorization": "Bearer sk-tiny"}, json={"inputs": ["x"]}
+        )
+    assert held.status_code == 429 and int(held.headers["retry-after"]) > 0

@@ -14,6 +14,7 @@ from mesh.edge.authorizer import (
     PATH_PREFIX,
     SCOPES_HEADER,
     Keys,
+    TenantRates,
     build_app,
     method_scopes,
     needed_scope,
@@ -68,3 +69,28 @@ async def test_keys_from_the_file_and_the_settings_answer_with_tenant_and_scopes
     assert (await ask(app, "/v1/models", authorization="Bearer sk-write")).status_code == 200
     internal = await ask(app, "/aimesh.llm.v1.KvCacheService/Pull", authorization="Bearer plain")
     assert internal.status_code == 403
+
+
+async def test_a_tenant_past_its_requests_per_minute_waits(tmp_path):
+    """The rate the shared key file gives the tenant ([tenants.t] requests_per_minute, as
+    the gateway meters it): its minute is the burst, then 429 with retry-after."""
+    keys_file = tmp_path / "keys.json"
+    write_keys(
+        keys_file,
+        {"k": ("t", ["read"]), "u": ("free", ["read"])},
+        {"t": {"requests_per_minute": 2}},
+    )
+    settings = MeshSettings()
+    settings.edge.api_keys_file = keys_file
+    now = [1000.0]
+    app = build_app(
+        Keys(settings), method_scopes(discover().values()), TenantRates(clock=lambda: now[0])
+    )
+    codes = [(await ask(app, SEARCH, authorization="Bearer k")).status_code for _ in range(2)]
+    assert codes == [200, 200]
+    refused = await ask(app, SEARCH, authorization="Bearer k")
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "30"
+    assert (await ask(app, SEARCH, authorization="Bearer u")).status_code == 200  # unmetered
+    now[0] += 30
+    assert (await ask(app, SEARCH, authorization="Bearer k")).status_code == 200
+    assert (await ask(app, SEARCH, authorization="Bearer k")).status_code == 429
