@@ -10,8 +10,9 @@ request is for (`x-aimesh-client`, which every hop carries on and services scope
 data by) and which scopes it holds (`x-aimesh-scopes`), and to drop the key before going
 upstream. No key or an unknown one: 401 (UNAUTHENTICATED to a gRPC client); a key without
 the scope: 403 (PERMISSION_DENIED); a tenant past the requests_per_minute its file's
-`[tenants.<tenant>]` table sets: 429 (RESOURCE_EXHAUSTED) with retry-after. Keys given in clear text (`edge.api_keys`, for a
-machine of one's own) stand for tenants `key-1`, `key-2`, ... with every scope.
+`[tenants.<tenant>]` table sets: 429 (RESOURCE_EXHAUSTED) with retry-after. Keys given in
+clear text (`edge.api_keys`, for a machine of one's own) stand for tenants `key-1`,
+`key-2`, ... with every scope.
 
 Envoy sends the original method and path (the gRPC method's, the JSON route already
 transcoded) under /check and only the headers it is told to; this server reads nothing
