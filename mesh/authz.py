@@ -30,8 +30,8 @@ if TYPE_CHECKING:  # not at run time: service specs import this module and load 
 IDENTITY_PREFIX = "spiffe://aimesh/"
 # Envoy at the edge; the only caller of a service's edge_services besides the operator.
 EDGE = "edge"
-# The operator's command-line tools (`aimesh up --tls` makes its certificate): what the
-# edge may call, and writes the edge refuses keys without the write scope.
+# The operator's command-line tools (`aimesh up --tls` makes its certificate): they reach
+# what the edge exposes, writes included (which the edge grants only to write-scoped keys).
 OPERATOR = "aimesh-cli"
 # Every identity of the CA (a diagnostic service such as echo).
 ANYONE = "*"
