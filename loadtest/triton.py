@@ -21,6 +21,7 @@ import asyncio
 import importlib.metadata
 import os
 import platform
+import secrets
 import sys
 import tempfile
 from asyncio.subprocess import Process
@@ -40,7 +41,7 @@ from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
 from loadtest.edge import SENTENCE, Sample, free_port, measure
 from loadtest.embed import corpus, embedder_env
 from loadtest.mesh_overhead import write
-from loadtest.triton_server import TritonServer, prepare_repository, triton_venv
+from loadtest.triton_server import ADMIN_HEADER, TritonServer, prepare_repository, triton_venv
 from mesh.config import MeshSettings
 from mesh.health import wait_until_serving
 
@@ -48,6 +49,9 @@ BEGIN, END = "<!-- triton:begin -->", "<!-- triton:end -->"
 BACKENDS = ("onnx", "torch", "triton")  # the first is the ratios' reference
 REFERENCE = BACKENDS[0]
 MODEL = "sentence_embedding"
+# The benchmark's own server reads its statistics and model config, admin protocols.
+ADMIN_KEY = secrets.token_hex(16)
+ADMIN = {ADMIN_HEADER: ADMIN_KEY}
 BATCH = 32
 CALL_TIMEOUT_S = 60
 EmbedCall = Callable[[list[str]], Awaitable[np.ndarray]]
@@ -118,7 +122,7 @@ async def triton_server(work: Path) -> AsyncIterator[TritonServer]:
     for nothing), its artifact linked in as a deployment places it."""
     venv = await asyncio.to_thread(triton_venv)
     await asyncio.to_thread(prepare_repository, work / "models", MeshSettings().cache_dir, [MODEL])
-    server = TritonServer(venv, work / "models", work, free_port())
+    server = TritonServer(venv, work / "models", work, free_port(), admin_key=ADMIN_KEY)
     server.start()
     try:
         await server.wait_ready(MODEL)
@@ -205,7 +209,7 @@ async def _statistics(client: triton_aio.InferenceServerClient) -> tuple[int, in
     """The model's cumulative passes, queue and compute nanoseconds. Compute comes from
     the per-execution statistics: the per-request ones charge every request of a dynamic
     batch the whole execution, counting it once per request."""
-    (model,) = (await client.get_inference_statistics(MODEL)).model_stats
+    (model,) = (await client.get_inference_statistics(MODEL, headers=ADMIN)).model_stats
     compute = sum(
         batch.compute_input.ns + batch.compute_infer.ns + batch.compute_output.ns
         for batch in model.batch_stats
@@ -278,7 +282,7 @@ async def versions(
     and how Triton runs the model, as its repository configures it."""
     site = triton.env["PYTHONPATH"]
     (triton_onnxruntime,) = importlib.metadata.distributions(name="onnxruntime", path=[site])
-    config = (await client.get_model_config(MODEL)).config
+    config = (await client.get_model_config(MODEL, headers=ADMIN)).config
     instances = sum(group.count for group in config.instance_group)
     delay_ms = config.dynamic_batching.max_queue_delay_microseconds / 1000
     return {

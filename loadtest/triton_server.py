@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -79,8 +80,19 @@ def prepare_repository(out: Path, cache_dir: Path, models: Sequence[str] | None 
     return out
 
 
+# Triton's admin protocols (load and unload models, read configs and statistics, register
+# shared memory, change tracing and logging): none of them is what the mesh calls (health,
+# metadata, inference), so they answer only a request with ADMIN_HEADER set to the
+# server's own random key. k8s/components/triton/triton.yaml restricts the same ones.
+ADMIN_PROTOCOLS = "model-repository,model-config,shared-memory,statistics,trace,logging"
+ADMIN_KEY_NAME = "admin-key"
+# Triton's gRPC endpoint expects the key under this prefixed name (its HTTP one as it is).
+ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_KEY_NAME}"
+
+
 class TritonServer:
-    """tritonserver on a fixed port, stoppable and restartable on that same port."""
+    """tritonserver on a fixed port, stoppable and restartable on that same port, its
+    admin protocols behind `admin_key`."""
 
     def __init__(
         self,
@@ -90,6 +102,7 @@ class TritonServer:
         port: int,
         *,
         otlp_traces_url: str | None = None,
+        admin_key: str | None = None,
     ) -> None:
         site = next((venv / "lib").glob("python3*/site-packages"))
         bundled = site / "pytriton" / "tritonserver"
@@ -125,6 +138,7 @@ class TritonServer:
             else []
         )
         self.process: subprocess.Popen | None = None
+        self.admin_key = admin_key or secrets.token_hex(16)
 
     @property
     def url(self) -> str:
@@ -142,6 +156,7 @@ class TritonServer:
                 "--allow-metrics=false",
                 "--log-info=true",
                 "--exit-timeout-secs=5",
+                f"--grpc-restricted-protocol={ADMIN_PROTOCOLS}:{ADMIN_KEY_NAME}={self.admin_key}",
                 *self.tracing,
             ],
             env=self.env,

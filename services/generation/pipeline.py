@@ -22,7 +22,7 @@ from aimesh.llm.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_
 from mesh.client import ChannelPool
 from mesh.validation import Violations
 from services.generation.workers import DecodePicker, PrefillPicker
-from services.llm.kv_transfer import KvReleaser
+from services.llm.kv_transfer import KvReleaser, new_handle_id
 from services.llm.requests import Stopping
 
 PREFILL = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"]
@@ -75,14 +75,22 @@ class Pipeline:
     ) -> AsyncIterator[list[int]]:
         prefill_target = self.prefill.pick(prompt_ids)
         outcome.prefill_worker = prefill_target
-        # Cancelled while prefill's answer is on its way, this call never learns the
-        # handle; prefill drops the KV of a call cancelled before it answered.
+        # Prefill makes the handle's id: cancelled while the answer is on its way, this
+        # call never learns it, so it frees the KV by a token of its own (prefill drops a
+        # KV released before it exists).
+        release_token = new_handle_id()
         try:
             stub = prefill_pb2_grpc.PrefillServiceStub(self.channels.get(prefill_target, PREFILL))
             request = prefill_pb2.PrefillRequest(
-                request_id=request_id, token_ids=prompt_ids, sampling=sampling
+                request_id=request_id,
+                token_ids=prompt_ids,
+                sampling=sampling,
+                release_token=release_token,
             )
             prefill = await stub.Prefill(request)
+        except BaseException:
+            self.releaser.release_later(prefill_target, release_token=release_token)
+            raise
         finally:
             self.prefill.done(prefill_target)
         outcome.stages["queue"] = _stage_seconds(prefill.timing, "queue")

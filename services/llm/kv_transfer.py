@@ -74,13 +74,14 @@ class KvReleaser:
         self.channels = channels
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def release_later(self, address: str, handle_id: str) -> None:
+    def release_later(self, address: str, handle_id: str = "", release_token: str = "") -> None:
+        """Frees a KV by its handle's id, or by the release token its Prefill carried."""
+        request = kv_cache_pb2.ReleaseRequest(handle_id=handle_id, release_token=release_token)
+
         async def release() -> None:
             stub = kv_cache_pb2_grpc.KvCacheServiceStub(self.channels.get(address, KV_CACHE))
             with contextlib.suppress(grpc.aio.AioRpcError):
-                await stub.Release(
-                    kv_cache_pb2.ReleaseRequest(handle_id=handle_id), timeout=RELEASE_TIMEOUT_S
-                )
+                await stub.Release(request, timeout=RELEASE_TIMEOUT_S)
 
         task = asyncio.create_task(release())
         self._tasks.add(task)

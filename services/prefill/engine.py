@@ -7,13 +7,16 @@ RESOURCE_EXHAUSTED rather than letting memory grow without bound.
 
 A handle's id is made here (128 random bits), never by a caller, and the KV is bound to
 the client its Prefill was for (`x-aimesh-client`, mesh/caller.py): a Pull or Release for
-another client finds nothing, as if the id were unknown.
+another client finds nothing, as if the id were unknown. A caller that must be able to
+free the KV before it learns the handle (its generation cancelled while the answer was on
+its way) sends a release token of its own choosing with the Prefill and releases by that.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -42,6 +45,18 @@ class Lease:
     expires_unix_ms: int
     traceparent: str = ""
     owner: str = ""
+    release_token: str = ""
+
+
+# How long a release by token for a KV not made yet is remembered: longer than any prefill
+# can take, so a KV made after its caller already gave up is dropped at once. Bounded in
+# number too (10,000 take about 1.5 MB); past the bound the oldest is forgotten, and that
+# KV, if it ever comes, lives out its lease.
+TOMBSTONE_S = 300.0
+MAX_TOMBSTONES = 10_000
+
+# (owner, release token): a token frees only its own client's KV.
+TokenKey = tuple[str, str]
 
 
 @dataclass
@@ -49,13 +64,24 @@ class KvStore:
     capacity_bytes: int
     clock: Callable[[], float] = time.monotonic
     _leases: dict[str, Lease] = field(default_factory=dict)
+    _by_token: dict[TokenKey, str] = field(default_factory=dict)
+    # Tokens released before their KV existed -> when they are forgotten (expiry order).
+    _tombstones: OrderedDict[TokenKey, float] = field(default_factory=OrderedDict)
     used_bytes: int = 0
 
     def __len__(self) -> int:
         return len(self._leases)
 
-    def put(self, kv: KvState, ttl_s: float, traceparent: str = "", owner: str = "") -> Lease:
-        """Leases `kv` to `owner` under a new id."""
+    def put(
+        self,
+        kv: KvState,
+        ttl_s: float,
+        traceparent: str = "",
+        owner: str = "",
+        release_token: str = "",
+    ) -> Lease:
+        """Leases `kv` to `owner` under a new id; not at all if `release_token` was
+        released already (its caller gave up before the KV was made)."""
         nbytes = kv_nbytes(kv)
         if self.used_bytes + nbytes > self.capacity_bytes:
             self.expire()
@@ -75,7 +101,12 @@ class KvStore:
             expires_unix_ms=int((time.time() + ttl_s) * 1000),
             traceparent=traceparent,
             owner=owner,
+            release_token=release_token,
         )
+        if release_token and self._tombstones.pop((owner, release_token), None) is not None:
+            return lease
+        if release_token:
+            self._by_token[owner, release_token] = lease.handle_id
         self._leases[lease.handle_id] = lease
         self.used_bytes += nbytes
         metrics.PREFILL_KV_LEASED_BYTES.set(self.used_bytes)
@@ -99,12 +130,27 @@ class KvStore:
         if lease is None or lease.owner != owner:
             return False
         del self._leases[handle_id]
+        self._by_token.pop((owner, lease.release_token), None)
         self.used_bytes -= lease.nbytes
         metrics.PREFILL_KV_LEASED_BYTES.set(self.used_bytes)
         return True
 
+    def release_by_token(self, release_token: str, owner: str = "") -> bool:
+        """Frees `owner`'s KV made with `release_token`; one not made yet is remembered
+        (bounded in time and number) and dropped when it is made."""
+        handle_id = self._by_token.get((owner, release_token))
+        if handle_id is not None:
+            return self.release(handle_id, owner)
+        self._tombstones[owner, release_token] = self.clock() + TOMBSTONE_S
+        self._tombstones.move_to_end((owner, release_token))
+        while len(self._tombstones) > MAX_TOMBSTONES:
+            self._tombstones.popitem(last=False)
+        return False
+
     def expire(self) -> int:
         now = self.clock()
+        while self._tombstones and next(iter(self._tombstones.values())) <= now:
+            self._tombstones.popitem(last=False)
         expired = [lease for lease in self._leases.values() if lease.expires_at <= now]
         for lease in expired:
             self.release(lease.handle_id, lease.owner)

@@ -34,10 +34,11 @@ PREFILL = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"]
 KV_CACHE = kv_cache_pb2.DESCRIPTOR.services_by_name["KvCacheService"]
 
 
-def check_handle_id(handle_id: str, violations: Violations) -> None:
+def check_handle_id(handle_id: str, violations: Violations, field: str = "handle_id") -> None:
     """Pull and Release take only ids this service could have issued, and say so rather
-    than NOT_FOUND for one it never could."""
-    violations.check(HANDLE_ID.fullmatch(handle_id) is not None, "handle_id", HANDLE_ID_RULE)
+    than NOT_FOUND for one it never could; a release token has the same form (a made-up
+    token of a megabyte would otherwise be remembered, as a tombstone, at that size)."""
+    violations.check(HANDLE_ID.fullmatch(handle_id) is not None, field, HANDLE_ID_RULE)
 
 
 class PrefillWorker(
@@ -73,6 +74,8 @@ class PrefillWorker(
             request.sampling, config.vocab_size, violations, end_token=end_token(config)
         )
         violations.check(request.lease_ttl_ms >= 0, "lease_ttl_ms", "must not be negative")
+        if request.release_token:
+            check_handle_id(request.release_token, violations, "release_token")
         violations.raise_if_any()
         ttl_s = min(request.lease_ttl_ms / 1000 or DEFAULT_LEASE_S, MAX_LEASE_S)
 
@@ -82,7 +85,9 @@ class PrefillWorker(
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
         owner = caller.current()
-        lease = self.store.put(result.kv, ttl_s, carrier.get("traceparent", ""), owner)
+        lease = self.store.put(
+            result.kv, ttl_s, carrier.get("traceparent", ""), owner, request.release_token
+        )
 
         # A caller that gave up before this answer reached it never learns the id: the KV
         # goes now instead of at the end of its lease. (An answer lost after it left, in
@@ -158,9 +163,23 @@ class PrefillWorker(
         self, request: kv_cache_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> kv_cache_pb2.ReleaseResponse:
         violations = Violations()
-        check_handle_id(request.handle_id, violations)
+        by_token = bool(request.release_token)
+        violations.check(
+            by_token != bool(request.handle_id),
+            "handle_id",
+            "exactly one of handle_id and release_token must be given",
+        )
+        if by_token:
+            check_handle_id(request.release_token, violations, "release_token")
+        elif request.handle_id:
+            check_handle_id(request.handle_id, violations)
         violations.raise_if_any()
-        released = self.store.release(request.handle_id, caller.current())
+        owner = caller.current()
+        released = (
+            self.store.release_by_token(request.release_token, owner)
+            if by_token
+            else self.store.release(request.handle_id, owner)
+        )
         return kv_cache_pb2.ReleaseResponse(released=released)
 
     async def reap_expired_leases(self) -> None:

@@ -22,6 +22,7 @@ from packaging.requirements import Requirement
 from pydantic import BaseModel
 from tritonclient.grpc import model_config_pb2
 
+from loadtest.triton_server import ADMIN_KEY_NAME, ADMIN_PROTOCOLS
 from loadtest.triton_server import REQUIREMENTS as TESTED_SERVER_REQUIREMENTS
 from mesh.config import MeshSettings, ServiceOptions
 from mesh.triton import TritonSettings
@@ -591,3 +592,15 @@ def test_the_documented_health_check_names_every_service_the_option_runs():
     names = re.findall(r"--only (\w+)", command)
     assert len(names) == len(set(names))
     assert set(names) == deployable() - NOT_DEPLOYED[OPTION]
+
+
+def test_tritons_admin_protocols_need_the_pods_own_key(rendered):
+    """The protocols the mesh never calls are restricted on both APIs to a header only
+    the pod's readers know; health, metadata and inference are not."""
+    _, container, options = triton(rendered[OPTION])
+    expected = f"{ADMIN_PROTOCOLS}:{ADMIN_KEY_NAME}=$(TRITON_ADMIN_KEY)"
+    assert options["grpc-restricted-protocol"] == expected
+    assert options["http-restricted-api"] == expected
+    assert not {"health", "metadata", "inference"} & set(ADMIN_PROTOCOLS.split(","))
+    key = env_of(container)["TRITON_ADMIN_KEY"]["valueFrom"]["fieldRef"]
+    assert key == {"fieldPath": "metadata.uid"}

@@ -6,7 +6,10 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
+from tritonclient.grpc import aio as triton_aio
+from tritonclient.utils import InferenceServerException
 
+from loadtest.triton_server import ADMIN_HEADER
 from mesh import deadline
 from mesh.failures import NotReady
 from mesh.triton import TritonModel, TritonSettings
@@ -16,8 +19,10 @@ pytestmark = pytest.mark.system
 IDS = np.array([[101, 7592, 2088, 102]], dtype=np.int64)
 INPUTS = {"input_ids": IDS, "attention_mask": np.ones_like(IDS)}
 
+MODEL = "sentence_embedding"
 
-def model(triton, name: str = "sentence_embedding") -> TritonModel:
+
+def model(triton, name: str = MODEL) -> TritonModel:
     return TritonModel(TritonSettings(url=triton.url, model=name))
 
 
@@ -59,3 +64,21 @@ async def test_a_request_triton_refuses_is_our_internal_error(triton):
             await embedding.infer({"ids": IDS}, ["sentence_embedding"])
     finally:
         await embedding.close()
+
+
+async def test_triton_admin_protocols_answer_only_its_admin_key(triton):
+    """Statistics, model configs, the repository (load/unload), shared memory, trace and log
+    settings: refused without the server's key, while health, metadata and inference, what
+    the mesh calls, stay open (the tests above)."""
+    admin = {ADMIN_HEADER: triton.admin_key}
+    async with triton_aio.InferenceServerClient(triton.url) as client:
+        calls = {
+            "statistics": lambda headers: client.get_inference_statistics(headers=headers),
+            "config": lambda headers: client.get_model_config(MODEL, headers=headers),
+            "repository": lambda headers: client.get_model_repository_index(headers=headers),
+        }
+        for name, call in calls.items():
+            with pytest.raises(InferenceServerException, match=r"restricted|header"):
+                await call(None)
+            assert await call(admin), name
+        assert await client.is_model_ready(MODEL)

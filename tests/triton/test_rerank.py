@@ -14,6 +14,7 @@ import pytest_asyncio
 import tritonclient.grpc.aio as triton_aio
 
 from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
+from loadtest.triton_server import ADMIN_HEADER
 from mesh.errors import error_info
 from mesh.health import probe, wait_until_serving
 from services.rerank.scorers import Scorer
@@ -116,9 +117,12 @@ async def test_scores_through_triton_equal_the_in_process_ones(rerank, in_proces
 
 
 async def passes_run(triton) -> int:
-    """How many requests Triton's token_embedding has executed since it started."""
+    """How many requests Triton's token_embedding has executed since it started (its
+    statistics answer the test server's admin key only)."""
     async with triton_aio.InferenceServerClient(triton.url) as client:
-        stats = await client.get_inference_statistics(MODEL, as_json=True)
+        stats = await client.get_inference_statistics(
+            MODEL, headers={ADMIN_HEADER: triton.admin_key}, as_json=True
+        )
     return int(stats["model_stats"][0]["execution_count"])
 
 

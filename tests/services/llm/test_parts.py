@@ -209,6 +209,25 @@ def test_kv_is_found_only_by_the_client_it_was_made_for():
     assert len(store) == 0 and store.used_bytes == 0
 
 
+def test_a_release_token_frees_its_clients_kv_even_before_it_is_made():
+    """The router's way out when cancelled while prefill's answer is on its way: it never
+    learns the handle, so it releases by the token it sent; a token released first keeps
+    the KV from being kept at all. Another client's release by the same token does
+    nothing to it."""
+    from services.llm.kv_transfer import new_handle_id
+    from services.prefill.engine import KvStore
+
+    store = KvStore(capacity_bytes=10**9)
+    early, late = new_handle_id(), new_handle_id()
+    assert store.release_by_token(early, "acme") is False
+    store.put(_kv(8), 30, owner="acme", release_token=early)
+    assert len(store) == 0 and store.used_bytes == 0
+    store.put(_kv(8), 30, owner="acme", release_token=late)
+    assert store.release_by_token(late, "intruder") is False and len(store) == 1
+    assert store.release_by_token(late, "acme") is True
+    assert len(store) == 0 and store.used_bytes == 0
+
+
 def test_a_local_model_directory_is_used_as_given_and_checked(tmp_path, model_dir):
     from mesh.failures import NotReady
 

@@ -26,7 +26,7 @@ from aimesh.common.v1 import common_pb2 as aimesh_dot_common_dot_v1_dot_common__
 from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61imesh/llm/v1/kv_cache.proto\x12\raimesh.llm.v1\x1a\x1d\x61imesh/common/v1/common.proto\x1a\x1fgoogle/api/field_behavior.proto\"\xe3\x01\n\x08KvHandle\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x1d\n\x15lease_expires_unix_ms\x18\x08 \x01(\x03\x12\x13\n\x0btraceparent\x18\t \x01(\t\x12\'\n\x06\x66ormat\x18\n \x01(\x0b\x32\x17.aimesh.llm.v1.KvFormat\"\x7f\n\x08KvFormat\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x02 \x01(\t\x12\x14\n\x0cmodel_sha256\x18\x03 \x01(\t\x12\x10\n\x08kv_types\x18\x04 \x01(\t\x12\x0e\n\x06layout\x18\x05 \x01(\t\x12\x13\n\x0bstate_bytes\x18\x06 \x01(\x03\"S\n\x0bPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\thandle_id\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\x05\"t\n\x0cPullResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.aimesh.llm.v1.KvChunkH\x00\x12/\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1b.aimesh.llm.v1.PullCompleteH\x00\x42\n\n\x08response\"\x90\x01\n\x07KvChunk\x12\x10\n\x08sequence\x18\x01 \x01(\x05\x12\r\n\x05layer\x18\x02 \x01(\x05\x12#\n\x04part\x18\x03 \x01(\x0e\x32\x15.aimesh.llm.v1.KvPart\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\x13\n\x0b\x62yte_offset\x18\x06 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\"a\n\x0cPullComplete\x12\x12\n\nnum_chunks\x18\x01 \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\")\n\x0eReleaseRequest\x12\x17\n\thandle_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08*X\n\x06KvPart\x12\x17\n\x13KV_PART_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKV_PART_KEY\x10\x01\x12\x11\n\rKV_PART_VALUE\x10\x02\x12\x11\n\rKV_PART_STATE\x10\x03\x32\xa7\x01\n\x0eKvCacheService\x12\x46\n\x04Pull\x12\x1a.aimesh.llm.v1.PullRequest\x1a\x1b.aimesh.llm.v1.PullResponse\"\x03\x90\x02\x01\x30\x01\x12M\n\x07Release\x12\x1d.aimesh.llm.v1.ReleaseRequest\x1a\x1e.aimesh.llm.v1.ReleaseResponse\"\x03\x90\x02\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61imesh/llm/v1/kv_cache.proto\x12\raimesh.llm.v1\x1a\x1d\x61imesh/common/v1/common.proto\x1a\x1fgoogle/api/field_behavior.proto\"\xe3\x01\n\x08KvHandle\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x1d\n\x15lease_expires_unix_ms\x18\x08 \x01(\x03\x12\x13\n\x0btraceparent\x18\t \x01(\t\x12\'\n\x06\x66ormat\x18\n \x01(\x0b\x32\x17.aimesh.llm.v1.KvFormat\"\x7f\n\x08KvFormat\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x02 \x01(\t\x12\x14\n\x0cmodel_sha256\x18\x03 \x01(\t\x12\x10\n\x08kv_types\x18\x04 \x01(\t\x12\x0e\n\x06layout\x18\x05 \x01(\t\x12\x13\n\x0bstate_bytes\x18\x06 \x01(\x03\"S\n\x0bPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\thandle_id\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x17\n\x0fmax_chunk_bytes\x18\x03 \x01(\x05\"t\n\x0cPullResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.aimesh.llm.v1.KvChunkH\x00\x12/\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1b.aimesh.llm.v1.PullCompleteH\x00\x42\n\n\x08response\"\x90\x01\n\x07KvChunk\x12\x10\n\x08sequence\x18\x01 \x01(\x05\x12\r\n\x05layer\x18\x02 \x01(\x05\x12#\n\x04part\x18\x03 \x01(\x0e\x32\x15.aimesh.llm.v1.KvPart\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\x13\n\x0b\x62yte_offset\x18\x06 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\"a\n\x0cPullComplete\x12\x12\n\nnum_chunks\x18\x01 \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x03\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\":\n\x0eReleaseRequest\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x15\n\rrelease_token\x18\x02 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08*X\n\x06KvPart\x12\x17\n\x13KV_PART_UNSPECIFIED\x10\x00\x12\x0f\n\x0bKV_PART_KEY\x10\x01\x12\x11\n\rKV_PART_VALUE\x10\x02\x12\x11\n\rKV_PART_STATE\x10\x03\x32\xa7\x01\n\x0eKvCacheService\x12\x46\n\x04Pull\x12\x1a.aimesh.llm.v1.PullRequest\x1a\x1b.aimesh.llm.v1.PullResponse\"\x03\x90\x02\x01\x30\x01\x12M\n\x07Release\x12\x1d.aimesh.llm.v1.ReleaseRequest\x1a\x1e.aimesh.llm.v1.ReleaseResponse\"\x03\x90\x02\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,14 +35,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PULLREQUEST'].fields_by_name['handle_id']._loaded_options = None
   _globals['_PULLREQUEST'].fields_by_name['handle_id']._serialized_options = b'\342A\001\002'
-  _globals['_RELEASEREQUEST'].fields_by_name['handle_id']._loaded_options = None
-  _globals['_RELEASEREQUEST'].fields_by_name['handle_id']._serialized_options = b'\342A\001\002'
   _globals['_KVCACHESERVICE'].methods_by_name['Pull']._loaded_options = None
   _globals['_KVCACHESERVICE'].methods_by_name['Pull']._serialized_options = b'\220\002\001'
   _globals['_KVCACHESERVICE'].methods_by_name['Release']._loaded_options = None
   _globals['_KVCACHESERVICE'].methods_by_name['Release']._serialized_options = b'\220\002\002'
-  _globals['_KVPART']._serialized_start=999
-  _globals['_KVPART']._serialized_end=1087
+  _globals['_KVPART']._serialized_start=1016
+  _globals['_KVPART']._serialized_end=1104
   _globals['_KVHANDLE']._serialized_start=112
   _globals['_KVHANDLE']._serialized_end=339
   _globals['_KVFORMAT']._serialized_start=341
@@ -56,9 +54,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PULLCOMPLETE']._serialized_start=820
   _globals['_PULLCOMPLETE']._serialized_end=917
   _globals['_RELEASEREQUEST']._serialized_start=919
-  _globals['_RELEASEREQUEST']._serialized_end=960
-  _globals['_RELEASERESPONSE']._serialized_start=962
-  _globals['_RELEASERESPONSE']._serialized_end=997
-  _globals['_KVCACHESERVICE']._serialized_start=1090
-  _globals['_KVCACHESERVICE']._serialized_end=1257
+  _globals['_RELEASEREQUEST']._serialized_end=977
+  _globals['_RELEASERESPONSE']._serialized_start=979
+  _globals['_RELEASERESPONSE']._serialized_end=1014
+  _globals['_KVCACHESERVICE']._serialized_start=1107
+  _globals['_KVCACHESERVICE']._serialized_end=1274
 # @@protoc_insertion_point(module_scope)

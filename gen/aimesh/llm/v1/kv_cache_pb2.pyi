@@ -107,10 +107,12 @@ class PullComplete(_message.Message):
     def __init__(self, num_chunks: _Optional[int] = ..., total_bytes: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("handle_id",)
+    __slots__ = ("handle_id", "release_token")
     HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     handle_id: str
-    def __init__(self, handle_id: _Optional[str] = ...) -> None: ...
+    release_token: str
+    def __init__(self, handle_id: _Optional[str] = ..., release_token: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
