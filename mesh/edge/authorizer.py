@@ -22,12 +22,11 @@ else and logs no header.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import grpc
 import uvicorn
@@ -37,6 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mesh.config import MeshSettings
+from mesh.embedded_http import EmbeddedServer
 from mesh.keys import ALL_SCOPES, KeyStore, Principal, digest
 from mesh.registry import ServiceSpec, discover
 from mesh.rpc import split_method
@@ -161,13 +161,6 @@ def build_app(keys: Keys, scopes: Mapping[str, str], rates: TenantRates | None =
     return Starlette(routes=[Route(PATH_PREFIX + "{rest:path}", check, methods=methods)])
 
 
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        """Uvicorn would take SIGTERM and SIGINT from the process it runs in."""
-        yield
-
-
 class AuthorizerServer:
     """The authorizer on 127.0.0.1 (Envoy's side of the pod or machine), in this loop,
     with every installed service's scopes: a method's scope does not depend on which
@@ -182,7 +175,7 @@ class AuthorizerServer:
             access_log=False,
             lifespan="off",
         )
-        self.server = _Server(config)
+        self.server = EmbeddedServer(config)
         self.task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:

@@ -6,26 +6,18 @@ HTTP side drains in its shutdown hook, within the service's grace period."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import ssl
-from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
 
 from mesh.config import TlsSettings
+from mesh.embedded_http import EmbeddedServer
 
 log = logging.getLogger(__name__)
-
-
-class _Server(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        """Uvicorn would take SIGTERM and SIGINT from MeshServer; it must not."""
-        yield
 
 
 def _tls_options(tls: TlsSettings | None) -> dict[str, Any]:
@@ -59,7 +51,7 @@ class HttpServer:
             timeout_graceful_shutdown=grace_s,
             **_tls_options(tls),
         )
-        self.server = _Server(self.config)
+        self.server = EmbeddedServer(self.config)
         self.port = 0
         self.draining = False
         self.task: asyncio.Task[None] | None = None
