@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
@@ -61,6 +61,12 @@ class Principal:
 def digest(key: str) -> str:
     """What the file stores for `key`."""
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def bearer_key(headers: Mapping[str, str]) -> str | None:
+    """The key of `authorization: Bearer KEY`; None without one."""
+    scheme, _, key = headers.get("authorization", "").partition(" ")
+    return key.strip() or None if scheme.lower() == "bearer" else None
 
 
 def read_key_file(path: Path) -> Any:

@@ -35,16 +35,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from mesh import caller
 from mesh.config import MeshSettings
 from mesh.embedded_http import EmbeddedServer
-from mesh.keys import ALL_SCOPES, KeyStore, Principal, digest
+from mesh.keys import ALL_SCOPES, KeyStore, Principal, bearer_key, digest
 from mesh.registry import ServiceSpec, discover
 from mesh.rpc import split_method
 
 log = logging.getLogger(__name__)
 
 PATH_PREFIX = "/check"
-CLIENT_HEADER = "x-aimesh-client"
+CLIENT_HEADER = caller.METADATA_KEY
 SCOPES_HEADER = "x-aimesh-scopes"
 # The headers Envoy sends here, and those it copies from an answer onto the request.
 KEY_HEADERS = ("authorization", "x-api-key")
@@ -107,10 +108,8 @@ class TenantRates:
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:
-    scheme, _, bearer = headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and bearer.strip():
-        return bearer.strip()
-    return headers.get("x-api-key") or None
+    """`authorization: Bearer KEY`, else `x-api-key: KEY`."""
+    return bearer_key(headers) or headers.get("x-api-key") or None
 
 
 def needed_scope(path: str, scopes: Mapping[str, str]) -> str | None:

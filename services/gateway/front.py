@@ -19,6 +19,7 @@ from opentelemetry.trace import SpanKind
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mesh import deadline, request_id
+from mesh.keys import bearer_key
 from services.gateway import metrics
 from services.gateway.errors import ApiError
 from services.gateway.keys import KeyStore, OpenAccess
@@ -43,14 +44,8 @@ def new_id() -> str:
     return os.urandom(16).hex()
 
 
-def _bearer(headers: Mapping[str, str]) -> str | None:
-    value = headers.get("authorization", "")
-    scheme, _, key = value.partition(" ")
-    return key.strip() or None if scheme.lower() == "bearer" else None
-
-
 def _authorize(keys: KeyStore | OpenAccess, path: str, headers: Mapping[str, str]):
-    principal = keys.lookup(_bearer(headers))
+    principal = keys.lookup(bearer_key(headers))
     if principal is None:
         raise ApiError(
             401,
