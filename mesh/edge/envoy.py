@@ -298,6 +298,7 @@ def http_routes(upstream: Upstream, settings: MeshSettings) -> list[dict[str, An
 
 def _cluster(
     name: str,
+    service: str,
     target: str,
     port: int | None,
     settings: MeshSettings,
@@ -310,7 +311,8 @@ def _cluster(
 ) -> dict[str, Any]:
     """An upstream cluster on the hosts of a mesh target (on `port` if given, else each
     host's own), balanced by least requests, health-checked, with outlier detection and
-    circuit breakers sized by replica from the breaker and admission settings."""
+    circuit breakers sized by replica from the breaker and admission settings; over the
+    mesh's mutual TLS to `service` when `[tls]` is set."""
     discovery, addresses = endpoints(target)
     if port is not None:
         addresses = [(host, port) for host in dict.fromkeys(host for host, _ in addresses)]
@@ -358,10 +360,13 @@ def _cluster(
         config["typed_extension_protocol_options"] = _http2_cluster_options()
     if discovery == "STRICT_DNS":
         config["dns_lookup_family"] = "V4_PREFERRED"
+    if settings.tls is not None:
+        alpn = "h2" if http2 else "http/1.1"
+        config["transport_socket"] = upstream_tls(settings.tls, service, alpn)
     return config
 
 
-def upstream_tls(tls: TlsSettings, service: str, *, alpn: str = "h2") -> dict[str, Any]:
+def upstream_tls(tls: TlsSettings, service: str, alpn: str) -> dict[str, Any]:
     """Envoy's side of the mesh's mutual TLS to `service`: the edge's own certificate
     (its identity `edge`, mesh/authz.py), and the server's checked against the mesh CA and
     its identity URI, so a listener on the port that is not that service is refused."""
@@ -389,9 +394,9 @@ def upstream_tls(tls: TlsSettings, service: str, *, alpn: str = "h2") -> dict[st
 
 
 def cluster(upstream: Upstream, settings: MeshSettings) -> dict[str, Any]:
-    """`upstream`'s gRPC cluster, health-checked on its readiness name, over the mesh's
-    mutual TLS when `[tls]` is set (the edge's certificate)."""
-    config = _cluster(
+    """`upstream`'s gRPC cluster, health-checked on its readiness name."""
+    return _cluster(
+        upstream.name,
         upstream.name,
         upstream.target,
         None,
@@ -409,19 +414,16 @@ def cluster(upstream: Upstream, settings: MeshSettings) -> dict[str, Any]:
         queue=settings.service(upstream.name).max_queue,
         http2=True,
     )
-    if settings.tls is not None:
-        config["transport_socket"] = upstream_tls(settings.tls, upstream.name)
-    return config
 
 
 def http_cluster(upstream: Upstream, settings: MeshSettings) -> dict[str, Any]:
     """`upstream`'s HTTP API: the hosts of its gRPC target on the HTTP port, spoken to in
-    HTTP/1.1 (what uvicorn serves), health-checked on its own readiness path; over mutual
-    TLS like the gRPC cluster when `[tls]` is set."""
+    HTTP/1.1 (what uvicorn serves), health-checked on its own readiness path."""
     if upstream.http is None:
         raise ValueError(f"{upstream.name} serves no HTTP API")
-    config = _cluster(
+    return _cluster(
         upstream.http_cluster,
+        upstream.name,
         upstream.target,
         upstream.http.port,
         settings,
@@ -440,9 +442,6 @@ def http_cluster(upstream: Upstream, settings: MeshSettings) -> dict[str, Any]:
         queue=settings.service(upstream.name).max_queue,
         http2=False,
     )
-    if settings.tls is not None:
-        config["transport_socket"] = upstream_tls(settings.tls, upstream.name, alpn="http/1.1")
-    return config
 
 
 def _access_log() -> list[dict[str, Any]]:
