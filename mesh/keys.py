@@ -95,7 +95,6 @@ class WatchedFile(Generic[T]):
         return stat.st_ino, stat.st_mtime_ns, stat.st_size
 
     def current(self) -> T:
-        path = self.path
         stamp = self._stamp()
         if stamp == self._seen:
             return self._current
@@ -107,15 +106,15 @@ class WatchedFile(Generic[T]):
             self._current = self._empty
             return self._current
         try:
-            self._current = self._parse(read_key_file(path))
+            self._current = self._parse(read_key_file(self.path))
         except (OSError, ValueError, ValidationError) as error:
             # ValidationError names fields and positions, never a value that could be a key.
             log.error(
                 "API key file did not parse; the keys read before stay in force",
-                extra={"path": str(path), "problem": type(error).__name__},
+                extra={"path": str(self.path), "problem": type(error).__name__},
             )
             return self._current
-        log.info("API keys loaded", extra={"path": str(path)})
+        log.info("API keys loaded", extra={"path": str(self.path)})
         return self._current
 
 

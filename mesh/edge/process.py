@@ -23,8 +23,9 @@ def find_binary(name: str) -> str:
 
 
 def write_config(config: dict[str, Any], path: Path) -> Path:
-    """Readable by its owner only: the config holds the edge's API keys. JSON is YAML too,
-    so the file works under either extension."""
+    """Readable by its owner only: the config names the edge's TLS key file and maps the
+    whole mesh (it holds no API key: mesh/edge/authorizer.py checks those). JSON is YAML
+    too, so the file works under either extension."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)  # an older file keeps its mode when written over
     with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:

@@ -89,9 +89,9 @@ class PrefillWorker(
             result.kv, ttl_s, carrier.get("traceparent", ""), owner, request.release_token
         )
 
-        # A caller that gave up before this answer reached it never learns the id: the KV
-        # goes now instead of at the end of its lease. (An answer lost after it left, in
-        # the microseconds before the caller's cancel, still waits for the lease.)
+        # A caller that gave up before this answer was sent never learns the id: the KV
+        # goes now instead of at the end of its lease. (One that gives up while the answer
+        # is on its way releases by its release token.)
         def drop_if_undelivered(call: grpc.aio.ServicerContext) -> None:
             if call.cancelled():
                 self.store.release(lease.handle_id, owner)

@@ -6,14 +6,18 @@ authorizer for every other route, beside the edge's clear-text API_KEY (tenant k
 
 from __future__ import annotations
 
+import json
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest_asyncio
 
 from mesh.edge.process import wait_ready
 from tests.conftest import (
+    eventually,
     free_port,
     start_collector,
     start_mesh,
@@ -60,6 +64,25 @@ class Edge:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+
+async def embed_as_logged(edge: Edge, headers: dict[str, str]) -> dict:
+    """POST /v1/embed with `headers` (and a user agent of its own), which must succeed, and
+    its line of Envoy's access log: what Envoy believed about the request."""
+    marker = secrets.token_hex(8)
+    async with httpx.AsyncClient(base_url=edge.url, timeout=60) as client:
+        reply = await client.post(
+            "/v1/embed", headers={**headers, "user-agent": marker}, json={"inputs": ["hello"]}
+        )
+    assert reply.status_code == 200, reply.text
+
+    def logged() -> list[dict]:
+        lines = edge.access_log.read_text().splitlines()
+        return [json.loads(line) for line in lines if marker in line]
+
+    await eventually(lambda: bool(logged()), timeout_s=30)
+    (line,) = logged()
+    return line
 
 
 @pytest_asyncio.fixture(scope="package", loop_scope="package")

@@ -4,7 +4,6 @@ the services, rotation without a restart."""
 
 from __future__ import annotations
 
-import json
 import secrets
 
 import grpc
@@ -18,8 +17,7 @@ from aimesh.retrieval.v1 import (
     retrieval_pb2,
     retrieval_pb2_grpc,
 )
-from tests.conftest import eventually
-from tests.edge.conftest import GATEWAY_KEYS, TENANT_LIMITS, Edge
+from tests.edge.conftest import GATEWAY_KEYS, TENANT_LIMITS, Edge, embed_as_logged
 from tests.services.gateway.conftest import write_keys
 
 pytestmark = pytest.mark.system
@@ -88,25 +86,9 @@ async def test_a_keys_scopes_decide_which_methods_it_may_call(edge: Edge):
 async def test_the_keys_tenant_reaches_the_services_and_the_key_does_not(edge: Edge):
     """The service sees x-aimesh-client = the key's tenant (as logged by Envoy after the
     check), whatever the client claimed; the key itself is gone from the request."""
-    marker = secrets.token_hex(8)
-    async with httpx.AsyncClient(base_url=edge.url, timeout=60) as client:
-        reply = await client.post(
-            "/v1/embed",
-            headers={
-                "authorization": "Bearer sk-reader",
-                "x-aimesh-client": "acme",
-                "user-agent": marker,
-            },
-            json={"inputs": ["hello"]},
-        )
-    assert reply.status_code == 200, reply.text
-
-    def logged() -> list[dict]:
-        lines = edge.access_log.read_text().splitlines()
-        return [json.loads(line) for line in lines if marker in line]
-
-    await eventually(lambda: bool(logged()), timeout_s=30)
-    (line,) = logged()
+    line = await embed_as_logged(
+        edge, {"authorization": "Bearer sk-reader", "x-aimesh-client": "acme"}
+    )
     assert line["client"] == "reader"
     assert "sk-reader" not in edge.access_log.read_text()
 
