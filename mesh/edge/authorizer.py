@@ -10,7 +10,8 @@ request is for (`x-aimesh-client`, which every hop carries on and services scope
 data by) and which scopes it holds (`x-aimesh-scopes`), and to drop the key before going
 upstream. No key or an unknown one: 401 (UNAUTHENTICATED to a gRPC client); a key without
 the scope: 403 (PERMISSION_DENIED); a tenant past the requests_per_minute its file's
-`[tenants.<tenant>]` table sets: 429 (RESOURCE_EXHAUSTED) with retry-after. Keys given in
+`[tenants.<tenant>]` table sets: 429 (RESOURCE_EXHAUSTED) with retry-after, per edge
+process or, with `edge.limits_store` a Redis URL, across every replica. Keys given in
 clear text (`edge.api_keys`, for a machine of one's own) stand for tenants `key-1`,
 `key-2`, ... with every scope.
 
@@ -25,8 +26,7 @@ import asyncio
 import logging
 import math
 import re
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import grpc
 import uvicorn
@@ -36,6 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mesh import caller
+from mesh.buckets import Buckets, Limit, LocalWhileDown, MemoryBuckets, open_buckets
 from mesh.config import MeshSettings
 from mesh.embedded_http import EmbeddedServer
 from mesh.keys import ALL_SCOPES, KeyStore, Principal, bearer_key, digest
@@ -52,6 +53,10 @@ KEY_HEADERS = ("authorization", "x-api-key")
 UPSTREAM_HEADERS = (CLIENT_HEADER, SCOPES_HEADER)
 # A method no spec gives a scope is refused to every key (default deny).
 NO_SCOPE = ""
+# The edge's keys in a shared limits store, beside the gateway's aimesh:gateway:.
+PREFIX = "aimesh:edge:"
+# A shared store is waited for this long per request before this replica limits alone.
+SHARED_TIMEOUT_S = 0.25
 # /package.Service/Method; an HTTP path such as /v1/models has no dotted package.
 GRPC_PATH = re.compile(r"/\w+(?:\.\w+)+/\w+")
 
@@ -84,27 +89,29 @@ class Keys:
 
 
 class TenantRates:
-    """A token bucket per tenant with a requests_per_minute (its whole minute is the
-    burst, refilled continuously), as the gateway meters its own routes: one edge process's
-    share, like Envoy's local rate limit. Tenants come from the key file: bounded."""
+    """A token bucket per tenant with a requests_per_minute (its whole minute is the burst,
+    refilled continuously), as the gateway meters its own routes. In this process by
+    default (each edge replica its own share); with `edge.limits_store = "redis://..."` one
+    bucket per tenant for every replica, falling back to this replica's own while Redis
+    does not answer. Tenants come from the key file: bounded."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
-        self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, when)
+    def __init__(self, buckets: Buckets | None = None) -> None:
+        self.buckets = buckets or MemoryBuckets()
 
-    def wait_s(self, principal: Principal) -> float:
+    async def wait_s(self, principal: Principal) -> float:
         """0 and one request taken, or how long until the tenant may send the next."""
         rate = principal.requests_per_minute
         if rate is None:
             return 0.0
-        now = self.clock()
-        tokens, then = self._buckets.get(principal.tenant, (float(rate), now))
-        tokens = min(float(rate), tokens + (now - then) * rate / 60)
-        if tokens < 1:
-            self._buckets[principal.tenant] = (tokens, now)
-            return (1 - tokens) * 60 / rate
-        self._buckets[principal.tenant] = (tokens - 1, now)
-        return 0.0
+        name = "requests_per_minute"
+        limit = Limit(name, f"{PREFIX}{name}:{principal.tenant}", rate, rate / 60, 1)
+        refused = await self.buckets.take([limit])
+        if refused is None:
+            return 0.0
+        return refused.wait_s if refused.wait_s is not None else 60.0
+
+    async def close(self) -> None:
+        await self.buckets.close()
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:
@@ -137,7 +144,7 @@ def build_app(keys: Keys, scopes: Mapping[str, str], rates: TenantRates | None =
         if needed is not None and needed not in principal.scopes:
             reason = f"the {needed!r} scope" if needed else "a scope no key has"
             return _refusal(403, f"this key may not call {path}: it needs {reason}")
-        wait_s = metered.wait_s(principal)
+        wait_s = await metered.wait_s(principal)
         if wait_s > 0:
             message = f"tenant {principal.tenant!r} is past its requests_per_minute"
             refused = _refusal(429, message)
@@ -166,8 +173,15 @@ class AuthorizerServer:
     services this edge fronts."""
 
     def __init__(self, settings: MeshSettings) -> None:
+        store = settings.edge.limits_store
+        if store == "memory":
+            self.rates = TenantRates()
+        else:
+            self.rates = TenantRates(
+                LocalWhileDown(open_buckets(store, timeout_s=SHARED_TIMEOUT_S))
+            )
         config = uvicorn.Config(
-            build_app(Keys(settings), method_scopes(discover().values())),
+            build_app(Keys(settings), method_scopes(discover().values()), self.rates),
             host="127.0.0.1",
             port=settings.edge.authorizer_port,
             log_config=None,
@@ -189,3 +203,4 @@ class AuthorizerServer:
         self.server.should_exit = True
         if self.task is not None:
             await self.task
+        await self.rates.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from mesh.buckets import URL_PATTERN
 from mesh.config import HttpServiceOptions
 
 
@@ -23,7 +24,7 @@ class GatewayOptions(HttpServiceOptions):
     # "memory" (this process only) or a Redis URL shared by every gateway replica.
     limits_store: str = Field(
         default="memory",
-        pattern=r"^(memory|(redis|rediss|unix)://.*)$",
+        pattern=URL_PATTERN,
         description='"memory", or a Redis URL (redis://127.0.0.1:6379/0) shared by replicas',
     )
     limit_window_s: float = Field(

@@ -3,10 +3,14 @@ scoped, every method the edge serves given a scope, the tenant and scopes in the
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import httpx
 import pytest
 from pydantic import SecretStr
 
+from mesh import buckets
+from mesh.buckets import open_buckets
 from mesh.config import MeshSettings
 from mesh.edge import api
 from mesh.edge.authorizer import (
@@ -71,9 +75,7 @@ async def test_keys_from_the_file_and_the_settings_answer_with_tenant_and_scopes
     assert internal.status_code == 403
 
 
-async def test_a_tenant_past_its_requests_per_minute_waits(tmp_path):
-    """The rate the shared key file gives the tenant ([tenants.t] requests_per_minute, as
-    the gateway meters it): its minute is the burst, then 429 with retry-after."""
+def rated_keys(tmp_path) -> Keys:
     keys_file = tmp_path / "keys.json"
     write_keys(
         keys_file,
@@ -82,15 +84,39 @@ async def test_a_tenant_past_its_requests_per_minute_waits(tmp_path):
     )
     settings = MeshSettings()
     settings.edge.api_keys_file = keys_file
+    return Keys(settings)
+
+
+async def test_a_tenant_past_its_requests_per_minute_waits(tmp_path, monkeypatch):
+    """The rate the shared key file gives the tenant ([tenants.t] requests_per_minute, as
+    the gateway meters it): its minute is the burst, then 429 with retry-after."""
     now = [1000.0]
-    app = build_app(
-        Keys(settings), method_scopes(discover().values()), TenantRates(clock=lambda: now[0])
-    )
+    monkeypatch.setattr(buckets, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    app = build_app(rated_keys(tmp_path), method_scopes(discover().values()), TenantRates())
     codes = [(await ask(app, SEARCH, authorization="Bearer k")).status_code for _ in range(2)]
     assert codes == [200, 200]
     refused = await ask(app, SEARCH, authorization="Bearer k")
     assert refused.status_code == 429 and refused.headers["retry-after"] == "30"
+    assert refused.headers["grpc-status"] == "8"  # RESOURCE_EXHAUSTED, not UNAVAILABLE
     assert (await ask(app, SEARCH, authorization="Bearer u")).status_code == 200  # unmetered
     now[0] += 30
     assert (await ask(app, SEARCH, authorization="Bearer k")).status_code == 200
     assert (await ask(app, SEARCH, authorization="Bearer k")).status_code == 429
+
+
+async def test_edge_replicas_on_one_redis_share_a_tenants_minute(tmp_path, redis_url):
+    """Two authorizers (two edge replicas) on one real Redis: the tenant's 2 requests per
+    minute are 2 in all, not 2 per replica."""
+    settings = MeshSettings()
+    settings.edge.limits_store = redis_url
+    keys, scopes = rated_keys(tmp_path), method_scopes(discover().values())
+    rates = [TenantRates(open_buckets(settings.edge.limits_store)) for _ in range(2)]
+    first, second = (build_app(keys, scopes, replica) for replica in rates)
+    try:
+        assert (await ask(first, SEARCH, authorization="Bearer k")).status_code == 200
+        assert (await ask(second, SEARCH, authorization="Bearer k")).status_code == 200
+        assert (await ask(first, SEARCH, authorization="Bearer k")).status_code == 429
+        assert (await ask(second, SEARCH, authorization="Bearer k")).status_code == 429
+    finally:
+        for replica in rates:
+            await replica.close()

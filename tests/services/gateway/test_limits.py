@@ -6,13 +6,11 @@ sharing one quota."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import openai
 import pytest
 import redis.asyncio
 
-from services.gateway.store import Limit, RedisStore, Refusal
 from tests.conftest import free_port
 from tests.services.gateway.conftest import KEY, KEYS, start_gateway
 from tests.services.gateway.fakes import LLM
@@ -236,19 +234,3 @@ async def test_an_unreachable_redis_is_503_not_unlimited(tmp_path):
         assert len(embedded.data) == 1
     finally:
         await stop(servers)
-
-
-async def test_in_redis_a_periodic_budget_expires_and_a_lifetime_one_stays(redis_url):
-    """The Lua script's arithmetic is MemoryStore's (test_parts.py); here, that a past
-    period's counter leaves Redis instead of piling up, one key per tenant and period."""
-    store = RedisStore(redis_url)
-    try:
-        day = Limit("token_budget", "aimesh:gateway:token_budget:t:2026-12-03", 10, 0, 4, 90.0)
-        life = Limit("token_budget", "aimesh:gateway:token_budget:t", 10, 0, 4)
-        assert await store.take([day, life]) is None
-        assert 85_000 < await store.client.pttl(day.key) <= 90_000
-        assert await store.client.pttl(life.key) == -1  # no expiry
-        assert await store.take([replace(day, amount=7)]) == Refusal("token_budget", None)
-        assert float(await store.client.get(day.key)) == 4
-    finally:
-        await store.close()

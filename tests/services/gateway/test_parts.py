@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 
 import grpc
 import pytest
 
 from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import sampling_pb2
+from mesh import buckets
 from mesh.errors import local_error, status
 from mesh.failures import FieldViolation
 from mesh.keys import digest
@@ -137,39 +139,9 @@ def test_tenants_limits_come_from_the_key_file(tmp_path):
 @pytest.fixture
 def clock(monkeypatch) -> list[float]:
     now = [1000.0]
-    monkeypatch.setattr(stores.time, "monotonic", lambda: now[0])
+    # buckets' own clock only: asyncio's timers (Redis timeouts) keep the real one.
+    monkeypatch.setattr(buckets, "time", SimpleNamespace(monotonic=lambda: now[0]))
     return now
-
-
-async def test_buckets_refill_continuously_and_charge_all_or_nothing(clock):
-    store = stores.MemoryStore()
-    rpm = stores.Limit("requests_per_minute", "r", capacity=2, rate=2 / 60, amount=1)
-    tpm = stores.Limit("tokens_per_minute", "t", capacity=10, rate=10 / 60, amount=6)
-    assert await store.take([rpm, tpm]) is None
-    refused = await store.take([rpm, tpm])  # rpm has room, tpm (4 left) has not
-    assert refused.limit == "tokens_per_minute" and refused.wait_s == pytest.approx(12)
-    assert await store.take([rpm]) is None  # the refused charge took nothing from rpm
-    assert (await store.take([rpm])).wait_s == pytest.approx(30)
-    clock[0] += 30
-    assert await store.take([rpm]) is None
-    # A settlement charges regardless, and may leave a bucket below zero: tpm had 4 + 5
-    # refilled, 20 more leave it at -11, so 6 tokens are 17 away (6 s each).
-    overrun = stores.Limit("tokens_per_minute", "t", 10, 10 / 60, 20)
-    assert await store.take([overrun], force=True) is None
-    assert (await store.take([tpm])).wait_s == pytest.approx(17 * 6)
-    too_big = stores.Limit("tokens_per_minute", "t", 10, 10 / 60, 11)
-    assert (await store.take([too_big])).wait_s is None
-
-
-async def test_a_budget_never_refills(clock):
-    store = stores.MemoryStore()
-    budget = stores.Limit("token_budget", "b", capacity=10, rate=0, amount=6)
-    assert await store.take([budget]) is None
-    clock[0] += 10**6
-    assert await store.take([budget]) == stores.Refusal("token_budget", None)
-    give_back = stores.Limit("token_budget", "b", capacity=10, rate=0, amount=-6)
-    assert await store.take([give_back], force=True) is None
-    assert await store.take([budget]) is None
 
 
 async def test_the_limiters_refusals_and_settlement(clock):
