@@ -343,7 +343,7 @@ async def setup(server: MeshServer) -> None:
     servicer = RetrievalServicer(engine, server.settings.transport.max_message_bytes)
     server.add_service(retrieval_pb2_grpc.add_RetrievalServiceServicer_to_server, servicer, SERVICE)
     # A server's readiness is the service's; the embedded store lives in this process.
-    probe = ServerProbe(settings.url, settings.api_key) if settings.url else None
+    probe = ServerProbe(settings.url, settings.qdrant_key()) if settings.url else None
     if probe is not None:
         server.add_readiness_probe(probe.answers)
 

@@ -4,17 +4,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from mesh.config import ServiceOptions
 
 
 class RetrievalSettings(ServiceOptions):
+    def qdrant_key(self) -> str | None:
+        return None if self.api_key is None else self.api_key.get_secret_value()
+
     url: str | None = Field(
         default=None,
         description="A Qdrant server or cluster (http[s]://host:6333); None: embedded on disk",
     )
-    api_key: str | None = Field(default=None, description="Qdrant API key, sent over TLS only")
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="Qdrant API key (never logged); in Kubernetes from Secret aimesh-qdrant",
+    )
     path: Path | None = Field(default=None, description="embedded store; None: <cache_dir>/qdrant")
     timeout_s: float = Field(
         default=30.0,

@@ -241,7 +241,7 @@ def open_store(settings: RetrievalSettings, cache_dir: Path) -> Store:
     """Opens without contacting a server: a Qdrant server that is down only delays readiness."""
     if settings.url:
         client = QdrantClient(
-            url=settings.url, api_key=settings.api_key, timeout=math.ceil(settings.timeout_s)
+            url=settings.url, api_key=settings.qdrant_key(), timeout=math.ceil(settings.timeout_s)
         )
         return Store(client, local=False)
     path = settings.path or cache_dir / "qdrant"

@@ -3,8 +3,11 @@ autoscaled and reachable the way mesh/ and services/ say; GPUs exactly where the
 
 from __future__ import annotations
 
+import base64
 import math
+import os
 import re
+import subprocess
 from urllib.parse import urlsplit
 
 import pytest
@@ -319,7 +322,7 @@ def test_qdrant_runs_as_a_cluster(overlay):
     assert headless["spec"]["publishNotReadyAddresses"] is True
     (container,) = containers(qdrant)
     assert re.fullmatch(r"qdrant/qdrant:v\d+\.\d+\.\d+", container["image"])
-    env = {k: v["value"] for k, v in env_of(container).items()}
+    env = {k: v.get("value") for k, v in env_of(container).items()}
     assert env["QDRANT__CLUSTER__ENABLED"] == "true"
     p2p = int(env["QDRANT__CLUSTER__P2P__PORT"])
     assert {"name": "p2p", "containerPort": p2p} in container["ports"]
@@ -331,6 +334,36 @@ def test_qdrant_runs_as_a_cluster(overlay):
     assert '--uri "$self"' in script
     (claim,) = qdrant["spec"]["volumeClaimTemplates"]
     assert any(m["name"] == claim["metadata"]["name"] for m in container["volumeMounts"])
+
+
+def test_qdrant_and_retrieval_share_the_api_key_of_a_secret(overlay, deployed, tmp_path):
+    """Qdrant answers only the key of Secret aimesh-qdrant and retrieval sends it, neither
+    from the ConfigMap; Qdrant refuses to start with the committed placeholder."""
+    ref = {"secretKeyRef": {"name": "aimesh-qdrant", "key": "api-key"}}
+    (qdrant,) = containers(of_kind(overlay, "StatefulSet")["qdrant"])
+    assert env_of(qdrant)["QDRANT__SERVICE__API_KEY"]["valueFrom"] == ref
+    (retrieval,) = containers(of_kind(overlay, "Deployment")["retrieval"])
+    assert env_of(retrieval)["AIMESH_SERVICES__RETRIEVAL__API_KEY"]["valueFrom"] == ref
+    assert "api_key" not in config_toml()["services"]["retrieval"]
+    with pytest.MonkeyPatch.context() as patch:  # the pod's environment
+        patch.setenv("AIMESH_SERVICES__RETRIEVAL__API_KEY", "from-the-secret")
+        patch.setenv("AIMESH_CONFIG", str(K8S / "base" / "aimesh.toml"))
+        settings = MeshSettings()
+    assert RetrievalSettings.of(settings, "retrieval").qdrant_key() == "from-the-secret"
+    placeholder = base64.b64decode(of_kind(overlay, "Secret")["aimesh-qdrant"]["data"]["api-key"])
+    script = qdrant["args"][0].replace("exec ./entrypoint.sh", "echo started")
+    for key, started in ((placeholder.decode(), False), ("", False), ("a-real-key", True)):
+        run = subprocess.run(
+            ["/bin/sh", "-c", script],
+            env={
+                "PATH": os.environ["PATH"],
+                "QDRANT__SERVICE__API_KEY": key,
+                "HOSTNAME": "qdrant-0",
+            },
+            capture_output=True,
+            text=True,
+        )
+        assert (run.returncode == 0 and "started" in run.stdout) is started, run.stderr
 
 
 def test_the_production_config_turns_reflection_off():

@@ -119,7 +119,7 @@ def test_dashboard_shows_what_the_issue_asks_for():
 
 def test_prometheus_keeps_annotated_pods_and_labels_them_for_the_adapter():
     config = load("prometheus.yml")
-    (job,) = config["scrape_configs"]
+    job = jobs(config)["aimesh-pods"]
     assert job["kubernetes_sd_configs"][0]["role"] == "pod"
     relabel = job["relabel_configs"]
     keep = relabel[0]
@@ -130,6 +130,37 @@ def test_prometheus_keeps_annotated_pods_and_labels_them_for_the_adapter():
     # The adapter maps exactly those labels to Kubernetes objects.
     for rule in load("prometheus-adapter-values.yaml")["rules"]["custom"]:
         assert set(rule["resources"]["overrides"]) <= targets
+
+
+def jobs(config: dict) -> dict[str, dict]:
+    return {job["job_name"]: job for job in config["scrape_configs"]}
+
+
+def test_qdrant_is_scraped_with_its_api_key_and_only_so(overlay):
+    """Qdrant's /metrics answers only its key: no annotation sends it to the keyless job,
+    the qdrant job reads the key from Secret aimesh-qdrant's mount and keeps Qdrant's http
+    port only."""
+    qdrant = of_kind(overlay, "StatefulSet")["qdrant"]
+    assert "prometheus.io/scrape" not in qdrant["spec"]["template"]["metadata"].get(
+        "annotations", {}
+    )
+    job = jobs(load("prometheus.yml"))["qdrant"]
+    credentials = job["authorization"]["credentials_file"]
+    assert job["authorization"]["type"] == "Bearer"
+    assert credentials.endswith("/aimesh-qdrant/api-key")
+    assert (
+        "aimesh-qdrant" in of_kind(overlay, "Secret")
+        and "api-key" in (of_kind(overlay, "Secret")["aimesh-qdrant"]["data"])
+    )
+    keeps = {
+        tuple(r["source_labels"]): r["regex"]
+        for r in job["relabel_configs"]
+        if r.get("action") == "keep"
+    }
+    assert keeps[("__meta_kubernetes_pod_label_app_kubernetes_io_name",)] == "qdrant"
+    port = keeps[("__meta_kubernetes_pod_container_port_name",)]
+    (container,) = containers(qdrant)
+    assert {"name": port, "containerPort": 6333} in container["ports"]
 
 
 def test_annotated_scrape_ports_are_declared_metrics_ports(overlay, deployed, monkeypatch):
