@@ -8,7 +8,7 @@ import secrets
 import signal
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from pydantic import SecretStr
@@ -204,20 +204,26 @@ def _ensure_a_key(settings: MeshSettings) -> None:
         console.print(f"edge API key for this run (set AIMESH_EDGE__API_KEYS to fix one): {key}")
 
 
-def _edge_config(specs: list[ServiceSpec], settings: MeshSettings) -> dict[str, Any]:
-    """The same Envoy config for `up --edge` and `edge render`: spans go where ours do."""
-    return envoy.bootstrap(
+def _write_edge_config(specs: list[ServiceSpec], settings: MeshSettings, path: Path) -> Path:
+    """The same Envoy config for `up --edge` and `edge render` (spans go where ours do),
+    with its SDS files under [tls] (beside it unless edge.sds_dir says where)."""
+    if settings.tls is not None and settings.edge.sds_dir is None:
+        settings.edge.sds_dir = path.parent
+    config = envoy.bootstrap(
         envoy.upstreams_for(specs, settings), settings, otlp_endpoint=tracing.otlp_endpoint()
     )
+    secrets = None
+    if settings.tls is not None and settings.edge.sds_dir is not None:
+        secrets = envoy.secret_documents(settings.tls, settings.edge.sds_dir)
+    return edge_process.write_config(config, path, secrets)
 
 
 async def _start_edge(
     specs: list[ServiceSpec], settings: MeshSettings, log_dir: Path | None, timeout_s: float
 ) -> asyncio.subprocess.Process | None:
     """Envoy on the running services, its authorizer already listening."""
-    config = _edge_config(specs, settings)
     run_dir = log_dir or settings.cache_dir / "edge"
-    path = edge_process.write_config(config, run_dir / "envoy.json")
+    path = _write_edge_config(specs, settings, run_dir / "envoy.json")
     proxy = await edge_process.start(
         settings.edge.envoy_binary, path, log_dir and log_dir / "envoy.log"
     )
@@ -314,7 +320,7 @@ def edge_render(
     """Write Envoy's config for the configured mesh: routes from the protos, upstreams from
     the service table, tracing from OTEL_*. It holds no key: `aimesh edge authorize` does."""
     settings = MeshSettings()
-    edge_process.write_config(_edge_config(_specs(only), settings), out)
+    _write_edge_config(_specs(only), settings, out)
     console.print(f"wrote {out}")
 
 

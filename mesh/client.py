@@ -92,9 +92,12 @@ def create_channel(
     services: Iterable[ServiceDescriptor] = (),
     breaker: CircuitBreaker | None = None,
     credentials: grpc.ChannelCredentials | None = None,
+    server_name: str | None = None,
 ) -> grpc.aio.Channel:
     """A channel with the mesh's interceptors; TLS with `credentials`, or with the mesh's
-    own when `[tls]` is configured."""
+    own when `[tls]` is configured. Over TLS, `server_name` is the name the server's
+    certificate must hold instead of the target's host: a pod's own address (where a KV
+    handle points) is in no certificate a Deployment's pods share, its service's name is."""
     client = settings.client
     breaker = breaker or CircuitBreaker(target, client.breaker)
     chain = [
@@ -102,6 +105,8 @@ def create_channel(
         *interceptors.client_interceptors(DeadlinePolicy(client), breaker),
     ]
     options = channel_options(settings, services)
+    if server_name is not None:
+        options.append(("grpc.ssl_target_name_override", server_name))
     if credentials is None and settings.tls is not None:
         credentials = channel_credentials(settings.tls)
     if credentials is not None:
@@ -117,11 +122,16 @@ class ChannelPool:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.breakers: dict[str, CircuitBreaker] = {}
 
-    def get(self, target: str, *services: ServiceDescriptor) -> grpc.aio.Channel:
+    def get(
+        self, target: str, *services: ServiceDescriptor, server_name: str | None = None
+    ) -> grpc.aio.Channel:
+        """The target's channel, made on first use (`server_name`: create_channel's)."""
         channel = self._channels.get(target)
         if channel is None:
             breaker = CircuitBreaker(target, self.settings.client.breaker)
-            channel = create_channel(target, self.settings, services=services, breaker=breaker)
+            channel = create_channel(
+                target, self.settings, services=services, breaker=breaker, server_name=server_name
+            )
             self._channels[target] = channel
             self.breakers[target] = breaker
         return channel

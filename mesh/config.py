@@ -193,6 +193,12 @@ class EdgeSettings(BaseModel):
     authorizer_port: int = Field(
         default=9903, ge=1, le=65535, description="the edge's key checker, loopback only"
     )
+    sds_dir: Path | None = Field(
+        default=None,
+        description="with [tls]: where the files naming Envoy's certificate and CA are "
+        "written (file-based SDS, so renewed certificates are read again); `aimesh up` and "
+        "`aimesh edge render` put them beside Envoy's config unless set",
+    )
     limits_store: str = Field(
         default="memory",
         pattern=URL_PATTERN,
@@ -262,6 +268,15 @@ class TlsSettings(BaseModel, extra="forbid"):
         default=True,
         description="check each caller's certificate identity against the method's allow-list "
         "(mesh/authz.py); needs require_client_cert",
+    )
+
+    health_port_offset: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="also answer grpc.health.v1, and nothing else, in plaintext on the gRPC "
+        "port + this, for probes that cannot present a certificate (the kubelet's gRPC "
+        "probes); None: no such port",
     )
 
     @model_validator(mode="after")

@@ -88,6 +88,7 @@ class MeshServer:
         self.grace_s = service.grace_s
         self.channels = ChannelPool(settings)
         self.health = HealthServicer()
+        self.health_server: grpc.aio.Server | None = None  # [tls] health_port_offset
         self._proto_services: list[str] = []
         self._warmups: list[Hook] = []
         self._shutdown_hooks: list[Hook] = []
@@ -293,8 +294,12 @@ class MeshServer:
         )
         if self.port == 0:
             raise OSError(f"{self.name}: cannot bind {self.host}:{self.requested_port}")
+        if tls is not None and tls.health_port_offset is not None:
+            self.health_server = self._plaintext_health(self.port + tls.health_port_offset)
         await self.set_ready(False)
         await self.grpc_server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         watch_event_loop(asyncio.get_running_loop())
         log.info("listening", extra={"address": f"{self.host}:{self.port}"})
         for warmup in self._warmups:
@@ -306,6 +311,15 @@ class MeshServer:
             self._following = asyncio.create_task(self._follow_probes(), name="readiness")
             self.watch(self._following)
         return self.port
+
+    def _plaintext_health(self, port: int) -> grpc.aio.Server:
+        """The same health answers without TLS, on a port that serves nothing else: the
+        kubelet's gRPC probes present no certificate, and health says nothing secret."""
+        server = grpc.aio.server(options=self._server_options())
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        if server.add_insecure_port(f"{self.host}:{port}") == 0:
+            raise OSError(f"{self.name}: cannot bind the health port {self.host}:{port}")
+        return server
 
     async def set_ready(self, ready: bool) -> None:
         for name in self.readiness_names:
@@ -320,6 +334,8 @@ class MeshServer:
             self._following.cancel()
         await self.health.enter_graceful_shutdown()
         await self.grpc_server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         for hook in self._shutdown_hooks:
             await hook()
         for executor in self._executors:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -361,31 +362,79 @@ def _cluster(
     if discovery == "STRICT_DNS":
         config["dns_lookup_family"] = "V4_PREFERRED"
     if settings.tls is not None:
+        if edge.sds_dir is None:
+            raise ValueError("the edge's mutual TLS needs edge.sds_dir (for its SDS files)")
         alpn = "h2" if http2 else "http/1.1"
-        config["transport_socket"] = upstream_tls(settings.tls, service, alpn)
+        config["transport_socket"] = upstream_tls(settings.tls, edge.sds_dir, service, alpn)
     return config
 
 
-def upstream_tls(tls: TlsSettings, service: str, alpn: str) -> dict[str, Any]:
+# The SDS resources naming the edge's certificate and the mesh CA: files Envoy watches.
+CERTIFICATE_SECRET = "edge_certificate"
+CA_SECRET = "mesh_ca"
+SECRET = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
+
+
+def secret_documents(tls: TlsSettings, sds_dir: Path) -> dict[Path, dict[str, Any]]:
+    """Path -> the SDS document Envoy reads there. Certificates
+    given inline in the config are read once; given by file-based SDS they are read again
+    whenever a file moves into their directory, which is how the kubelet swaps a renewed
+    Secret in (cert-manager renews long before expiry) and how `aimesh up --tls` may rotate."""
+    certificate = {
+        "certificate_chain": {"filename": str(tls.cert_file)},
+        "private_key": {"filename": str(tls.key_file)},
+    }
+    return {
+        sds_dir / f"{CERTIFICATE_SECRET}.json": {
+            "resources": [
+                {"@type": SECRET, "name": CERTIFICATE_SECRET, "tls_certificate": certificate}
+            ]
+        },
+        sds_dir / f"{CA_SECRET}.json": {
+            "resources": [
+                {
+                    "@type": SECRET,
+                    "name": CA_SECRET,
+                    "validation_context": {"trusted_ca": {"filename": str(tls.ca_file)}},
+                }
+            ]
+        },
+    }
+
+
+def _sds(name: str, tls: TlsSettings, sds_dir: Path) -> dict[str, Any]:
+    watched = tls.cert_file.parent if name == CERTIFICATE_SECRET else tls.ca_file.parent
+    return {
+        "name": name,
+        "sds_config": {
+            "path_config_source": {
+                "path": str(sds_dir / f"{name}.json"),
+                "watched_directory": {"path": str(watched)},
+            },
+            "resource_api_version": "V3",
+        },
+    }
+
+
+def upstream_tls(tls: TlsSettings, sds_dir: Path, service: str, alpn: str) -> dict[str, Any]:
     """Envoy's side of the mesh's mutual TLS to `service`: the edge's own certificate
     (its identity `edge`, mesh/authz.py), and the server's checked against the mesh CA and
-    its identity URI, so a listener on the port that is not that service is refused."""
+    its identity URI, so a listener on the port that is not that service is refused. Both
+    by SDS from files (secret_documents), so renewed certificates are used without a
+    restart."""
     return {
         "name": "envoy.transport_sockets.tls",
         "typed_config": _typed(
             "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
             common_tls_context={
-                "tls_certificates": [
-                    {
-                        "certificate_chain": {"filename": str(tls.cert_file)},
-                        "private_key": {"filename": str(tls.key_file)},
-                    }
-                ],
-                "validation_context": {
-                    "trusted_ca": {"filename": str(tls.ca_file)},
-                    "match_typed_subject_alt_names": [
-                        {"san_type": "URI", "matcher": {"exact": identity_uri(service)}}
-                    ],
+                "tls_certificate_sds_secret_configs": [_sds(CERTIFICATE_SECRET, tls, sds_dir)],
+                "combined_validation_context": {
+                    "default_validation_context": {
+                        "match_typed_subject_alt_names": [
+                            {"san_type": "URI", "matcher": {"exact": identity_uri(service)}}
+                        ],
+                    },
+                    "validation_context_sds_secret_config": _sds(CA_SECRET, tls, sds_dir),
                 },
                 "alpn_protocols": [alpn],
             },

@@ -10,6 +10,7 @@ import shutil
 import signal
 import sys
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +23,23 @@ def find_binary(name: str) -> str:
     return found
 
 
-def write_config(config: dict[str, Any], path: Path) -> Path:
-    """Readable by its owner only: the config names the edge's TLS key file and maps the
-    whole mesh (it holds no API key: mesh/edge/authorizer.py checks those). JSON is YAML
-    too, so the file works under either extension."""
+def write_config(
+    config: dict[str, Any], path: Path, secrets: Mapping[Path, dict[str, Any]] | None = None
+) -> Path:
+    """Readable by its owner only: the config maps the whole mesh and its SDS files
+    (`secrets`, by path: mesh/edge/envoy.py secret_documents) name the edge's TLS key file
+    (neither holds an API key: mesh/edge/authorizer.py checks those). JSON is YAML too, so
+    the file works under either extension."""
+    for secret_path, document in (secrets or {}).items():
+        _write_private(secret_path, document)
+    return _write_private(path, config)
+
+
+def _write_private(path: Path, document: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)  # an older file keeps its mode when written over
     with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
-        json.dump(config, file, indent=1)
+        json.dump(document, file, indent=1)
     return path
 
 

@@ -29,6 +29,10 @@ def new_handle_id() -> str:
 
 
 PULL_CHUNK_BYTES = kv_codec.MAX_CHUNK_BYTES
+# Whose certificate a handle's address must present under TLS: the address is a prefill
+# pod's own (in Kubernetes its IP), which no certificate names; the service's name is in
+# every prefill certificate (mesh/pki.py, the cert-manager component's dnsNames).
+KV_HOLDER = "prefill"
 RELEASE_TIMEOUT_S = 5.0
 
 
@@ -44,7 +48,9 @@ async def pull(channels: ChannelPool, handle: kv_cache_pb2.KvHandle) -> KvState:
     """The KV `handle` announces (every layer's K and V, or the engine's sequence state);
     NotFound when the lease is gone. The handle is decode's validated one: its sizes are
     what the assembler allocates."""
-    stub = kv_cache_pb2_grpc.KvCacheServiceStub(channels.get(handle.address, KV_CACHE))
+    stub = kv_cache_pb2_grpc.KvCacheServiceStub(
+        channels.get(handle.address, KV_CACHE, server_name=KV_HOLDER)
+    )
     assembler = _assembler(handle)
     call = stub.Pull(
         kv_cache_pb2.PullRequest(handle_id=handle.id, max_chunk_bytes=PULL_CHUNK_BYTES)
@@ -79,7 +85,9 @@ class KvReleaser:
         request = kv_cache_pb2.ReleaseRequest(handle_id=handle_id, release_token=release_token)
 
         async def release() -> None:
-            stub = kv_cache_pb2_grpc.KvCacheServiceStub(self.channels.get(address, KV_CACHE))
+            stub = kv_cache_pb2_grpc.KvCacheServiceStub(
+                self.channels.get(address, KV_CACHE, server_name=KV_HOLDER)
+            )
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await stub.Release(request, timeout=RELEASE_TIMEOUT_S)
 

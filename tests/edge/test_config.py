@@ -3,12 +3,15 @@ the mesh settings the way the in-process clients are."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 from google.api import annotations_pb2
 from pydantic import SecretStr
@@ -16,7 +19,7 @@ from pydantic import SecretStr
 from mesh.config import MeshSettings, ServiceSettings
 from mesh.edge import api, authorizer, envoy
 from mesh.registry import discover
-from tests.conftest import ROOT, VENV_BIN, subprocess_env
+from tests.conftest import ROOT, VENV_BIN, free_port, subprocess_env
 
 pytestmark = pytest.mark.unit
 
@@ -373,28 +376,93 @@ def test_two_services_claiming_one_http_path_are_refused(settings):
 
 def test_with_tls_envoy_reaches_each_service_over_mutual_tls_as_the_edge(settings, tmp_path):
     """`aimesh up --tls --edge`: every cluster, gRPC and HTTP, presents the edge's
-    certificate and accepts only the certificate naming the service it routes to."""
+    certificate and accepts only the certificate naming the service it routes to; both
+    the certificate and the CA come from SDS files that point at [tls]'s files."""
     from mesh.authz import EDGE, identity_uri
+    from mesh.edge.process import write_config
     from mesh.pki import throwaway_pki
 
     settings.tls = throwaway_pki(tmp_path / "pki", [EDGE])[EDGE]
+    settings.edge.sds_dir = tmp_path / "edge"
     config = edge_config(settings)
     upstream = {c["name"]: c for c in config["static_resources"]["clusters"]}
     local = (envoy.ADMIN_CLUSTER, envoy.AUTHORIZER_CLUSTER)  # on loopback, beside Envoy
     meshed = {name: c for name, c in upstream.items() if name not in local}
     assert {"generation", "gateway-http", "diffusion"} <= set(meshed)
+    secrets = envoy.secret_documents(settings.tls, settings.edge.sds_dir)
     for name, cluster in meshed.items():
         context = cluster["transport_socket"]["typed_config"]["common_tls_context"]
-        (certificate,) = context["tls_certificates"]
-        assert certificate["certificate_chain"]["filename"] == str(settings.tls.cert_file)
+        (certificate,) = context["tls_certificate_sds_secret_configs"]
+        source = certificate["sds_config"]["path_config_source"]
+        assert source["watched_directory"]["path"] == str(settings.tls.cert_file.parent)
+        (resource,) = secrets[Path(source["path"])]["resources"]
+        assert resource["tls_certificate"]["private_key"]["filename"] == str(settings.tls.key_file)
+        combined = context["combined_validation_context"]
+        ca_source = combined["validation_context_sds_secret_config"]["sds_config"]
+        (ca,) = secrets[Path(ca_source["path_config_source"]["path"])]["resources"]
+        assert ca["validation_context"]["trusted_ca"]["filename"] == str(settings.tls.ca_file)
         service = name.removesuffix("-http")
-        (san,) = context["validation_context"]["match_typed_subject_alt_names"]
+        (san,) = combined["default_validation_context"]["match_typed_subject_alt_names"]
         assert san["matcher"] == {"exact": identity_uri(service)}
         assert context["alpn_protocols"] == (["http/1.1"] if name.endswith("-http") else ["h2"])
     assert not [name for name in local if "transport_socket" in upstream[name]]
-    path = tmp_path / "envoy.json"
-    path.write_text(json.dumps(config))
+    path = write_config(config, settings.edge.sds_dir / "envoy.json", secrets)
     assert_envoy_accepts(path)
+
+
+@pytest.mark.system
+async def test_envoy_reads_a_renewed_certificate_without_a_restart(settings, tmp_path):
+    """The kubelet swaps a renewed Secret in by moving files into its directory; the real
+    Envoy then serves the new certificate (its admin /certs), with no restart."""
+    from mesh.authz import EDGE
+    from mesh.edge import process
+    from mesh.pki import throwaway_pki
+
+    settings.tls = throwaway_pki(tmp_path / "pki", [EDGE])[EDGE]
+    settings.edge.sds_dir = tmp_path / "edge"
+    settings.edge.port, settings.edge.admin_port = free_port(), free_port()
+    settings.edge.metrics_port = 0
+    path = process.write_config(
+        edge_config(settings),
+        settings.edge.sds_dir / "envoy.json",
+        envoy.secret_documents(settings.tls, settings.edge.sds_dir),
+    )
+    renewed = throwaway_pki(tmp_path / "renewed", [EDGE])[EDGE]
+    proxy = await process.start(str(VENV_BIN / "envoy"), path, tmp_path / "envoy.log")
+    try:
+        await wait_for_certificate(settings, settings.tls.cert_file)
+        for name in ("key_file", "cert_file"):  # moved in, as the kubelet's ..data swap
+            os.replace(getattr(renewed, name), getattr(settings.tls, name))
+        await wait_for_certificate(settings, settings.tls.cert_file)
+        assert proxy.returncode is None
+    finally:
+        await process.stop(proxy)
+
+
+def serial_of(cert_file: Path) -> str:
+    from cryptography import x509
+
+    return format(x509.load_pem_x509_certificate(cert_file.read_bytes()).serial_number, "x")
+
+
+async def wait_for_certificate(settings, cert_file: Path, timeout_s: float = 30.0) -> None:
+    """Until Envoy's admin /certs lists the serial number of the certificate in cert_file
+    (Envoy starts in well under a second here; 30 s allows a loaded machine)."""
+    serial = serial_of(cert_file)
+    url = f"http://127.0.0.1:{settings.edge.admin_port}/certs"
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + timeout_s
+    seen = ""
+    while loop.time() < give_up:
+        try:
+            async with httpx.AsyncClient(timeout=2) as client:
+                seen = (await client.get(url)).text
+        except httpx.TransportError:
+            seen = ""
+        if serial.lstrip("0") in seen.replace('"', " "):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"Envoy never served certificate {serial}: {seen[-1000:]}")
 
 
 def test_the_written_config_is_readable_by_its_owner_only(settings, tmp_path):

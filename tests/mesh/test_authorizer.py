@@ -104,6 +104,7 @@ async def test_a_tenant_past_its_requests_per_minute_waits(tmp_path, monkeypatch
     assert (await ask(app, SEARCH, authorization="Bearer k")).status_code == 429
 
 
+@pytest.mark.service  # a real redis-server
 async def test_edge_replicas_on_one_redis_share_a_tenants_minute(tmp_path, redis_url):
     """Two authorizers (two edge replicas) on one real Redis: the tenant's 2 requests per
     minute are 2 in all, not 2 per replica."""

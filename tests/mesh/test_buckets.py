@@ -55,6 +55,7 @@ async def test_a_budget_never_refills(clock):
     assert await store.take([budget]) is None
 
 
+@pytest.mark.service  # a real redis-server
 async def test_in_redis_a_periodic_budget_expires_and_a_lifetime_one_stays(redis_url):
     """The Lua script's arithmetic is MemoryBuckets's (above); here, that a past
     period's counter leaves Redis instead of piling up, one key per tenant and period."""
@@ -71,6 +72,7 @@ async def test_in_redis_a_periodic_budget_expires_and_a_lifetime_one_stays(redis
         await store.close()
 
 
+@pytest.mark.service  # a real redis-server
 async def test_two_replicas_on_one_redis_draw_from_one_bucket(redis_url):
     first, second = RedisBuckets(redis_url), RedisBuckets(redis_url)
     rpm = Limit("requests_per_minute", "aimesh:test:rpm:t", capacity=3, rate=3 / 60, amount=1)
@@ -84,6 +86,7 @@ async def test_two_replicas_on_one_redis_draw_from_one_bucket(redis_url):
         await second.close()
 
 
+@pytest.mark.service  # a real redis-server
 async def test_while_redis_is_down_a_replica_limits_on_its_own_then_shares_again(
     clock, redis_server
 ):

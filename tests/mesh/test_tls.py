@@ -93,3 +93,45 @@ def test_each_certificate_names_its_service_for_dns_loopback_and_identity(tmp_pa
     assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
     assert names.get_values_for_type(x509.UniformResourceIdentifier) == [identity_uri("decode")]
     assert tls.key_file.stat().st_mode & 0o077 == 0
+
+
+async def test_probes_without_a_certificate_reach_health_and_only_health(tmp_path):
+    """[tls] health_port_offset: the kubelet's gRPC probes (no certificate) read liveness
+    and readiness in plaintext on their own port, which serves nothing else; the gRPC port
+    still refuses them. Draining shows NOT_SERVING there too."""
+    from mesh.server import MeshServer
+    from services.echo.servicer import setup
+    from tests.conftest import free_port
+
+    port, health_port = sorted((free_port(), free_port()))
+    tls = throwaway_pki(tmp_path / "mesh", ["echo", "caller"])
+    echo_tls = tls["echo"].model_copy(update={"health_port_offset": health_port - port})
+    server = MeshServer.for_service("echo", MeshSettings(tls=echo_tls), port=port)
+    await setup(server)
+    await server.start()
+    health = f"127.0.0.1:{health_port}"
+    try:
+        assert await probe(health) == "SERVING"
+        assert await probe(health, "echo") == "SERVING"
+        assert await probe(f"127.0.0.1:{port}", "echo") == "UNREACHABLE"  # plaintext
+        assert await refused(health) == grpc.StatusCode.UNIMPLEMENTED  # no Echo there
+        await server.set_ready(False)
+        assert await probe(health, "echo") == "NOT_SERVING"
+        assert await echo(f"127.0.0.1:{port}", MeshSettings(tls=tls["caller"])) == b"hi"
+    finally:
+        await server.drain(0)
+    assert await probe(health) == "UNREACHABLE"
+
+
+async def test_a_channel_can_ask_for_the_servers_name_instead_of_its_address(tmp_path):
+    """A KV handle names a pod's own address, which no certificate holds: the channel
+    checks the service's name in the certificate instead, and a server without that name
+    is refused."""
+    tls = throwaway_pki(tmp_path / "mesh", ["echo", "caller"])
+    async with InProcess() as services:
+        served = await services.start("echo", MeshSettings(tls=tls["echo"]))
+        caller = MeshSettings(tls=tls["caller"])
+        assert await echo(served.target, caller, server_name="echo") == b"hi"
+        with pytest.raises(grpc.aio.AioRpcError) as wrong:
+            await echo(served.target, caller, server_name="prefill")
+        assert wrong.value.code() == grpc.StatusCode.UNAVAILABLE
