@@ -24,8 +24,9 @@ from mesh.registry import discover
 from tests.conftest import ROOT, VENV_BIN
 
 K8S = ROOT / "k8s"
-# gpu-triton: the gpu overlay with k8s/components/triton (tests/k8s/test_triton.py).
-OVERLAYS = ("cpu", "gpu", "gpu-triton")
+# gpu-triton: the gpu overlay with k8s/components/triton (tests/k8s/test_triton.py);
+# cpu-mtls: the cpu overlay with k8s/components/mtls (tests/k8s/test_mtls.py).
+OVERLAYS = ("cpu", "gpu", "gpu-triton", "cpu-mtls")
 NAMESPACE = "aimesh"
 GPU_SERVICES = {"prefill", "decode", "diffusion"}
 # Mesh services that also serve HTTP (the gateway's OpenAI-compatible API, on its

@@ -133,7 +133,7 @@ def test_api_keys_come_from_the_secrets_to_the_authorizer_only(overlay):
     deployment, render, envoy_container = edge(overlay)
     checker = authorizer(overlay)
     assert checker["image"] == render["image"]
-    assert not [n for n in env_of(render) if "KEY" in n]
+    assert not [n for n in env_of(render) if "API_KEY" in n]
     assert "env" not in envoy_container
     volumes = {v["name"]: v for v in pod_spec(deployment)["volumes"]}
     (mount,) = [m for m in checker["volumeMounts"] if m["name"] == "api-keys"]

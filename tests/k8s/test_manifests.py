@@ -65,13 +65,25 @@ def test_every_mesh_service_has_a_deployment_service_budget_and_autoscaler(overl
         assert present == deployed, f"{kind}: {sorted(present ^ deployed)}"
 
 
+def probe_port(container: Doc) -> int:
+    """Where the kubelet asks a mesh container for its health: its gRPC port, or under
+    mutual TLS (k8s/components/mtls) its plaintext health port, a declared port too."""
+    port = SPECS[container["name"]].default_port
+    offset = env_of(container).get("AIMESH_TLS__HEALTH_PORT_OFFSET")
+    if offset is None:
+        return port
+    health = port + int(offset["value"])
+    assert {"name": "health", "containerPort": health} in container["ports"]
+    return health
+
+
 def test_grpc_probes_follow_the_health_contract(overlay):
     """Liveness asks for "" (process up), readiness and startup for the service by name
-    (model loaded, not draining), on the service's own gRPC port."""
+    (model loaded, not draining), on the service's own gRPC port (or its health port)."""
     for name, deployment in mesh_deployments(overlay).items():
         (container,) = containers(deployment)
-        port = SPECS[name].default_port
-        assert {"name": "grpc", "containerPort": port} in container["ports"]
+        assert {"name": "grpc", "containerPort": SPECS[name].default_port} in container["ports"]
+        port = probe_port(container)
         assert container["livenessProbe"]["grpc"] == {"port": port}
         for probe in ("readinessProbe", "startupProbe"):
             assert container[probe]["grpc"] == {"port": port, "service": name}, (name, probe)
@@ -92,7 +104,7 @@ def test_every_grpc_probe_names_a_real_service_on_its_port(overlay, deployed):
                 name = container["name"]
                 assert name in SPECS, f"{name} probes over gRPC but is no mesh service"
                 assert grpc.get("service", "") in ("", name)
-                assert grpc["port"] == SPECS[name].default_port
+                assert grpc["port"] == probe_port(container)
     assert probed == 3 * len(deployed)
 
 
