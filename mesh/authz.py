@@ -17,7 +17,7 @@ must not open the circuit for everyone else.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import Counter
@@ -58,14 +58,29 @@ def peer_identity(context: grpc.aio.ServicerContext) -> str | None:
     return None
 
 
+def certificate_identity(context: grpc.aio.ServicerContext, method: str) -> str | None:
+    """An Identify by the caller's mTLS certificate (whatever the method)."""
+    return peer_identity(context)
+
+
+# How a server learns a caller's mesh name for a call of a method: from its certificate
+# (mutual TLS) or from the token it signed (mesh/caller_token.py, TLS ended by a sidecar).
+Identify = Callable[["grpc.aio.ServicerContext", str], "str | None"]
+
+
 class Policy:
     """One server's allow-lists: a method's own entry wins over its proto service's; a
     method with neither is refused to everyone (default deny)."""
 
-    def __init__(self, callers: Iterable[tuple[str, Iterable[str]]]) -> None:
+    def __init__(
+        self,
+        callers: Iterable[tuple[str, Iterable[str]]],
+        identify: Identify = certificate_identity,
+    ) -> None:
         self._callers: Mapping[str, frozenset[str]] = {
             scope: frozenset(names) for scope, names in callers
         }
+        self.identify = identify
 
     def callers_of(self, method: str) -> frozenset[str]:
         found = self._callers.get(method)

@@ -28,7 +28,7 @@ from mesh.metrics import serve_metrics
 from mesh.pki import throwaway_pki
 from mesh.registry import ServiceSpec, discover, options_problems
 from mesh.server import MeshServer
-from mesh.tls import tls_environment
+from mesh.tls import terminates_here, tls_environment
 
 app = typer.Typer(help="aimesh: a gRPC mesh for AI serving.", no_args_is_help=True)
 edge_app = typer.Typer(help="The Envoy edge in front of the mesh.", no_args_is_help=True)
@@ -104,6 +104,14 @@ def up(
         Path | None,
         typer.Option(help="where --tls writes its CA and certificates; default <cache_dir>/tls"),
     ] = None,
+    caller_tokens: Annotated[
+        bool,
+        typer.Option(
+            "--caller-tokens",
+            help="with --tls: as behind sidecars that end TLS, plaintext between processes "
+            "and each call's caller proven by a token signed with its key",
+        ),
+    ] = False,
 ) -> None:
     """Start every service as its own process, wait until all are ready, run until Ctrl-C."""
     settings = MeshSettings()
@@ -111,17 +119,23 @@ def up(
     _refuse_bad_options(specs, settings)
     environments: dict[str, dict[str, str]] = {}
     edge_settings = settings
+    if caller_tokens and not tls:
+        raise typer.BadParameter("--caller-tokens signs with --tls's certificates: add --tls")
     if tls:
         names = [*(s.name for s in specs), EDGE, OPERATOR]
-        pki = throwaway_pki(tls_dir or settings.cache_dir / "tls", names)
+        made = throwaway_pki(tls_dir or settings.cache_dir / "tls", names)
+        pki = {
+            name: made[name].model_copy(update={"caller_tokens": caller_tokens}) for name in names
+        }
         settings = settings.model_copy(update={"tls": pki[OPERATOR]})
         environments = {spec.name: tls_environment(pki[spec.name]) for spec in specs}
         edge_settings = settings.model_copy(update={"tls": pki[EDGE]})
         exports = " ".join(
             f"{key}={value}" for key, value in tls_environment(pki[OPERATOR]).items()
         )
+        mode = "plaintext with signed caller tokens" if caller_tokens else "mutual TLS"
         console.print(
-            f"mutual TLS: CA {settings.tls.ca_file}; callers from outside use "
+            f"{mode}: CA {settings.tls.ca_file}; callers from outside use "
             f"{settings.tls.cert_file} and {settings.tls.key_file} (aimesh commands: "
             f"export {exports})",
             soft_wrap=True,
@@ -207,14 +221,15 @@ def _ensure_a_key(settings: MeshSettings) -> None:
 def _write_edge_config(specs: list[ServiceSpec], settings: MeshSettings, path: Path) -> Path:
     """The same Envoy config for `up --edge` and `edge render` (spans go where ours do),
     with its SDS files under [tls] (beside it unless edge.sds_dir says where)."""
-    if settings.tls is not None and settings.edge.sds_dir is None:
+    tls = settings.tls if settings.tls is not None and terminates_here(settings.tls) else None
+    if tls is not None and settings.edge.sds_dir is None:
         settings.edge.sds_dir = path.parent
     config = envoy.bootstrap(
         envoy.upstreams_for(specs, settings), settings, otlp_endpoint=tracing.otlp_endpoint()
     )
     secrets = None
-    if settings.tls is not None and settings.edge.sds_dir is not None:
-        secrets = envoy.secret_documents(settings.tls, settings.edge.sds_dir)
+    if tls is not None and settings.edge.sds_dir is not None:
+        secrets = envoy.secret_documents(tls, settings.edge.sds_dir)
     return edge_process.write_config(config, path, secrets)
 
 

@@ -19,9 +19,10 @@ from google.protobuf.descriptor_pb2 import MethodOptions
 
 from mesh import interceptors, tracing
 from mesh.breaker import CircuitBreaker
+from mesh.caller_token import token_signer
 from mesh.config import ClientSettings, MeshSettings, TransportSettings
 from mesh.deadline import DeadlinePolicy
-from mesh.tls import channel_credentials
+from mesh.tls import channel_credentials, terminates_here
 
 _IDEMPOTENT_LEVELS = frozenset({MethodOptions.NO_SIDE_EFFECTS, MethodOptions.IDEMPOTENT})
 
@@ -95,20 +96,23 @@ def create_channel(
     server_name: str | None = None,
 ) -> grpc.aio.Channel:
     """A channel with the mesh's interceptors; TLS with `credentials`, or with the mesh's
-    own when `[tls]` is configured. Over TLS, `server_name` is the name the server's
+    own when `[tls]` is configured (plaintext and a signed token per call where a sidecar
+    ends TLS: mesh/caller_token.py). Over TLS, `server_name` is the name the server's
     certificate must hold instead of the target's host: a pod's own address (where a KV
     handle points) is in no certificate a Deployment's pods share, its service's name is."""
     client = settings.client
     breaker = breaker or CircuitBreaker(target, client.breaker)
+    tls = settings.tls
+    tokens = token_signer(tls) if tls is not None and tls.caller_tokens else None
     chain = [
         *tracing.client_interceptors(),
-        *interceptors.client_interceptors(DeadlinePolicy(client), breaker),
+        *interceptors.client_interceptors(DeadlinePolicy(client), breaker, tokens),
     ]
     options = channel_options(settings, services)
     if server_name is not None:
         options.append(("grpc.ssl_target_name_override", server_name))
-    if credentials is None and settings.tls is not None:
-        credentials = channel_credentials(settings.tls)
+    if credentials is None and tls is not None and terminates_here(tls):
+        credentials = channel_credentials(tls)
     if credentials is not None:
         return grpc.aio.secure_channel(target, credentials, options=options, interceptors=chain)
     return grpc.aio.insecure_channel(target, options=options, interceptors=chain)

@@ -270,6 +270,12 @@ class TlsSettings(BaseModel, extra="forbid"):
         "(mesh/authz.py); needs require_client_cert",
     )
 
+    caller_tokens: bool = Field(
+        default=False,
+        description="TLS ends before this process (a sidecar proxy encrypts the hop): listen "
+        "and dial in plaintext, and prove each caller's identity with a token signed by its "
+        "key instead (mesh/caller_token.py)",
+    )
     health_port_offset: int | None = Field(
         default=None,
         ge=1,

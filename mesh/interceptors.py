@@ -20,10 +20,11 @@ from typing import Any
 
 import grpc
 
-from mesh import caller, deadline, request_id
+from mesh import caller, caller_token, deadline, request_id
 from mesh.admission import Admission
-from mesh.authz import Policy, peer_identity
+from mesh.authz import Policy
 from mesh.breaker import CircuitBreaker
+from mesh.caller_token import TokenSigner
 from mesh.deadline import DeadlinePolicy
 from mesh.errors import fail, local_error
 from mesh.failures import Failure, InvalidInput
@@ -109,7 +110,8 @@ class MeshServerInterceptor(grpc.aio.ServerInterceptor):
         if policy is None:
             return _trust_every_caller
         allowed = policy.callers_of(method)
-        return lambda context: policy.check(method, allowed, peer_identity(context))
+        identify = policy.identify
+        return lambda context: policy.check(method, allowed, identify(context, method))
 
     def _unary(
         self,
@@ -213,9 +215,15 @@ class MeshClientInterceptor:
     (`client_interceptors`), sharing the policy and the breaker.
     """
 
-    def __init__(self, deadlines: DeadlinePolicy, breaker: CircuitBreaker) -> None:
+    def __init__(
+        self,
+        deadlines: DeadlinePolicy,
+        breaker: CircuitBreaker,
+        tokens: TokenSigner | None = None,
+    ) -> None:
         self.deadlines = deadlines
         self.breaker = breaker
+        self.tokens = tokens
         self._observers: set[asyncio.Task[None]] = set()
 
     def _prepare(self, details: Any, *, streaming: bool) -> Any:
@@ -223,10 +231,13 @@ class MeshClientInterceptor:
         refusal = self.breaker.before_call(method_name(details))
         if refusal is not None:
             raise local_error(refusal)
-        metadata = carried(
-            details.metadata,
-            {request_id.METADATA_KEY: request_id.current(), caller.METADATA_KEY: caller.current()},
-        )
+        carry = {
+            request_id.METADATA_KEY: request_id.current(),
+            caller.METADATA_KEY: caller.current(),
+        }
+        if self.tokens is not None:
+            carry[caller_token.METADATA_KEY] = self.tokens.token(method_name(details))
+        metadata = carried(details.metadata, carry)
         return details._replace(timeout=timeout, metadata=metadata)
 
     async def _unary(self, continuation: Any, details: Any, request: Any) -> Any:
@@ -306,9 +317,9 @@ class _StreamStream(MeshClientInterceptor, grpc.aio.StreamStreamClientIntercepto
 
 
 def client_interceptors(
-    deadlines: DeadlinePolicy, breaker: CircuitBreaker
+    deadlines: DeadlinePolicy, breaker: CircuitBreaker, tokens: TokenSigner | None = None
 ) -> list[grpc.aio.ClientInterceptor]:
     return [
-        arity(deadlines, breaker)
+        arity(deadlines, breaker, tokens)
         for arity in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)
     ]

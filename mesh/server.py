@@ -36,6 +36,7 @@ from aimesh.mesh.v1 import info_pb2_grpc
 from mesh import tracing
 from mesh.admission import Admission
 from mesh.authz import Policy
+from mesh.caller_token import TokenVerifier
 from mesh.client import ChannelPool, transport_options
 from mesh.config import MeshSettings, ServiceOptions
 from mesh.failures import NotReady
@@ -44,7 +45,7 @@ from mesh.info import InfoServicer, ModelInfo
 from mesh.interceptors import MeshServerInterceptor
 from mesh.metrics import watch_event_loop
 from mesh.registry import discover
-from mesh.tls import server_credentials
+from mesh.tls import server_credentials, terminates_here
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +133,14 @@ class MeshServer:
         )
 
     def _policy(self, callers: Iterable[tuple[str, Iterable[str]]]) -> Policy | None:
-        """The callers' allow-lists when callers have identities to check (mutual TLS)."""
+        """The callers' allow-lists when callers have identities to check: their mutual TLS
+        certificates, or their signed tokens where a sidecar ends TLS."""
         tls = self.settings.tls
-        return Policy(callers) if tls is not None and tls.authorize_callers else None
+        if tls is None or not tls.authorize_callers:
+            return None
+        if tls.caller_tokens:
+            return Policy(callers, TokenVerifier(tls).identity)
+        return Policy(callers)
 
     def _refusal(self) -> NotReady | None:
         """Why a call cannot be served now; None when it can."""
@@ -289,12 +295,12 @@ class MeshServer:
         tls = self.settings.tls
         self.port = (
             self.grpc_server.add_secure_port(address, server_credentials(tls))
-            if tls is not None
+            if tls is not None and terminates_here(tls)
             else self.grpc_server.add_insecure_port(address)
         )
         if self.port == 0:
             raise OSError(f"{self.name}: cannot bind {self.host}:{self.requested_port}")
-        if tls is not None and tls.health_port_offset is not None:
+        if tls is not None and terminates_here(tls) and tls.health_port_offset is not None:
             self.health_server = self._plaintext_health(self.port + tls.health_port_offset)
         await self.set_ready(False)
         await self.grpc_server.start()

@@ -65,10 +65,16 @@ def channel_credentials(tls: TlsSettings) -> grpc.ChannelCredentials:
     )
 
 
+def terminates_here(tls: TlsSettings | None) -> bool:
+    """Whether this process speaks TLS itself (else plaintext: none configured, or a
+    sidecar's, mesh/caller_token.py)."""
+    return tls is not None and not tls.caller_tokens
+
+
 def plain_channel(target: str, tls: TlsSettings | None) -> grpc.aio.Channel:
     """A channel without the mesh's interceptors or breaker (health probes, GetInfo, load
     polls: one-off looks that must not trip a breaker), over TLS when `tls` is set."""
-    if tls is None:
+    if tls is None or not terminates_here(tls):
         return grpc.aio.insecure_channel(target)
     return grpc.aio.secure_channel(target, channel_credentials(tls))
 
@@ -79,4 +85,5 @@ def tls_environment(tls: TlsSettings) -> dict[str, str]:
         "AIMESH_TLS__CERT_FILE": str(tls.cert_file),
         "AIMESH_TLS__KEY_FILE": str(tls.key_file),
         "AIMESH_TLS__CA_FILE": str(tls.ca_file),
+        "AIMESH_TLS__CALLER_TOKENS": "true" if tls.caller_tokens else "false",
     }

@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mesh import caller
+from mesh import caller, caller_token
 from mesh.buckets import Buckets, Limit, LocalWhileDown, MemoryBuckets, open_buckets
 from mesh.config import MeshSettings
 from mesh.embedded_http import EmbeddedServer
@@ -50,7 +50,10 @@ CLIENT_HEADER = caller.METADATA_KEY
 SCOPES_HEADER = "x-aimesh-scopes"
 # The headers Envoy sends here, and those it copies from an answer onto the request.
 KEY_HEADERS = ("authorization", "x-api-key")
-UPSTREAM_HEADERS = (CLIENT_HEADER, SCOPES_HEADER)
+# The edge's own identity where a sidecar ends TLS: a token per call, signed with the
+# edge's key (mesh/caller_token.py), since Envoy cannot sign one.
+TOKEN_HEADER = caller_token.METADATA_KEY
+UPSTREAM_HEADERS = (CLIENT_HEADER, SCOPES_HEADER, TOKEN_HEADER)
 # A method no spec gives a scope is refused to every key (default deny).
 NO_SCOPE = ""
 # The edge's keys in a shared limits store, beside the gateway's aimesh:gateway:.
@@ -132,7 +135,12 @@ def _refusal(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-def build_app(keys: Keys, scopes: Mapping[str, str], rates: TenantRates | None = None) -> Starlette:
+def build_app(
+    keys: Keys,
+    scopes: Mapping[str, str],
+    rates: TenantRates | None = None,
+    tokens: caller_token.TokenSigner | None = None,
+) -> Starlette:
     metered = rates or TenantRates()
 
     async def check(request: Request) -> Response:
@@ -154,14 +162,14 @@ def build_app(keys: Keys, scopes: Mapping[str, str], rates: TenantRates | None =
             refused.headers["grpc-status"] = str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
             refused.headers["grpc-message"] = message
             return refused
-        return Response(
-            status_code=200,
-            headers={
-                CLIENT_HEADER: principal.tenant,
-                SCOPES_HEADER: ",".join(sorted(principal.scopes)),
-                "x-envoy-auth-headers-to-remove": ",".join(KEY_HEADERS),
-            },
-        )
+        headers = {
+            CLIENT_HEADER: principal.tenant,
+            SCOPES_HEADER: ",".join(sorted(principal.scopes)),
+            "x-envoy-auth-headers-to-remove": ",".join(KEY_HEADERS),
+        }
+        if tokens is not None and needed is not None:  # a gRPC method of the mesh
+            headers[TOKEN_HEADER] = tokens.token(path)
+        return Response(status_code=200, headers=headers)
 
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
     return Starlette(routes=[Route(PATH_PREFIX + "{rest:path}", check, methods=methods)])
@@ -180,8 +188,10 @@ class AuthorizerServer:
             self.rates = TenantRates(
                 LocalWhileDown(open_buckets(store, timeout_s=SHARED_TIMEOUT_S))
             )
+        tls = settings.tls
+        tokens = caller_token.token_signer(tls) if tls is not None and tls.caller_tokens else None
         config = uvicorn.Config(
-            build_app(Keys(settings), method_scopes(discover().values()), self.rates),
+            build_app(Keys(settings), method_scopes(discover().values()), self.rates, tokens),
             host="127.0.0.1",
             port=settings.edge.authorizer_port,
             log_config=None,

@@ -34,6 +34,7 @@ from mesh.authz import identity_uri
 from mesh.config import HttpServiceOptions, MeshSettings, TlsSettings
 from mesh.edge import api, authorizer
 from mesh.registry import ServiceSpec
+from mesh.tls import terminates_here
 
 ADMIN_CLUSTER = "envoy_admin"
 COLLECTOR_CLUSTER = "otel_collector"
@@ -361,7 +362,7 @@ def _cluster(
         config["typed_extension_protocol_options"] = _http2_cluster_options()
     if discovery == "STRICT_DNS":
         config["dns_lookup_family"] = "V4_PREFERRED"
-    if settings.tls is not None:
+    if settings.tls is not None and terminates_here(settings.tls):
         if edge.sds_dir is None:
             raise ValueError("the edge's mutual TLS needs edge.sds_dir (for its SDS files)")
         alpn = "h2" if http2 else "http/1.1"

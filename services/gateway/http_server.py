@@ -16,14 +16,16 @@ from starlette.types import ASGIApp
 
 from mesh.config import TlsSettings
 from mesh.embedded_http import EmbeddedServer
+from mesh.tls import terminates_here
 
 log = logging.getLogger(__name__)
 
 
 def _tls_options(tls: TlsSettings | None) -> dict[str, Any]:
     """uvicorn's TLS settings from the mesh's `[tls]`: its certificate, and callers'
-    certificates required and checked against the mesh CA (the edge's, under mTLS)."""
-    if tls is None:
+    certificates required and checked against the mesh CA (the edge's, under mTLS); none
+    where a sidecar terminates TLS (the edge's keys still gate this API)."""
+    if tls is None or not terminates_here(tls):
         return {}
     return {
         "ssl_certfile": str(tls.cert_file),

@@ -42,6 +42,7 @@ from tests.k8s.conftest import (
     documents,
     env_of,
     gpus,
+    kustomize,
     load_script,
     of_kind,
     otlp_receiver,
@@ -450,6 +451,25 @@ def test_triton_image_is_built_from_images_you_name(rendered):
     _, container, _ = triton(rendered[OPTION])
     assert container["image"] != placeholder["image"]
     assert container["image"].split(":")[0] == placeholder["image"].split(":")[0]
+
+
+def test_an_own_overlay_pins_the_triton_image_by_digest(tmp_path):
+    """What docs/deploy.md tells operators to write: the image they built, by digest, so
+    a re-pushed tag cannot change what runs."""
+    digest = "sha256:" + "ab" * 32
+    base = os.path.relpath(K8S / "overlays" / OPTION, tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        f"""
+resources:
+  - {base}
+images:
+  - name: aimesh-triton
+    newName: team/aimesh-triton
+    digest: {digest}
+"""
+    )
+    _, container, _ = triton(documents(kustomize(tmp_path)))
+    assert container["image"] == f"team/aimesh-triton@{digest}"
 
 
 @pytest.mark.parametrize("name", sorted(ON_TRITON))

@@ -121,3 +121,27 @@ async def test_edge_replicas_on_one_redis_share_a_tenants_minute(tmp_path, redis
     finally:
         for replica in rates:
             await replica.close()
+
+
+async def test_where_a_sidecar_ends_tls_the_answer_carries_the_edges_token(tmp_path):
+    """Envoy cannot sign: the authorizer adds a token naming `edge` for the very method
+    allowed (mesh/caller_token.py); the gateway's HTTP paths get none."""
+    from mesh.authz import EDGE
+    from mesh.caller_token import TokenSigner, TokenVerifier
+    from mesh.edge.authorizer import TOKEN_HEADER
+    from mesh.pki import throwaway_pki
+
+    pki = throwaway_pki(tmp_path / "pki", [EDGE, "retrieval"])
+    settings = MeshSettings()
+    settings.edge.api_keys = [SecretStr("plain")]
+    app = build_app(
+        Keys(settings), method_scopes(discover().values()), tokens=TokenSigner(pki[EDGE])
+    )
+    allowed = await ask(app, SEARCH, authorization="Bearer plain")
+    verifier = TokenVerifier(pki["retrieval"])
+    assert verifier.verify(allowed.headers[TOKEN_HEADER], SEARCH) == EDGE
+    assert verifier.verify(allowed.headers[TOKEN_HEADER], DELETE) is None
+    http = await ask(app, "/v1/models", authorization="Bearer plain")
+    assert http.status_code == 200 and TOKEN_HEADER not in http.headers
+    refused = await ask(app, SEARCH, authorization="Bearer nope")
+    assert TOKEN_HEADER not in refused.headers
