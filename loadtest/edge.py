@@ -173,7 +173,8 @@ def report(samples: dict[tuple[str, str], Sample], seconds: float, rounds: int) 
         f"Command: `python -m loadtest.edge --seconds {seconds:g} --rounds {rounds}`"
         f" (`make bench-edge`). Machine: {os.cpu_count()} cores, Python"
         f" {platform.python_version()}. One `aimesh up --edge` (embedder, generation,"
-        " tokenizer, prefill, decode, Envoy with API keys, health checks, transcoder, access"
+        " tokenizer, prefill, decode, Envoy asking its key-checking authorizer (ext_authz) about"
+        " every request, health checks, transcoder, buffer limits, access"
         " logs); the client is a separate process; direct and edge alternate round by round.",
         "",
         "| scenario | path | calls/s | p50 (ms) | p99 (ms) | first chunk p50 (ms) |",

@@ -7,7 +7,10 @@ admission) and mesh.client.create_channel (tracing, request id, deadline, breake
 retry service config). Mesh-untraced: the same with OTEL_SDK_DISABLED=true, which
 removes the OpenTelemetry interceptors, to show what tracing costs on its own.
 Mesh-mtls: the full stack over mutual TLS with caller authorization (certificates of a
-throwaway CA, mesh/pki.py), to show what `[tls]` costs per hop. Scenarios: unary at
+throwaway CA, mesh/pki.py), to show what `[tls]` costs per hop. Mesh-tokens: plaintext
+with a signed caller token per call instead (`[tls] caller_tokens`, as behind sidecars
+that end TLS: mesh/caller_token.py), to show what proving the caller that way costs.
+Scenarios: unary at
 concurrency 1 and 32, server streaming (100 messages per call) at concurrency 1 and 32.
 
     python -m loadtest.mesh_overhead --seconds 5 --out docs/benchmarks.md
@@ -62,15 +65,19 @@ class _Discard(SpanExporter):
         return SpanExportResult.SUCCESS
 
 
-STACKS = ("bare", "mesh", "mesh-untraced", "mesh-mtls")
+STACKS = ("bare", "mesh", "mesh-untraced", "mesh-mtls", "mesh-tokens")
 CLIENT_IDENTITY = "bench-client"
 
 
 def stack_settings(stack: str, pki: Path, identity: str) -> MeshSettings:
-    """`identity`'s settings on `stack`: its certificate from `pki` for mesh-mtls."""
-    if stack != "mesh-mtls":
-        return MeshSettings()
-    return MeshSettings(tls=certificate_of(pki, identity))
+    """`identity`'s settings on `stack`: its certificate from `pki` for mesh-mtls, and for
+    mesh-tokens to sign with."""
+    if stack == "mesh-mtls":
+        return MeshSettings(tls=certificate_of(pki, identity))
+    if stack == "mesh-tokens":
+        tls = certificate_of(pki, identity).model_copy(update={"caller_tokens": True})
+        return MeshSettings(tls=tls)
+    return MeshSettings()
 
 
 def certificate_of(pki: Path, identity: str) -> TlsSettings:
@@ -242,7 +249,9 @@ def report(results: list[Result], seconds: float, rounds: int) -> str:
         " request id, deadline, metrics, error table, admission on the server; tracing,"
         " request id, deadline, breaker and retry config on the client. Mesh-untraced ="
         " the same with OTEL_SDK_DISABLED=true. Mesh-mtls = the full stack over mutual TLS"
-        " (EC P-256 certificates) with caller authorization. Stacks alternate round by round.",
+        " (EC P-256 certificates) with caller authorization. Mesh-tokens = plaintext with"
+        " a signed caller token (ES256 JWT) checked against the allow-list per call, as"
+        " behind sidecars that end TLS. Stacks alternate round by round.",
         "",
         "| scenario | concurrency | stack | calls/s | msgs/s | p50 (us) | p99 (us) |",
         "|---|---|---|---|---|---|---|",
@@ -264,15 +273,14 @@ def report(results: list[Result], seconds: float, rounds: int) -> str:
                 f"- {scenario}, c={concurrency}, {stack}: keeps {kept:.0%} of bare throughput;"
                 f" p50 {added:+,.0f} us per call"
             )
-        plain, mtls = (
-            merged[("mesh", scenario, concurrency)],
-            merged[("mesh-mtls", scenario, concurrency)],
-        )
-        summary.append(
-            f"- {scenario}, c={concurrency}, mTLS against the plaintext mesh: keeps"
-            f" {mtls.messages_per_s / plain.messages_per_s:.0%} of its throughput; p50"
-            f" {(mtls.percentile(0.5) - plain.percentile(0.5)) * us:+,.0f} us per call"
-        )
+        plain = merged[("mesh", scenario, concurrency)]
+        for stack, what in (("mesh-mtls", "mTLS"), ("mesh-tokens", "caller tokens")):
+            secured = merged[(stack, scenario, concurrency)]
+            summary.append(
+                f"- {scenario}, c={concurrency}, {what} against the plaintext mesh: keeps"
+                f" {secured.messages_per_s / plain.messages_per_s:.0%} of its throughput; p50"
+                f" {(secured.percentile(0.5) - plain.percentile(0.5)) * us:+,.0f} us per call"
+            )
     lines += ["", *summary, END]
     return "\n".join(lines)
 
@@ -297,7 +305,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--pki", type=Path, help="(internal) the certificates of mesh-mtls")
+    parser.add_argument("--pki", type=Path, help="(internal) certificates: mesh-mtls, mesh-tokens")
     args = parser.parse_args()
     if args.serve:
         asyncio.run(serve(args.serve, args.port, args.pki))
