@@ -25,6 +25,7 @@ from mesh.edge.authorizer import AuthorizerServer
 from mesh.health import probe
 from mesh.info import get_info, summary
 from mesh.metrics import serve_metrics
+from mesh.models_cli import models_app
 from mesh.pki import throwaway_pki
 from mesh.registry import ServiceSpec, discover, options_problems
 from mesh.server import MeshServer
@@ -33,6 +34,7 @@ from mesh.tls import terminates_here, tls_environment
 app = typer.Typer(help="aimesh: a gRPC mesh for AI serving.", no_args_is_help=True)
 edge_app = typer.Typer(help="The Envoy edge in front of the mesh.", no_args_is_help=True)
 app.add_typer(edge_app, name="edge")
+app.add_typer(models_app, name="models")
 console = Console()
 log = logging.getLogger("aimesh")
 

@@ -308,6 +308,11 @@ class MeshSettings(BaseSettings):
     edge: EdgeSettings = Field(default_factory=EdgeSettings)
     # None: plaintext (the loopback default); mesh/tls.py.
     tls: TlsSettings | None = None
+    deployments: str = Field(
+        default="file",
+        description="the model registry (mesh/deployments.py): 'file' for "
+        "<cache_dir>/deployments.json, another file's path, or a Redis URL shared by replicas",
+    )
     reflection: bool = Field(
         default=True,
         description="gRPC server reflection (grpcurl without .proto files); off in production: "

@@ -1,0 +1,199 @@
+"""The model registry (mesh/deployments.py): canary by user within a point of its share
+and the same on every replica, activate and rollback with an audit trail, immutable
+versions, artifacts checked before they serve, no change lost between concurrent writers,
+in a file and in a real Redis; and `aimesh models` driving it."""
+
+from __future__ import annotations
+
+import multiprocessing
+import uuid
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mesh import deployments
+from mesh.cli import app
+from mesh.deployments import (
+    Artifact,
+    FileStore,
+    RedisStore,
+    RegistryState,
+    Version,
+    activate,
+    register,
+    rollback,
+    set_canary,
+)
+from mesh.failures import AlreadyExists, Conflict, InvalidInput, NotFound
+
+pytestmark = pytest.mark.unit
+
+USERS = [f"user-{uuid.UUID(int=n)}" for n in range(10_000)]
+
+
+def two_versions(store) -> None:
+    store.update(lambda s: register(s, "smollm2", Version(name="torch", engine="torch"), "ops"))
+    store.update(lambda s: register(s, "smollm2", Version(name="gguf", engine="llama.cpp"), "ops"))
+    store.update(lambda s: activate(s, "smollm2", "torch", "ops"))
+
+
+@pytest.mark.parametrize("percent", [1, 10, 37, 50])
+def test_the_canary_gets_its_share_of_users_within_a_point(percent):
+    state = RegistryState()
+    register(state, "m", Version(name="a"), "ops")
+    register(state, "m", Version(name="b"), "ops")
+    activate(state, "m", "a", "ops")
+    set_canary(state, "m", "b", percent, "ops")
+    chosen = [state.deployment("m").version_for(user) for user in USERS]
+    share = 100 * chosen.count("b") / len(USERS)
+    assert abs(share - percent) <= 1, share
+    assert state.deployment("m").version_for(None) == "a"  # no user id: the stable one
+    assert state.deployment("m").version_for("") == "a"
+
+
+def test_two_replicas_on_one_store_send_every_user_to_the_same_version(tmp_path):
+    """Stickiness across replicas: two stores (as two routers) read the same file."""
+    first, second = FileStore(tmp_path / "r.json"), FileStore(tmp_path / "r.json")
+    two_versions(first)
+    first.update(lambda s: set_canary(s, "smollm2", "gguf", 20, "ops"))
+    one, other = first.load().deployment("smollm2"), second.load().deployment("smollm2")
+    assert [one.version_for(u) for u in USERS] == [other.version_for(u) for u in USERS]
+    assert deployments.bucket("alice") == deployments.bucket("alice")  # not Python's hash()
+
+
+def test_activate_canary_and_rollback_are_audited_and_survive_a_restart(tmp_path):
+    store = FileStore(tmp_path / "registry.json")
+    two_versions(store)
+    store.update(lambda s: set_canary(s, "smollm2", "gguf", 10, "alice"))
+    store.update(lambda s: rollback(s, "smollm2", "auto", "canary error rate 3x stable"))
+    assert store.load().deployment("smollm2").canary is None
+    store.update(lambda s: activate(s, "smollm2", "gguf", "alice"))
+    event = store.update(lambda s: rollback(s, "smollm2", "bob", "p99 TTFT"))
+    assert (event.before, event.after, event.actor) == ("gguf", "torch", "bob")
+    restarted = FileStore(tmp_path / "registry.json").load()
+    assert restarted.deployment("smollm2").active == "torch"
+    actions = [(e.action, e.before, e.after, e.actor) for e in restarted.events]
+    assert actions[-4:] == [
+        ("canary", None, "gguf@10%", "alice"),
+        ("rollback", "gguf@10%", None, "auto"),
+        ("activate", "torch", "gguf", "alice"),
+        ("rollback", "gguf", "torch", "bob"),
+    ]
+    assert [e.seq for e in restarted.events] == list(range(1, len(restarted.events) + 1))
+    assert restarted.revision == len(restarted.events)
+    with pytest.raises(Conflict):  # nothing earlier than torch
+        store.update(lambda s: rollback(s, "smollm2", "bob"))
+
+
+def test_bad_changes_are_refused_and_change_nothing(tmp_path):
+    store = FileStore(tmp_path / "registry.json")
+    two_versions(store)
+    before = store.load()
+    with pytest.raises(NotFound):
+        store.update(lambda s: activate(s, "smollm2", "nope", "ops"))
+    with pytest.raises(NotFound):
+        store.update(lambda s: activate(s, "other-model", "torch", "ops"))
+    with pytest.raises(InvalidInput):
+        store.update(lambda s: set_canary(s, "smollm2", "gguf", 101, "ops"))
+    with pytest.raises(InvalidInput):
+        store.update(lambda s: set_canary(s, "smollm2", "torch", 5, "ops"))  # the active one
+    changed = Version(name="torch", engine="llama.cpp")
+    with pytest.raises(AlreadyExists):  # versions are immutable
+        store.update(lambda s: register(s, "smollm2", changed, "ops"))
+    assert store.load() == before
+    with pytest.raises(ValueError):
+        Version(name="../../etc")
+
+
+def test_a_changed_or_truncated_artifact_is_refused(tmp_path):
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"w" * 4096)
+    artifact = Artifact.of(weights)
+    artifact.verify()
+    weights.write_bytes(b"w" * 4095 + b"x")  # same size, other bytes
+    with pytest.raises(Conflict, match="sha256"):
+        artifact.verify()
+    weights.write_bytes(b"w" * 100)
+    with pytest.raises(Conflict, match="bytes"):
+        artifact.verify()
+    weights.unlink()
+    with pytest.raises(Conflict):
+        artifact.verify()
+
+
+def _canary_flips(path: str, times: int) -> None:
+    store = FileStore(Path(path))
+    for n in range(times):
+        store.update(lambda s, n=n: set_canary(s, "smollm2", "gguf", n % 50 + 1, "writer"))
+
+
+@pytest.mark.service  # two writer processes
+def test_concurrent_writers_lose_no_change(tmp_path):
+    path = tmp_path / "registry.json"
+    two_versions(FileStore(path))
+    context = multiprocessing.get_context("spawn")
+    writers = [context.Process(target=_canary_flips, args=(str(path), 40)) for _ in range(2)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=120)
+        assert writer.exitcode == 0
+    state = FileStore(path).load()
+    assert state.revision == 3 + 80
+    assert [e.seq for e in state.events] == list(range(1, 84))
+
+
+@pytest.mark.service  # a real redis-server
+def test_in_redis_replicas_share_one_registry_and_lose_no_change(redis_url):
+    first, second = RedisStore(redis_url), RedisStore(redis_url)
+    try:
+        two_versions(first)
+        second.update(lambda s: set_canary(s, "smollm2", "gguf", 30, "ops"))
+        one, other = first.load().deployment("smollm2"), second.load().deployment("smollm2")
+        assert [one.version_for(u) for u in USERS] == [other.version_for(u) for u in USERS]
+        assert one.canary.percent == 30
+
+        def flip_twice(state: RegistryState):
+            # Another replica writes between this one's read and its write: the
+            # transaction is retried on the newer state, and both changes stay.
+            if not hasattr(flip_twice, "raced"):
+                flip_twice.raced = True
+                second.update(lambda s: set_canary(s, "smollm2", "gguf", 5, "other"))
+            return set_canary(state, "smollm2", "gguf", 7, "this")
+
+        first.update(flip_twice)
+        state = first.load()
+        assert [e.after for e in state.events[-2:]] == ["gguf@5%", "gguf@7%"]
+        assert state.revision == len(state.events)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_the_cli_registers_activates_canaries_and_rolls_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("AIMESH_DEPLOYMENTS", str(tmp_path / "registry.json"))
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(b"v2 weights")
+    runner = CliRunner()
+
+    def run(*args: str) -> str:
+        result = runner.invoke(app, ["models", *args])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    run("register", "smollm2", "v1", "--engine", "torch", "--capability", "context_length=2048")
+    run("register", "smollm2", "v2", "--artifact", str(weights), "--engine", "llama.cpp")
+    assert "activate smollm2: - -> v1" in run("activate", "smollm2", "v1", "--actor", "ci")
+    run("canary", "smollm2", "v2", "10")
+    assert "v2 10%" in run("list")
+    weights.write_bytes(b"v2 weightz")  # corrupted after registration
+    refused = runner.invoke(app, ["models", "activate", "smollm2", "v2"])
+    assert refused.exit_code == 1 and "sha256" in refused.output
+    assert "rollback smollm2: v2@10% -> -" in run("rollback", "smollm2", "--reason", "errors")
+    state = FileStore(tmp_path / "registry.json").load()
+    assert state.deployment("smollm2").active == "v1"
+    assert state.deployment("smollm2").versions["v1"].capabilities == {"context_length": 2048}
+    assert "errors" in run("events", "--model", "smollm2")
+    unknown = runner.invoke(app, ["models", "canary", "nope", "v2", "10"])
+    assert unknown.exit_code == 1 and "no model" in unknown.output
