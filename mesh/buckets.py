@@ -193,8 +193,9 @@ class RedisBuckets:
 class LocalWhileDown:
     """Shared buckets that fall back to this process's own while the shared store fails:
     for a limit that protects (the edge's requests per minute), a Redis outage should
-    loosen the limit to one replica's share, not refuse every request nor admit all of
-    them. The shared store is tried again `retry_s` after each failure."""
+    loosen the limit, not refuse every request nor admit all of them. Each replica then
+    allows the tenant's whole rate on its own (N replicas: up to N times it). Any error of
+    the store counts as an outage; it is tried again `retry_s` after each failure."""
 
     def __init__(self, shared: Buckets, *, retry_s: float = 5.0) -> None:
         self.shared = shared

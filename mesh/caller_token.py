@@ -9,8 +9,8 @@ whose `x5c` header is the caller's certificate, `sub` its identity URI
 (`spiffe://aimesh/<name>`), `aud` the gRPC method it is for, valid for TOKEN_TTL_S. The
 callee accepts it when the certificate was issued by the mesh CA and is valid now, the
 token is signed by that certificate's key, its `sub` is a URI the certificate holds and its
-`aud` is the method being called. A stolen token opens one method for at most a minute;
-the key never leaves the caller.
+`aud` is the method being called. A stolen token opens one method for at most 90 s (its
+minute and LEEWAY_S for clocks that disagree); the key never leaves the caller.
 
 The same certificate and key files as for mutual TLS, re-read when they change: a renewed
 certificate signs the next token. Certificates must be issued directly by a CA of
@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jwt
 from cryptography import x509
@@ -54,6 +54,7 @@ LEEWAY_S = 30
 # a caller sends the same token for half a minute, so most calls verify nothing. Bounded.
 VERIFIED_TOKENS = 4096
 CHECKED_CERTIFICATES = 256
+SIGNED_TOKENS = 256
 
 
 def _stamp(tls: TlsSettings) -> tuple[int, ...]:
@@ -67,7 +68,9 @@ class TokenSigner:
         self.tls = tls
         self.clock = clock
         self._stamp: tuple[int, ...] = ()
-        self._tokens: dict[str, tuple[str, float]] = {}  # method -> (token, expires)
+        # method -> (token, expires); bounded, since the edge's authorizer signs for
+        # whatever method path a client with a key sends.
+        self._tokens: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
     def _load(self) -> None:
         stamp = _stamp(self.tls)
@@ -79,7 +82,8 @@ class TokenSigner:
         certificate = x509.load_pem_x509_certificate(self.tls.cert_file.read_bytes())
         self._key, self._identity = key, _identity_uri(certificate)
         self._x5c = base64.b64encode(certificate.public_bytes(serialization.Encoding.DER))
-        self._stamp, self._tokens = stamp, {}
+        self._stamp = stamp
+        self._tokens.clear()
 
     def token(self, method: str) -> str:
         now = self.clock()
@@ -96,7 +100,7 @@ class TokenSigner:
         token = jwt.encode(
             claims, self._key, algorithm=ALGORITHM, headers={"x5c": [self._x5c.decode()]}
         )
-        self._tokens[method] = (token, now + TOKEN_TTL_S)
+        _remember(self._tokens, method, (token, now + TOKEN_TTL_S), SIGNED_TOKENS)
         return token
 
 
@@ -190,7 +194,7 @@ class TokenVerifier:
         if not issued - LEEWAY_S <= now <= expires + LEEWAY_S or expires - issued > TOKEN_TTL_S:
             return None
         name = checked.identity.removeprefix(IDENTITY_PREFIX)
-        self._remember(
+        _remember(
             self._tokens, (token, method), (name, min(expires, checked.not_after)), VERIFIED_TOKENS
         )
         return name
@@ -215,15 +219,16 @@ class TokenVerifier:
         checked = _Checked(
             _identity_uri(certificate), key, certificate.not_valid_after_utc.timestamp()
         )
-        self._remember(self._certificates, digest, checked, CHECKED_CERTIFICATES)
+        _remember(self._certificates, digest, checked, CHECKED_CERTIFICATES)
         return checked
 
-    @staticmethod
-    def _remember(table: OrderedDict, key, value, limit: int) -> None:
-        table[key] = value
-        table.move_to_end(key)
-        while len(table) > limit:
-            table.popitem(last=False)
+
+def _remember(table: OrderedDict, key: Any, value: Any, limit: int) -> None:
+    """Puts `value` under `key` as the newest entry, dropping the oldest past `limit`."""
+    table[key] = value
+    table.move_to_end(key)
+    while len(table) > limit:
+        table.popitem(last=False)
 
 
 def _is_ca(certificate: x509.Certificate) -> bool:

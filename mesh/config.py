@@ -289,6 +289,8 @@ class TlsSettings(BaseModel, extra="forbid"):
     def _identity_needs_client_certs(self) -> Self:
         if self.authorize_callers and not self.require_client_cert:
             raise ValueError("authorize_callers needs require_client_cert (callers' identities)")
+        if self.caller_tokens and not self.authorize_callers:
+            raise ValueError("caller_tokens without authorize_callers would serve anyone")
         return self
 
 

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import datetime
 import getpass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
 from mesh import deployments
 from mesh.config import MeshSettings
-from mesh.deployments import Artifact, Event, RegistryState, Version
+from mesh.deployments import Artifact, Deployment, Event, RegistryState, Version
 from mesh.failures import Failure
 
 models_app = typer.Typer(help="Models as versioned deployments.", no_args_is_help=True)
@@ -36,7 +38,7 @@ def _change(change, actor: str | None) -> Event:
     who = actor or getpass.getuser()
     try:
         event = _store().update(lambda state: change(state, who))
-    except Failure as failure:
+    except (Failure, ValidationError) as failure:
         typer.echo(f"error: {failure}", err=True)
         raise typer.Exit(1) from None
     console.print(
@@ -103,26 +105,41 @@ def register(
 ) -> None:
     """Adds a version: its artifact's size and sha256 are recorded now and checked
     before the version is activated."""
-    spec = Version(
-        name=version,
-        artifact=None if artifact is None else Artifact.of(artifact),
-        engine=engine,
-        capabilities={k: _typed(v) for k, v in _pairs(capability or [], "--capability").items()},
-        workers={k: v.split(",") for k, v in _pairs(workers or [], "--workers").items()},
-    )
+    try:
+        spec = Version(
+            name=version,
+            artifact=None if artifact is None else Artifact.of(artifact),
+            engine=engine,
+            capabilities={
+                k: _typed(v) for k, v in _pairs(capability or [], "--capability").items()
+            },
+            workers={k: v.split(",") for k, v in _pairs(workers or [], "--workers").items()},
+        )
+    except ValidationError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(1) from None
     _change(lambda state, who: deployments.register(state, model, spec, who), actor)
+
+
+def _check_artifact(model: str, target: Callable[[Deployment], str | None], undone: str) -> None:
+    """Exits 1 unless the version `target` names has an artifact that still matches (or
+    none). Checked before the change takes the store's lock, as hashing weights takes a
+    while: a file swapped in between is not caught here."""
+    try:
+        deployment = _store().load().deployment(model)
+        version = target(deployment)
+        held = None if version is None else deployment.versions.get(version)
+        if held is not None and held.artifact is not None:
+            held.artifact.verify()
+    except Failure as failure:
+        typer.echo(f"error: not {undone}: {failure}", err=True)
+        raise typer.Exit(1) from None
 
 
 @models_app.command()
 def activate(model: str, version: str, actor: Actor = None) -> None:
     """Makes VERSION the one every user gets, once its artifact checks out."""
-    try:
-        held = _store().load().deployment(model).versions.get(version)
-        if held is not None and held.artifact is not None:
-            held.artifact.verify()
-    except Failure as failure:
-        typer.echo(f"error: not activated: {failure}", err=True)
-        raise typer.Exit(1) from None
+    _check_artifact(model, lambda deployment: version, "activated")
     _change(lambda state, who: deployments.activate(state, model, version, who), actor)
 
 
@@ -138,7 +155,13 @@ def rollback(
     reason: Annotated[str, typer.Option(help="said in the audit trail")] = "",
     actor: Actor = None,
 ) -> None:
-    """Ends the canary, or without one returns to the version active before."""
+    """Ends the canary, or without one returns to the version active before (once its
+    artifact checks out)."""
+    _check_artifact(
+        model,
+        lambda d: None if d.canary is not None or not d.previous else d.previous[-1],
+        "rolled back",
+    )
     _change(lambda state, who: deployments.rollback(state, model, who, reason), actor)
 
 

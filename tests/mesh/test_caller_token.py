@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives import serialization
 
 from mesh.authz import OPERATOR
 from mesh.caller_token import TOKEN_TTL_S, TokenSigner, TokenVerifier
-from mesh.config import MeshSettings
+from mesh.config import MeshSettings, TlsSettings
 from mesh.pki import throwaway_pki
 from tests.harness import InProcess
 from tests.mesh.test_authz import _code, _kv_worker, _reached
@@ -43,6 +43,21 @@ def test_a_token_names_its_signer_for_its_method_only(pki):
     assert verifier.verify("not a token", PULL) is None
     fresh = TokenVerifier(pki["prefill"], clock=lambda: now[0] + TOKEN_TTL_S + 31)
     assert fresh.verify(renewed, PULL) is None  # expired, past the leeway
+
+
+def test_the_signers_tokens_are_bounded_and_tokens_need_allow_lists(pki):
+    """The edge signs for any method path a key holder sends: its table stays bounded.
+    Tokens without allow-lists would leave a plaintext port open to anyone: refused."""
+    from mesh.caller_token import SIGNED_TOKENS
+
+    signer = TokenSigner(pki["decode"])
+    for n in range(SIGNED_TOKENS * 3):
+        signer.token(f"/aimesh.llm.v1.GenerationService/Bogus{n}")
+    assert len(signer._tokens) == SIGNED_TOKENS
+    with pytest.raises(ValueError, match="serve anyone"):
+        TlsSettings.model_validate(
+            {**pki["decode"].model_dump(), "caller_tokens": True, "authorize_callers": False}
+        )
 
 
 def test_a_certificate_of_another_ca_or_a_borrowed_name_proves_nothing(pki, tmp_path):

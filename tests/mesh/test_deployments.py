@@ -197,3 +197,17 @@ def test_the_cli_registers_activates_canaries_and_rolls_back(tmp_path, monkeypat
     assert "errors" in run("events", "--model", "smollm2")
     unknown = runner.invoke(app, ["models", "canary", "nope", "v2", "10"])
     assert unknown.exit_code == 1 and "no model" in unknown.output
+    bad_name = runner.invoke(app, ["models", "register", "smollm2", "../v3"])
+    assert bad_name.exit_code == 1 and "error" in bad_name.output
+    assert isinstance(bad_name.exception, SystemExit)  # said, not a traceback
+    # A rollback to a version whose weights changed since is refused too.
+    weights.write_bytes(b"v2 weights")
+    run("activate", "smollm2", "v2")
+    v3 = tmp_path / "v3.bin"
+    v3.write_bytes(b"v3")
+    run("register", "smollm2", "v3", "--artifact", str(v3))
+    run("activate", "smollm2", "v3")
+    weights.write_bytes(b"v2 changed")
+    back = runner.invoke(app, ["models", "rollback", "smollm2"])
+    assert back.exit_code == 1 and "not rolled back" in back.output
+    assert FileStore(tmp_path / "registry.json").load().deployment("smollm2").active == "v3"
