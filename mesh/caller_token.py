@@ -37,6 +37,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from mesh.authz import IDENTITY_PREFIX
+from mesh.tls import files_stamp
 
 if TYPE_CHECKING:
     import grpc
@@ -57,10 +58,6 @@ CHECKED_CERTIFICATES = 256
 SIGNED_TOKENS = 256
 
 
-def _stamp(tls: TlsSettings) -> tuple[int, ...]:
-    return tuple(path.stat().st_mtime_ns for path in (tls.cert_file, tls.key_file, tls.ca_file))
-
-
 class TokenSigner:
     """The caller's side: a token per method, renewed before it runs out."""
 
@@ -73,7 +70,7 @@ class TokenSigner:
         self._tokens: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
     def _load(self) -> None:
-        stamp = _stamp(self.tls)
+        stamp = files_stamp(self.tls)
         if stamp == self._stamp:
             return
         key = serialization.load_pem_private_key(self.tls.key_file.read_bytes(), None)
@@ -88,7 +85,11 @@ class TokenSigner:
     def token(self, method: str) -> str:
         now = self.clock()
         held = self._tokens.get(method)
-        if held is not None and held[1] - now > RENEW_BEFORE_S and self._stamp == _stamp(self.tls):
+        if (
+            held is not None
+            and held[1] - now > RENEW_BEFORE_S
+            and self._stamp == files_stamp(self.tls)
+        ):
             return held[0]
         self._load()
         claims = {
@@ -147,7 +148,7 @@ class TokenVerifier:
         self._certificates: OrderedDict[bytes, _Checked] = OrderedDict()
 
     def _authorities(self) -> list[x509.Certificate]:
-        stamp = _stamp(self.tls)
+        stamp = files_stamp(self.tls)
         if stamp != self._stamp:  # a rotated CA: nothing checked against the old one stays
             self._cas = [
                 ca

@@ -16,17 +16,16 @@ across replicas; no user id means the active (stable) version.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from pydantic import BaseModel, Field, field_validator
 
+from mesh.artifacts import locked, sha256_of
 from mesh.failures import AlreadyExists, Conflict, FieldViolation, InvalidInput, NotFound
 
 BUCKETS = 100
@@ -40,14 +39,6 @@ def bucket(user_id: str) -> int:
     """The user's canary bucket, 0..99: the same for the same id in every process."""
     digest = hashlib.sha256(user_id.encode()).digest()
     return int.from_bytes(digest[:8], "big") % BUCKETS
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class Artifact(BaseModel, extra="forbid"):
@@ -253,18 +244,8 @@ class FileStore:
         except FileNotFoundError:
             return RegistryState()
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.lock_path.open("a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-
     def update(self, change: Callable[[RegistryState], Event]) -> Event:
-        with self._locked():
+        with locked(self.lock_path):
             state = self.load()
             event = change(state)
             state.revision += 1

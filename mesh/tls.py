@@ -26,7 +26,9 @@ class _Loaded:
     configuration: grpc.ServerCertificateConfiguration
 
 
-def _stamp(tls: TlsSettings) -> tuple[int, ...]:
+def files_stamp(tls: TlsSettings) -> tuple[int, ...]:
+    """The certificate, key and CA files' modification times: changed when any is
+    rotated."""
     return tuple(path.stat().st_mtime_ns for path in (tls.cert_file, tls.key_file, tls.ca_file))
 
 
@@ -40,11 +42,11 @@ def _server_configuration(tls: TlsSettings) -> grpc.ServerCertificateConfigurati
 def server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:
     """Credentials that reload the files when their modification times change; files that
     cannot be read at a reload leave the last good ones in use."""
-    loaded = _Loaded(_stamp(tls), _server_configuration(tls))
+    loaded = _Loaded(files_stamp(tls), _server_configuration(tls))
 
     def fetch() -> grpc.ServerCertificateConfiguration | None:
         try:
-            stamp = _stamp(tls)
+            stamp = files_stamp(tls)
             if stamp == loaded.stamp:
                 return None
             loaded.configuration, loaded.stamp = _server_configuration(tls), stamp
