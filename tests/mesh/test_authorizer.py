@@ -3,13 +3,10 @@ scoped, every method the edge serves given a scope, the tenant and scopes in the
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import httpx
 import pytest
 from pydantic import SecretStr
 
-from mesh import buckets
 from mesh.buckets import open_buckets
 from mesh.config import MeshSettings
 from mesh.edge import api
@@ -87,11 +84,10 @@ def rated_keys(tmp_path) -> Keys:
     return Keys(settings)
 
 
-async def test_a_tenant_past_its_requests_per_minute_waits(tmp_path, monkeypatch):
+async def test_a_tenant_past_its_requests_per_minute_waits(tmp_path, buckets_clock):
     """The rate the shared key file gives the tenant ([tenants.t] requests_per_minute, as
     the gateway meters it): its minute is the burst, then 429 with retry-after."""
-    now = [1000.0]
-    monkeypatch.setattr(buckets, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    now = buckets_clock
     app = build_app(rated_keys(tmp_path), method_scopes(discover().values()), TenantRates())
     codes = [(await ask(app, SEARCH, authorization="Bearer k")).status_code for _ in range(2)]
     assert codes == [200, 200]

@@ -126,6 +126,22 @@ async def _code(target: str, settings: MeshSettings, call: str) -> grpc.aio.AioR
         return error.value
 
 
+async def assert_prefills_allow_list(target: str, as_: dict[str, MeshSettings]) -> None:
+    """Only decode pulls KV; the router prefills and releases; the operator reaches
+    neither: each refusal PERMISSION_DENIED with CALLER_NOT_ALLOWED naming the caller."""
+    allowed = {("decode", "Pull"), ("decode", "Release"), ("generation", "Prefill")}
+    allowed.add(("generation", "Release"))
+    for caller in ("decode", "generation", OPERATOR):
+        for call in ("Pull", "Release", "Prefill"):
+            error = await _code(target, as_[caller], call)
+            if (caller, call) in allowed:
+                assert _reached(error), (caller, call)
+                continue
+            assert error.code() == grpc.StatusCode.PERMISSION_DENIED, (caller, call)
+            info = error_info(error)
+            assert info.reason == "CALLER_NOT_ALLOWED" and info.metadata["caller"] == caller
+
+
 @pytest.mark.service
 async def test_prefill_serves_its_declared_callers_only(tmp_path):
     """Prefill's real allow-list over real mTLS: only decode pulls KV; the router may
@@ -136,17 +152,7 @@ async def test_prefill_serves_its_declared_callers_only(tmp_path):
     async with InProcess() as services:
         served = await services.start("prefill", as_["prefill"], setup=_kv_worker)
         target = served.target
-        allowed = {("decode", "Pull"), ("decode", "Release"), ("generation", "Prefill")}
-        allowed.add(("generation", "Release"))
-        for caller in ("decode", "generation", OPERATOR):
-            for call in ("Pull", "Release", "Prefill"):
-                error = await _code(target, as_[caller], call)
-                if (caller, call) in allowed:
-                    assert _reached(error), (caller, call)
-                    continue
-                assert error.code() == grpc.StatusCode.PERMISSION_DENIED, (caller, call)
-                info = error_info(error)
-                assert info.reason == "CALLER_NOT_ALLOWED" and info.metadata["caller"] == caller
+        await assert_prefills_allow_list(target, as_)
         assert await probe(target, "prefill", tls=pki[OPERATOR]) == "SERVING"
 
 

@@ -6,25 +6,15 @@ from __future__ import annotations
 
 import signal
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 
-from mesh import buckets
 from mesh.buckets import Limit, LocalWhileDown, MemoryBuckets, RedisBuckets, Refusal
 
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture
-def clock(monkeypatch) -> list[float]:
-    now = [1000.0]
-    # buckets' own clock only: asyncio's timers (Redis timeouts) keep the real one.
-    monkeypatch.setattr(buckets, "time", SimpleNamespace(monotonic=lambda: now[0]))
-    return now
-
-
-async def test_buckets_refill_continuously_and_charge_all_or_nothing(clock):
+async def test_buckets_refill_continuously_and_charge_all_or_nothing(buckets_clock):
     store = MemoryBuckets()
     rpm = Limit("requests_per_minute", "r", capacity=2, rate=2 / 60, amount=1)
     tpm = Limit("tokens_per_minute", "t", capacity=10, rate=10 / 60, amount=6)
@@ -33,7 +23,7 @@ async def test_buckets_refill_continuously_and_charge_all_or_nothing(clock):
     assert refused.limit == "tokens_per_minute" and refused.wait_s == pytest.approx(12)
     assert await store.take([rpm]) is None  # the refused charge took nothing from rpm
     assert (await store.take([rpm])).wait_s == pytest.approx(30)
-    clock[0] += 30
+    buckets_clock[0] += 30
     assert await store.take([rpm]) is None
     # A settlement charges regardless, and may leave a bucket below zero: tpm had 4 + 5
     # refilled, 20 more leave it at -11, so 6 tokens are 17 away (6 s each).
@@ -44,11 +34,11 @@ async def test_buckets_refill_continuously_and_charge_all_or_nothing(clock):
     assert (await store.take([too_big])).wait_s is None
 
 
-async def test_a_budget_never_refills(clock):
+async def test_a_budget_never_refills(buckets_clock):
     store = MemoryBuckets()
     budget = Limit("token_budget", "b", capacity=10, rate=0, amount=6)
     assert await store.take([budget]) is None
-    clock[0] += 10**6
+    buckets_clock[0] += 10**6
     assert await store.take([budget]) == Refusal("token_budget", None)
     give_back = Limit("token_budget", "b", capacity=10, rate=0, amount=-6)
     assert await store.take([give_back], force=True) is None
@@ -88,7 +78,7 @@ async def test_two_replicas_on_one_redis_draw_from_one_bucket(redis_url):
 
 @pytest.mark.service  # a real redis-server
 async def test_while_redis_is_down_a_replica_limits_on_its_own_then_shares_again(
-    clock, redis_server
+    buckets_clock, redis_server
 ):
     """A Redis that stops answering (SIGSTOP): the take after it is this process's own
     bucket (not an error, not a free pass), and the shared one again once it answers."""
@@ -104,7 +94,7 @@ async def test_while_redis_is_down_a_replica_limits_on_its_own_then_shares_again
             assert (await limited.take([rpm])).limit == "requests_per_minute"  # local: spent
         finally:
             redis_server.process.send_signal(signal.SIGCONT)
-        clock[0] += 5
+        buckets_clock[0] += 5
         refused = await limited.take([rpm])  # shared again, and still spent there
         assert refused.limit == "requests_per_minute" and refused.wait_s > 5
     finally:

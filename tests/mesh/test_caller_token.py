@@ -15,7 +15,7 @@ from mesh.caller_token import TOKEN_TTL_S, TokenSigner, TokenVerifier
 from mesh.config import MeshSettings, TlsSettings
 from mesh.pki import throwaway_pki
 from tests.harness import InProcess
-from tests.mesh.test_authz import _code, _kv_worker, _reached
+from tests.mesh.test_authz import _code, _kv_worker, assert_prefills_allow_list
 
 pytestmark = pytest.mark.unit
 
@@ -95,15 +95,7 @@ async def test_prefill_serves_its_declared_callers_only_by_their_tokens(tmp_path
     async with InProcess() as services:
         served = await services.start("prefill", as_["prefill"], setup=_kv_worker)
         target = served.target
-        allowed = {("decode", "Pull"), ("decode", "Release"), ("generation", "Prefill")}
-        allowed.add(("generation", "Release"))
-        for caller in ("decode", "generation", OPERATOR):
-            for call in ("Pull", "Release", "Prefill"):
-                error = await _code(target, as_[caller], call)
-                if (caller, call) in allowed:
-                    assert _reached(error), (caller, call)
-                else:
-                    assert error.code().name == "PERMISSION_DENIED", (caller, call)
+        await assert_prefills_allow_list(target, as_)
         assert (await _code(target, MeshSettings(), "Pull")).code().name == "UNAUTHENTICATED"
         other = MeshSettings(tls=stranger.model_copy(update={"caller_tokens": True}))
         assert (await _code(target, other, "Pull")).code().name == "UNAUTHENTICATED"

@@ -5,8 +5,6 @@ with an API key, or directly with a certificate of the CA."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +13,7 @@ import pytest_asyncio
 
 from mesh.authz import OPERATOR
 from mesh.config import MeshSettings, TlsSettings
-from tests.conftest import free_port, start_mesh, stop_mesh, subprocess_env
+from tests.conftest import free_port, running_mesh, subprocess_env
 from tests.services.tools.conftest import fill_knowledge
 
 SERVICES = (
@@ -76,28 +74,9 @@ async def secure(tmp_path_factory) -> AsyncIterator[SecureMesh]:
         **{f"AIMESH_SERVICES__{name.upper()}__METRICS_PORT": "0" for name in SERVICES},
     )
     only = [arg for name in SERVICES for arg in ("--only", name)]
-    process = await start_mesh(
+    async with running_mesh(
         *only, "--tls", "--tls-dir", str(mesh.pki), "--edge", "--log-dir", str(logs),
-        env=mesh.env, output=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    said = b""
-    drained: asyncio.Task[None] | None = None
-    try:
-        while b"mesh is up" not in said:
-            line = await asyncio.wait_for(process.stdout.readline(), timeout=600)
-            assert line, f"aimesh up exited early: {said.decode()}"
-            said += line
-
-        async def drain() -> None:  # a full pipe would block `aimesh up`
-            while await process.stdout.readline():
-                pass
-
-        drained = asyncio.create_task(drain())
+        env=mesh.env,
+    ):  # fmt: skip
         await fill_knowledge(mesh.target("retrieval"), mesh.as_(OPERATOR))
         yield mesh
-    finally:
-        await stop_mesh(process)
-        if drained is not None:
-            drained.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await drained

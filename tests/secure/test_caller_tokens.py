@@ -5,8 +5,6 @@ embedder are enough for two hops behind the edge."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +17,7 @@ from aimesh.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 from mesh.authz import OPERATOR
 from mesh.client import create_channel
 from mesh.config import MeshSettings, TlsSettings
-from tests.conftest import free_port, start_mesh, stop_mesh, subprocess_env
+from tests.conftest import free_port, running_mesh, subprocess_env
 from tests.services.tools.conftest import fill_knowledge
 
 pytestmark = [pytest.mark.system, pytest.mark.asyncio(loop_scope="module")]
@@ -64,33 +62,14 @@ async def mesh(tmp_path_factory) -> AsyncIterator[TokenMesh]:
         **{f"AIMESH_SERVICES__{n.upper()}__METRICS_PORT": "0" for n in SERVICES},
     )
     only = [arg for name in SERVICES for arg in ("--only", name)]
-    process = await start_mesh(
+    async with running_mesh(
         *only, "--tls", "--caller-tokens", "--tls-dir", str(started.pki), "--edge",
         "--log-dir", str(tmp_path_factory.mktemp("token-logs")),
-        env=env, output=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    said = b""
-    drained: asyncio.Task[None] | None = None
-    try:
-        while b"mesh is up" not in said:
-            line = await asyncio.wait_for(process.stdout.readline(), timeout=600)
-            assert line, f"aimesh up exited early: {said.decode()}"
-            said += line
-
-        async def drain() -> None:  # a full pipe would block `aimesh up`
-            while await process.stdout.readline():
-                pass
-
-        drained = asyncio.create_task(drain())
+        env=env,
+    ) as said:  # fmt: skip
         assert b"plaintext with signed caller tokens" in said
         await fill_knowledge(f"127.0.0.1:{started.ports['retrieval']}", started.as_(OPERATOR))
         yield started
-    finally:
-        await stop_mesh(process)
-        if drained is not None:
-            drained.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await drained
 
 
 async def search(target: str, settings: MeshSettings, metadata=()) -> retrieval_pb2.SearchResponse:

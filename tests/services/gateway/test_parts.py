@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime, timedelta
-from types import SimpleNamespace
 
 import grpc
 import pytest
 
 from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import sampling_pb2
-from mesh import buckets
 from mesh.errors import local_error, status
 from mesh.failures import FieldViolation
 from mesh.keys import digest
@@ -136,15 +134,7 @@ def test_tenants_limits_come_from_the_key_file(tmp_path):
     assert keys.lookup("k").limits.requests_per_minute == 5
 
 
-@pytest.fixture
-def clock(monkeypatch) -> list[float]:
-    now = [1000.0]
-    # buckets' own clock only: asyncio's timers (Redis timeouts) keep the real one.
-    monkeypatch.setattr(buckets, "time", SimpleNamespace(monotonic=lambda: now[0]))
-    return now
-
-
-async def test_the_limiters_refusals_and_settlement(clock):
+async def test_the_limiters_refusals_and_settlement(buckets_clock):
     limiter = Limiter(stores.MemoryStore(), window_s=60, reserve_tokens=8)
     who = Principal("t", frozenset(), TenantLimits(requests_per_minute=1, tokens_per_minute=10))
     held = await limiter.admit(who, 9)
@@ -153,7 +143,7 @@ async def test_the_limiters_refusals_and_settlement(clock):
         await limiter.admit(who, 1)
     assert refused.value.status == 429 and refused.value.code == "rate_limit_exceeded"
     assert refused.value.headers == {"retry-after-ms": "60000", "retry-after": "60"}
-    clock[0] += 60
+    buckets_clock[0] += 60
     with pytest.raises(ApiError) as too_big:
         await limiter.admit(who, 11)
     assert too_big.value.code == "request_too_large" and not too_big.value.headers
@@ -175,7 +165,9 @@ def test_budget_periods_are_utc_calendar_days_and_months(period, now, label, end
     assert span.ends == (ends and ends.replace(tzinfo=UTC))
 
 
-async def test_a_periodic_budget_renews_and_a_late_settlement_lands_where_it_was_charged(clock):
+async def test_a_periodic_budget_renews_and_a_late_settlement_lands_where_it_was_charged(
+    buckets_clock,
+):
     today = [datetime(2026, 12, 3, 23, 0, tzinfo=UTC)]
     store = stores.MemoryStore()
     limiter = Limiter(store, clock=lambda: today[0])
@@ -192,7 +184,7 @@ async def test_a_periodic_budget_renews_and_a_late_settlement_lands_where_it_was
         await limiter.admit(who, 1)
     # The 3rd's counter outlives its day by the grace period, then goes.
     assert store._spent[f"{stores.PREFIX}token_budget:t:2026-12-03"] == 2
-    clock[0] += timedelta(days=1, hours=2).total_seconds()
+    buckets_clock[0] += timedelta(days=1, hours=2).total_seconds()
     await store.take([])
     assert list(store._spent) == [f"{stores.PREFIX}token_budget:t:2026-12-04"]
 
