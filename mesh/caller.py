@@ -17,6 +17,12 @@ from mesh.rpc import incoming
 
 METADATA_KEY = "x-aimesh-client"
 _MAX_LENGTH = 128
+# The end user a request is for, within its client (the OpenAI `user` field): what the
+# generation router's canary splits users by. Only the router reads it, so it is not
+# carried on. Metadata is printable ASCII: the gateway percent-encodes what is not, and
+# a 128-character user, each character 4 UTF-8 bytes percent-encoded, fits this bound.
+USER_METADATA_KEY = "x-aimesh-user"
+MAX_USER_BYTES = 128 * 12
 
 _client: ContextVar[str] = ContextVar("aimesh_client", default="")
 

@@ -25,7 +25,6 @@ from mesh.edge.authorizer import AuthorizerServer
 from mesh.health import probe
 from mesh.info import get_info, summary
 from mesh.metrics import serve_metrics
-from mesh.models_cli import models_app
 from mesh.pki import throwaway_pki
 from mesh.registry import ServiceSpec, discover, options_problems
 from mesh.server import MeshServer
@@ -34,7 +33,6 @@ from mesh.tls import terminates_here, tls_environment
 app = typer.Typer(help="aimesh: a gRPC mesh for AI serving.", no_args_is_help=True)
 edge_app = typer.Typer(help="The Envoy edge in front of the mesh.", no_args_is_help=True)
 app.add_typer(edge_app, name="edge")
-app.add_typer(models_app, name="models")
 console = Console()
 log = logging.getLogger("aimesh")
 
@@ -360,10 +358,15 @@ def edge_authorize() -> None:
 
 
 def _add_service_commands() -> None:
-    """Services contribute their own commands (e.g. `generate`) through the
-    `aimesh.commands` entry-point group, so this CLI stays ignorant of them."""
+    """Services contribute their own commands (e.g. `generate`, or a group such as
+    `models`) through the `aimesh.commands` entry-point group, so this CLI stays
+    ignorant of them."""
     for entry in entry_points(group="aimesh.commands"):
-        app.command(entry.name)(entry.load())
+        command = entry.load()
+        if isinstance(command, typer.Typer):
+            app.add_typer(command, name=entry.name)
+        else:
+            app.command(entry.name)(command)
 
 
 _add_service_commands()

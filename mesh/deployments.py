@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, Field, field_validator
 
-from mesh.artifacts import locked, sha256_of
+from mesh.artifacts import artifact_digest, locked, manifest_problems, sha256_of
 from mesh.failures import AlreadyExists, Conflict, FieldViolation, InvalidInput, NotFound
 
 BUCKETS = 100
@@ -51,22 +51,35 @@ class Artifact(BaseModel, extra="forbid"):
 
     @classmethod
     def of(cls, path: Path) -> Artifact:
-        """The artifact `path` is now (reads the whole file: off the event loop)."""
-        return cls(path=path.resolve(), size=path.stat().st_size, sha256=sha256_of(path))
+        """The artifact `path` is now: a file's size and sha256, or a checked model
+        directory's total size and manifest digest (what its workers report in GetInfo).
+        Reads every file: off the event loop."""
+        path = path.resolve()
+        if path.is_dir():
+            problems = manifest_problems(path)
+            if problems:
+                raise Conflict(f"artifact {path}: {'; '.join(problems)}")
+            return cls(path=path, size=_directory_size(path), sha256=artifact_digest(path))
+        return cls(path=path, size=path.stat().st_size, sha256=sha256_of(path))
 
     def verify(self) -> None:
-        """Raises Conflict unless the file has the declared size and digest.
-        Reads the whole file: call it off the event loop."""
+        """Raises Conflict unless the artifact has the declared size and digest (a
+        directory: and every file matches its manifest). Reads every file: call it off the
+        event loop."""
         try:
-            size = self.path.stat().st_size
+            now = Artifact.of(self.path)
         except OSError as error:
             raise Conflict(f"artifact {self.path}: {error.strerror}") from None
-        if size != self.size:
+        if now.size != self.size:
             raise Conflict(
-                f"artifact {self.path} is {size} bytes, the version declares {self.size}"
+                f"artifact {self.path} is {now.size} bytes, the version declares {self.size}"
             )
-        if sha256_of(self.path) != self.sha256:
+        if now.sha256 != self.sha256:
             raise Conflict(f"artifact {self.path} does not match its sha256")
+
+
+def _directory_size(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
 
 
 class Version(BaseModel, extra="forbid"):
@@ -148,7 +161,7 @@ class RegistryState(BaseModel, extra="forbid"):
         return event
 
 
-def _known(deployment: Deployment, version: str) -> None:
+def known_version(deployment: Deployment, version: str) -> None:
     if version not in deployment.versions:
         raise NotFound(
             f"model {deployment.model!r} has no version {version!r}",
@@ -175,23 +188,25 @@ def register(state: RegistryState, model: str, version: Version, actor: str) -> 
     return state.record(actor, model, "register", after=version.name)
 
 
-def activate(state: RegistryState, model: str, version: str, actor: str) -> Event:
+def activate(state: RegistryState, model: str, version: str, actor: str, reason: str = "") -> Event:
     """Makes `version` the active one; a canary of that version becomes the whole."""
     deployment = state.deployment(model)
-    _known(deployment, version)
+    known_version(deployment, version)
     before = deployment.active
     if before is not None and before != version:
         deployment.previous = [*deployment.previous, before][-MAX_EVENTS:]
     deployment.active = version
     if deployment.canary is not None and deployment.canary.version == version:
         deployment.canary = None
-    return state.record(actor, model, "activate", before=before, after=version)
+    return state.record(actor, model, "activate", before=before, after=version, reason=reason)
 
 
-def set_canary(state: RegistryState, model: str, version: str, percent: int, actor: str) -> Event:
+def set_canary(
+    state: RegistryState, model: str, version: str, percent: int, actor: str, reason: str = ""
+) -> Event:
     """Sends `percent` of users (by bucket) to `version`; 0 ends the canary."""
     deployment = state.deployment(model)
-    _known(deployment, version)
+    known_version(deployment, version)
     if not 0 <= percent <= 100:
         raise _invalid("percent", f"must be 0..100, got {percent}")
     if version == deployment.active:
@@ -204,6 +219,7 @@ def set_canary(state: RegistryState, model: str, version: str, percent: int, act
         "canary",
         before=None if before is None else f"{before.version}@{before.percent}%",
         after=f"{version}@{percent}%",
+        reason=reason,
     )
 
 
@@ -219,6 +235,16 @@ def rollback(state: RegistryState, model: str, actor: str, reason: str = "") -> 
     *earlier, last_good = deployment.previous
     before, deployment.active, deployment.previous = deployment.active, last_good, earlier
     return state.record(actor, model, "rollback", before=before, after=last_good, reason=reason)
+
+
+def end_canary(state: RegistryState, model: str, version: str, actor: str, reason: str) -> Event:
+    """Ends the canary of `version` only: what an automatic rule calls, so that a rule
+    acting on an old look at the registry never rolls back anything else."""
+    deployment = state.deployment(model)
+    canary = deployment.canary
+    if canary is None or canary.version != version:
+        raise Conflict(f"model {model!r} has no canary of version {version!r} any more")
+    return rollback(state, model, actor, reason)
 
 
 class Store(Protocol):

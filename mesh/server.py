@@ -96,7 +96,8 @@ class MeshServer:
         self._executors: list[ThreadPoolExecutor] = []
         self._probes: list[Probe] = []
         self._following: asyncio.Task[None] | None = None
-        self._watched: set[asyncio.Task[Any]] = set()
+        # Watched tasks, each with the callback that reports its end.
+        self._watched: dict[asyncio.Task[Any], Callable[[asyncio.Task[Any]], None]] = {}
         self._breaking: asyncio.Task[None] | None = None
         self._draining = False
         self._warm = False
@@ -251,10 +252,9 @@ class MeshServer:
         """Treats the end of `task` before draining as the end of this process's health:
         `on_death(NotReady)` fails whatever waited on the task, then liveness and
         readiness go NOT_SERVING and `serve_until_signal` drains and exits with status 1."""
-        self._watched.add(task)
 
         def ended(done: asyncio.Task[Any]) -> None:
-            self._watched.discard(done)
+            self._watched.pop(done, None)
             if self._draining:
                 return
             error = None if done.cancelled() else done.exception()
@@ -268,7 +268,15 @@ class MeshServer:
             # Kept: the loop holds tasks only weakly, and this one must run to its end.
             self._breaking = asyncio.get_running_loop().create_task(self._break())
 
+        self._watched[task] = ended
         task.add_done_callback(ended)
+
+    def unwatch(self, task: asyncio.Task[Any]) -> None:
+        """Stops watching `task` before its owner ends it on purpose (a model version
+        that drained stops its load poll): that end is no fault of the process."""
+        ended = self._watched.pop(task, None)
+        if ended is not None:
+            task.remove_done_callback(ended)
 
     async def _break(self) -> None:
         await self.set_ready(False)

@@ -16,10 +16,12 @@ the end.
 
 from __future__ import annotations
 
+import string
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import grpc
 from fastapi.responses import JSONResponse
@@ -52,6 +54,8 @@ PARAMS = {
 }
 # "developer" is OpenAI's newer "system"; the chat template knows "system".
 ROLES = {"developer": "system"}
+# Printable ASCII but '%', kept as it is in the x-aimesh-user metadata.
+_PRINTABLE = "".join(c for c in string.printable if c.isprintable() and c != "%")
 
 
 def _unfinished() -> ApiError:
@@ -186,7 +190,7 @@ class Completions:
 
         async def work(exchange: Exchange) -> None:
             async with self.shared.admitted(who, reserve, route, streaming=body.stream) as charge:
-                call = method(request, metadata=((caller.METADATA_KEY, who.tenant),))
+                call = method(request, metadata=_metadata(who, body))
                 limiter = self.shared.limiter
                 run = _Run(call, body, shape, params_of(body), who.tenant, limiter, prompt)
                 try:
@@ -201,7 +205,17 @@ class Completions:
         return Guarded(work, route=route, send_timeout_s=self.shared.send_timeout_s)
 
 
+def _metadata(who: Principal, body: Body) -> tuple[tuple[str, str], ...]:
+    """The client, and the end user when the body names one (percent-encoded where it
+    is not printable ASCII, which metadata must be; the same user always the same)."""
+    metadata = ((caller.METADATA_KEY, who.tenant),)
+    if body.user:
+        metadata += ((caller.USER_METADATA_KEY, quote(body.user, safe=_PRINTABLE)),)
+    return metadata
+
+
 async def _record(run: _Run, complete: generation_pb2.GenerationComplete) -> None:
+    run.shape.fingerprint = complete.model_version or None
     usage = complete.usage
     run.used = usage.prompt_tokens + usage.completion_tokens
     await run.limiter.record(

@@ -63,7 +63,8 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None
     logprobs: Any = None
     top_logprobs: int | None = None
-    user: str | None = None
+    # The end user: the router's canary splits users by it (mesh.caller.USER_METADATA_KEY).
+    user: str | None = Field(default=None, max_length=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
 

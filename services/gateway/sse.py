@@ -50,6 +50,10 @@ class _Shape:
     created: int
     include_usage: bool = False
     id: str = field(default="")
+    # The registered model version that served it (OpenAI: "the backend configuration
+    # that the model runs with"), known once the generation completes; None before, and
+    # for a model the registry does not version.
+    fingerprint: str | None = None
 
     def _envelope(self, object_: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         body = {
@@ -57,7 +61,7 @@ class _Shape:
             "object": object_,
             "created": self.created,
             "model": self.model,
-            "system_fingerprint": None,
+            "system_fingerprint": self.fingerprint,
             "choices": choices,
         }
         if self.include_usage:

@@ -6,27 +6,34 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Protocol
 
 import grpc
-from tokenizers import Tokenizer
 
 from aimesh.common.v1 import common_pb2
-from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
-from mesh import request_id
+from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, models_pb2_grpc, sampling_pb2
+from mesh import caller, request_id
+from mesh.deployments import Deployment, open_store
+from mesh.failures import InvalidInput
 from mesh.health import probe
+from mesh.info import ModelInfo
+from mesh.rpc import incoming
 from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.triton import TritonModel
 from mesh.validation import Violations
+from services.generation.canary_rule import CanaryRule
+from services.generation.models import MODELS, ModelServicer, guard_canaries
 from services.generation.on_triton import TritonGeneration
 from services.generation.pipeline import Outcome, Pipeline
 from services.generation.settings import RouterOptions
 from services.generation.text import TextStream
 from services.generation.tokenize import TOKENIZER, TokenizerClient
+from services.generation.versions import Pool, Route, Versions, warm_generation
 from services.generation.workers import DecodePicker, PrefillPicker
 from services.llm import metrics
 from services.llm.artifacts import DEFAULT_NAME, load_tokenizer, resolve_model
@@ -34,7 +41,13 @@ from services.llm.described import described
 from services.llm.requests import Stopping, sampling_params, stopping
 from services.llm.settings import LlmSettings, llm_settings
 
+log = logging.getLogger(__name__)
+
 GENERATION = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
+# Ends of a generation that say nothing of the version that served it.
+_NOT_THE_VERSIONS = frozenset(
+    {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
+)
 MAX_PROMPT_BYTES = 1024 * 1024
 MAX_MESSAGES = 256
 MAX_CHOICES = 32
@@ -77,24 +90,31 @@ _KINDS = {
 
 
 class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(
-        self, tokenizer: TokenizerClient, engine: Engine, settings: LlmSettings, model_name: str
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.engine = engine
+    def __init__(self, settings: LlmSettings, rule: CanaryRule) -> None:
         self.settings = settings
-        self.model_name = model_name
-        # The model's tokenizer.json, set by the warm-up (MeshServer answers every call
-        # NOT_READY until it has run): what ids become text with.
-        self.text_tokenizer: Tokenizer
+        self.rule = rule
+        # Which version serves a request, set by the warm-up once the mesh's own model
+        # (its tokenizer.json) is loaded; MeshServer answers every call NOT_READY until then.
+        self.versions: Versions
 
-    def _check_common(self, request, violations: Violations) -> None:
-        if request.model and request.model != self.model_name:
+    def _route(self, request, context, violations: Violations) -> Route | None:
+        """Where the request runs: its model, and the version its user gets."""
+        # Who the request is for, when a canary splits users; none: the active version.
+        user = incoming(context, caller.USER_METADATA_KEY, caller.MAX_USER_BYTES + 1) or ""
+        violations.max_length(
+            user.encode(), f"metadata {caller.USER_METADATA_KEY}", caller.MAX_USER_BYTES
+        )
+        if not self.versions.knows(request.model):
             violations.add(
-                "model", f"unknown model {request.model!r}; this mesh serves {self.model_name!r}"
+                "model", f"unknown model {request.model!r}; served: {self.versions.models()}"
             )
+            return None
+        return self.versions.route(request.model, user)
+
+    def _check_common(self, request, route: Route | None, violations: Violations) -> None:
         sampling_params(request.sampling, _ANY_VOCAB, violations)
-        self.engine.unsupported(request.sampling, violations)
+        if route is not None:
+            route.pool.engine.unsupported(request.sampling, violations)
         choices = request.sampling.choices
         violations.check(
             len(choices) <= MAX_CHOICES and len(set(choices)) == len(choices),
@@ -117,7 +137,7 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         stopping(request.stopping, 0, self.settings, violations)
 
     async def _guided(
-        self, rid: str, request, prompt_tokens: int, limits: Stopping
+        self, rid: str, request, prompt_tokens: int, limits: Stopping, pool: Pool
     ) -> tuple[sampling_pb2.SamplingParameters, Stopping]:
         """The request's sampling with its choices tokenized for prefill and decode, and
         room for the longest choice (plus its end token) when no length was asked for."""
@@ -127,7 +147,7 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         sampling = sampling_pb2.SamplingParameters()
         sampling.CopyFrom(request.sampling)
         tokenized = await asyncio.gather(
-            *(self.tokenizer.tokenize(choice, rid, add_special_tokens=False) for choice in choices)
+            *(pool.tokenizer.tokenize(choice, rid, add_special_tokens=False) for choice in choices)
         )
         for ids in tokenized:
             sampling.choice_token_ids.add(ids=ids)
@@ -159,12 +179,15 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         violations = Violations()
         violations.check(bool(request.prompt), "prompt", "must not be empty")
         violations.max_length(request.prompt.encode(), "prompt", MAX_PROMPT_BYTES)
-        self._check_common(request, violations)
+        route = self._route(request, context, violations)
+        self._check_common(request, route, violations)
         violations.raise_if_any()
+        assert route is not None
         rid = request_id.ensure(request.request_id)
-        prompt_ids = await self.tokenizer.tokenize(request.prompt, rid)
-        async for event in self._stream(rid, prompt_ids, request, "prompt", received):
-            yield generation_pb2.GenerateResponse(**event)
+        with self.versions.running(route) as pool:
+            prompt_ids = await pool.tokenizer.tokenize(request.prompt, rid)
+            async for event in self._judged(rid, prompt_ids, request, "prompt", received, route):
+                yield generation_pb2.GenerateResponse(**event)
 
     async def Chat(
         self, request: generation_pb2.ChatRequest, context: grpc.aio.ServicerContext
@@ -187,35 +210,74 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
             "messages",
             f"contents must be at most {MAX_PROMPT_BYTES} bytes in all, got {total}",
         )
-        self._check_common(request, violations)
+        route = self._route(request, context, violations)
+        self._check_common(request, route, violations)
         violations.raise_if_any()
+        assert route is not None
         rid = request_id.ensure(request.request_id)
-        prompt_ids = await self.tokenizer.apply_chat_template(rid, list(request.messages))
-        async for event in self._stream(rid, prompt_ids, request, "messages", received):
-            yield generation_pb2.ChatResponse(**event)
+        with self.versions.running(route) as pool:
+            prompt_ids = await pool.tokenizer.apply_chat_template(rid, list(request.messages))
+            async for event in self._judged(rid, prompt_ids, request, "messages", received, route):
+                yield generation_pb2.ChatResponse(**event)
+
+    async def _judged(
+        self, rid: str, prompt_ids: list[int], request, field: str, received: float, route: Route
+    ) -> AsyncIterator[dict]:
+        """The generation, counted for its version (outcome, time to first token) and
+        recorded for the canary rule. A refusal of the request (bad input) and a caller
+        that left are not the version's failures."""
+        first_token_s: list[float] = []
+        outcome = "error"
+        try:
+            async for event in self._stream(rid, prompt_ids, request, field, received, route):
+                if "complete" in event:
+                    outcome = _outcome_name(event["complete"].finish_reason)
+                elif not first_token_s:
+                    first_token_s.append(time.perf_counter() - received)
+                yield event
+        except (InvalidInput, asyncio.CancelledError, GeneratorExit):
+            outcome = ""
+            raise
+        except grpc.aio.AioRpcError as error:
+            if error.code() in _NOT_THE_VERSIONS:
+                outcome = ""
+            raise
+        finally:
+            if outcome and route.version:
+                metrics.VERSION_REQUESTS.labels(route.model, route.version, outcome).inc()
+                ttft = first_token_s[0] if first_token_s else None
+                if ttft is not None:
+                    metrics.VERSION_TIME_TO_FIRST_TOKEN.labels(route.model, route.version).observe(
+                        ttft
+                    )
+                self.rule.record(route.model, route.version, failed=outcome == "error", ttft_s=ttft)
 
     async def _stream(
-        self, rid: str, prompt_ids: list[int], request, field: str, received: float
+        self, rid: str, prompt_ids: list[int], request, field: str, received: float, route: Route
     ) -> AsyncIterator[dict]:
         """The generation of a tokenized prompt (`field` names it in a refusal)."""
+        pool = route.pool
         limits = self._limits(request, prompt_ids, field)
         tokenize_s = time.perf_counter() - received
-        text = TextStream(self.text_tokenizer, limits.stop_sequences)
-        sampling, limits = await self._guided(rid, request, len(prompt_ids), limits)
+        text = TextStream(pool.text_tokenizer, limits.stop_sequences)
+        sampling, limits = await self._guided(rid, request, len(prompt_ids), limits, pool)
         outcome = Outcome()
         last_token_at: float | None = None
         received_tokens = 0
         detokenize_s = 0.0
-        async with aclosing(
-            self.engine.run(rid, prompt_ids, sampling, limits, outcome)
-        ) as generated:
+        engine: Engine = pool.engine  # type: ignore[assignment]
+        version_itl = metrics.VERSION_INTER_TOKEN_LATENCY.labels(route.model, route.version)
+        async with aclosing(engine.run(rid, prompt_ids, sampling, limits, outcome)) as generated:
             async for ids in generated:
                 now = time.perf_counter()
                 if last_token_at is None:
                     metrics.TIME_TO_FIRST_TOKEN.observe(now - received)
                 else:
+                    gap = (now - last_token_at) / len(ids)
                     for _ in ids:
-                        metrics.INTER_TOKEN_LATENCY.observe((now - last_token_at) / len(ids))
+                        metrics.INTER_TOKEN_LATENCY.observe(gap)
+                        if route.version:
+                            version_itl.observe(gap)
                 last_token_at = now
                 received_tokens += len(ids)
                 piece = text.push(ids)
@@ -237,10 +299,10 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         outcome.generated_tokens = max(outcome.generated_tokens, received_tokens)
         outcome.stages["detokenize"] = detokenize_s
         metrics.E2E_REQUEST_LATENCY.observe(time.perf_counter() - received)
-        yield {"complete": self._complete(outcome, len(prompt_ids), received, tokenize_s)}
+        yield {"complete": self._complete(outcome, len(prompt_ids), received, tokenize_s, route)}
 
     def _complete(
-        self, outcome: Outcome, prompt_tokens: int, received: float, tokenize_s: float
+        self, outcome: Outcome, prompt_tokens: int, received: float, tokenize_s: float, route: Route
     ) -> generation_pb2.GenerationComplete:
         stages = {"tokenize": tokenize_s, **outcome.stages}
         return generation_pb2.GenerationComplete(
@@ -260,7 +322,8 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
             ),
             prefill_worker=outcome.prefill_worker,
             decode_worker=outcome.decode_worker,
-            model=self.model_name,
+            model=route.model,
+            model_version=route.version,
         )
 
 
@@ -291,21 +354,79 @@ async def setup(server: MeshServer) -> None:
             lambda: _wait_for_workers(server, tokenizer_target, prefill, decode_picker)
         )
         server.add_shutdown(decode_picker.stop)
-    router = GenerationRouter(tokenizer, engine, settings, model_name)
+    rule = CanaryRule(options.canary_rule)
+    router = GenerationRouter(settings, rule)
+    models = ModelServicer()
+    store = open_store(server.settings.deployments, server.settings.cache_dir)
+    own_info: list[ModelInfo] = []
 
-    async def load_tokenizer_json() -> None:
-        """The model's tokenizer.json, found as every LLM service finds the model."""
+    def describe_models() -> None:
+        """GetInfo names the mesh's own model and every registered one it routes, so the
+        gateway's /v1/models (which reads GetInfo) follows the registry."""
+        server.info.models[:] = [
+            *own_info,
+            *(
+                registered_info(deployment, settings)
+                for name, deployment in router.versions.serving.items()
+                if name != model_name
+            ),
+        ]
+
+    async def load_models() -> None:
+        """The model's tokenizer.json, found as every LLM service finds the model; then
+        the registry's versions, routed once warm."""
         directory = await asyncio.to_thread(
             resolve_model, settings.model, server.settings.cache_dir
         )
-        router.text_tokenizer = await asyncio.to_thread(load_tokenizer, directory)
+        text_tokenizer = await asyncio.to_thread(load_tokenizer, directory)
         runs_on = "triton" if options.triton is not None else "prefill+decode"
-        server.describe(described(directory, settings, engine=runs_on))
+        own_info.append(described(directory, settings, engine=runs_on))
+        versions = Versions(
+            store=store,
+            own=Pool(model_name, "", engine, tokenizer, text_tokenizer),
+            channels=server.channels,
+            tls=server.settings.tls,
+            poll_interval_s=options.registry_poll_s,
+            warm_timeout_s=options.warm_timeout_s,
+            warm_up=lambda pool: warm_generation(pool, request_id.ensure("")),
+            watch=server.watch,
+            unwatch=server.unwatch,
+            on_applied=describe_models,
+        )
+        router.versions = models.versions = versions
+        server.add_shutdown(versions.close)
+        for refusal in await versions.apply(await versions.load()):
+            log.warning("registry change not applied yet: %s", refusal)
+        describe_models()
+        server.watch(asyncio.create_task(versions.follow(), name="registry-follow"))
+        server.watch(
+            asyncio.create_task(
+                guard_canaries(versions, rule, options.registry_poll_s), name="canary-rule"
+            )
+        )
 
-    server.add_warmup(load_tokenizer_json)
+    server.add_warmup(load_models)
     server.add_service(
         generation_pb2_grpc.add_GenerationServiceServicer_to_server, router, GENERATION
     )
+    server.add_service(models_pb2_grpc.add_ModelServiceServicer_to_server, models, MODELS)
+
+
+def registered_info(deployment: Deployment, settings: LlmSettings) -> ModelInfo:
+    """A registered model's GetInfo entry: its active version and that version's artifact."""
+    version = deployment.versions[deployment.active] if deployment.active else None
+    artifact = version.artifact if version else None
+    return ModelInfo(
+        name=deployment.model,
+        revision=deployment.active or "",
+        sha256=artifact.sha256 if artifact else "",
+        engine=version.engine if version else "",
+        limits={"max_seq_len": str(settings.max_seq_len)},
+    )
+
+
+def _outcome_name(finish_reason: int) -> str:
+    return sampling_pb2.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower()
 
 
 async def _wait_for_workers(

@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from mesh.config import ServiceOptions
 from mesh.triton import TritonSettings
+from services.generation.canary_rule import CanaryRuleSettings
 
 
 class RouterOptions(ServiceOptions):
@@ -22,6 +23,12 @@ class RouterOptions(ServiceOptions):
     prefill: list[str] = Field(default_factory=list)
     decode: list[str] = Field(default_factory=list)
     poll_interval_s: float = Field(default=0.25, gt=0)
+    # How often the registry (the mesh config's `deployments`) is read for changes, and
+    # the canary rule judges.
+    registry_poll_s: float = Field(default=1.0, gt=0)
+    # A version whose workers are not ready in this long is not routed to (yet).
+    warm_timeout_s: float = Field(default=120.0, gt=0)
+    canary_rule: CanaryRuleSettings = Field(default_factory=CanaryRuleSettings)
 
     @model_validator(mode="after")
     def _triton_named(self) -> RouterOptions:

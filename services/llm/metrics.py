@@ -68,3 +68,36 @@ PREFIX_CACHE_EVICTIONS = Counter(
     "aimesh_llm_prefix_cache_evictions", "Cached prompts evicted to make room for newer ones."
 )
 PREFIX_CACHE_BYTES = Gauge("aimesh_llm_prefix_cache_bytes", "Bytes of KV in the prefix cache.")
+
+# Per model version (the registry's, mesh/deployments.py): what a canary is judged by.
+# The labels are bounded by the versions an operator registered.
+VERSION_TIME_TO_FIRST_TOKEN = Histogram(
+    "aimesh_llm_version_time_to_first_token_seconds",
+    "As aimesh_llm_time_to_first_token_seconds, by model and version.",
+    ["model", "version"],
+    buckets=_LATENCY_BUCKETS,
+)
+VERSION_INTER_TOKEN_LATENCY = Histogram(
+    "aimesh_llm_version_inter_token_latency_seconds",
+    "As aimesh_llm_inter_token_latency_seconds, by model and version.",
+    ["model", "version"],
+    buckets=_LATENCY_BUCKETS,
+)
+VERSION_REQUESTS = Counter(
+    "aimesh_llm_version_requests_total",
+    "Generations by model, version and outcome: a finish reason (stop, length, "
+    "stop_sequence, ...) or error (the mesh failed it; refusals of bad input not counted).",
+    ["model", "version", "outcome"],
+)
+VERSION_WARM_UP = Histogram(
+    "aimesh_llm_version_warm_up_seconds",
+    "From a router deciding to route to a version to that version ready: its workers "
+    "answering with the registered artifact and one generation run.",
+    ["model", "version"],
+    buckets=_LATENCY_BUCKETS,
+)
+CANARY_ROLLBACKS = Counter(
+    "aimesh_llm_canary_rollbacks_total",
+    "Canaries the router's rule rolled back by itself, by model, version and signal.",
+    ["model", "version", "signal"],
+)

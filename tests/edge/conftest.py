@@ -41,6 +41,7 @@ GATEWAY_KEYS = {
     "sk-tiny": ("tiny", ["generate", "embed"]),
     "sk-reader": ("reader", ["read", "embed"]),
     "sk-writer": ("writer", ["read", "write"]),
+    "sk-admin": ("ops", ["admin", "read"]),
 }
 LIMIT_WINDOW_S = 2
 TENANT_LIMITS = {"tiny": {"requests_per_minute": 1}}
@@ -56,6 +57,7 @@ class Edge:
     spans: Path  # the OTLP collector's debug log
     access_log: Path  # Envoy's stdout: one JSON line per request
     keys: Path  # the key file the gateway and the edge's authorizer share
+    deployments: Path  # the model registry the generation router follows
 
     @property
     def target(self) -> str:
@@ -94,12 +96,21 @@ async def edge(tmp_path_factory) -> AsyncIterator[Edge]:
     keys = logs / "keys.json"
     write_keys(keys, GATEWAY_KEYS, TENANT_LIMITS)
     edge = Edge(
-        free_port(), free_port(), free_port(), ports, free_port(), spans, logs / "envoy.log", keys
+        free_port(),
+        free_port(),
+        free_port(),
+        ports,
+        free_port(),
+        spans,
+        logs / "envoy.log",
+        keys,
+        logs / "deployments.json",
     )
     env = subprocess_env(
         OTEL_TRACES_EXPORTER="otlp",
         OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp_port}",
         OTEL_BSP_SCHEDULE_DELAY="200",
+        AIMESH_DEPLOYMENTS=str(edge.deployments),
         AIMESH_EDGE__PORT=str(edge.port),
         AIMESH_EDGE__ADMIN_PORT=str(edge.admin_port),
         AIMESH_EDGE__AUTHORIZER_PORT=str(free_port()),

@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mesh import deployments
+from mesh.artifacts import artifact_digest, write_manifest
 from mesh.cli import app
 from mesh.deployments import (
     Artifact,
@@ -21,6 +22,7 @@ from mesh.deployments import (
     RegistryState,
     Version,
     activate,
+    end_canary,
     register,
     rollback,
     set_canary,
@@ -171,7 +173,7 @@ def test_in_redis_replicas_share_one_registry_and_lose_no_change(redis_url):
         second.close()
 
 
-def test_the_cli_registers_activates_canaries_and_rolls_back(tmp_path, monkeypatch):
+def test_the_cli_offline_registers_activates_canaries_and_rolls_back(tmp_path, monkeypatch):
     monkeypatch.setenv("AIMESH_DEPLOYMENTS", str(tmp_path / "registry.json"))
     weights = tmp_path / "weights.bin"
     weights.write_bytes(b"v2 weights")
@@ -184,30 +186,72 @@ def test_the_cli_registers_activates_canaries_and_rolls_back(tmp_path, monkeypat
 
     run("register", "smollm2", "v1", "--engine", "torch", "--capability", "context_length=2048")
     run("register", "smollm2", "v2", "--artifact", str(weights), "--engine", "llama.cpp")
-    assert "activate smollm2: - -> v1" in run("activate", "smollm2", "v1", "--actor", "ci")
-    run("canary", "smollm2", "v2", "10")
-    assert "v2 10%" in run("list")
+    assert "activate smollm2: - -> v1" in run(
+        "activate", "smollm2", "v1", "--offline", "--actor", "ci"
+    )
+    run("canary", "smollm2", "v2", "10", "--offline")
+    assert "v2 10%" in run("list", "--offline")
     weights.write_bytes(b"v2 weightz")  # corrupted after registration
-    refused = runner.invoke(app, ["models", "activate", "smollm2", "v2"])
+    refused = runner.invoke(app, ["models", "activate", "smollm2", "v2", "--offline"])
     assert refused.exit_code == 1 and "sha256" in refused.output
-    assert "rollback smollm2: v2@10% -> -" in run("rollback", "smollm2", "--reason", "errors")
+    assert "rollback smollm2: v2@10% -> -" in run(
+        "rollback", "smollm2", "--reason", "errors", "--offline"
+    )
     state = FileStore(tmp_path / "registry.json").load()
     assert state.deployment("smollm2").active == "v1"
     assert state.deployment("smollm2").versions["v1"].capabilities == {"context_length": 2048}
     assert "errors" in run("events", "--model", "smollm2")
-    unknown = runner.invoke(app, ["models", "canary", "nope", "v2", "10"])
+    unknown = runner.invoke(app, ["models", "canary", "nope", "v2", "10", "--offline"])
     assert unknown.exit_code == 1 and "no model" in unknown.output
     bad_name = runner.invoke(app, ["models", "register", "smollm2", "../v3"])
     assert bad_name.exit_code == 1 and "error" in bad_name.output
     assert isinstance(bad_name.exception, SystemExit)  # said, not a traceback
     # A rollback to a version whose weights changed since is refused too.
     weights.write_bytes(b"v2 weights")
-    run("activate", "smollm2", "v2")
+    run("activate", "smollm2", "v2", "--offline")
     v3 = tmp_path / "v3.bin"
     v3.write_bytes(b"v3")
     run("register", "smollm2", "v3", "--artifact", str(v3))
-    run("activate", "smollm2", "v3")
+    run("activate", "smollm2", "v3", "--offline")
     weights.write_bytes(b"v2 changed")
-    back = runner.invoke(app, ["models", "rollback", "smollm2"])
+    back = runner.invoke(app, ["models", "rollback", "smollm2", "--offline"])
     assert back.exit_code == 1 and "not rolled back" in back.output
     assert FileStore(tmp_path / "registry.json").load().deployment("smollm2").active == "v3"
+
+
+def test_a_model_directory_is_an_artifact_by_its_manifest(tmp_path):
+    """A directory's digest is the one its workers report in GetInfo (the manifest's),
+    and a file changed after registration is refused, as a weights file is."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "weights.bin").write_bytes(b"w" * 100)
+    write_manifest(model, "test")
+    artifact = Artifact.of(model)
+    assert artifact.sha256 == artifact_digest(model)
+    assert artifact.size == sum(p.stat().st_size for p in model.iterdir())
+    artifact.verify()
+    (model / "weights.bin").write_bytes(b"x" * 100)
+    with pytest.raises(Conflict, match="sha256"):
+        artifact.verify()
+    with pytest.raises(Conflict, match="manifest"):
+        Artifact.of(tmp_path)  # a directory without a manifest is no artifact
+
+
+def test_ending_a_canary_by_rule_ends_only_the_canary_it_judged():
+    """The automatic rule acts on a look that may be old: it must not roll back the
+    active version, nor a newer canary, when its canary is already gone."""
+    state = RegistryState()
+    for name in ("a", "b", "c"):
+        register(state, "m", Version(name=name), "ops")
+    activate(state, "m", "a", "ops")
+    set_canary(state, "m", "b", 10, "ops")
+    event = end_canary(state, "m", "b", "rule", "errors 0.5")
+    assert (event.before, event.after, event.reason) == ("b@10%", None, "errors 0.5")
+    with pytest.raises(Conflict):
+        end_canary(state, "m", "b", "rule", "again")
+    set_canary(state, "m", "c", 10, "ops")
+    with pytest.raises(Conflict):
+        end_canary(state, "m", "b", "rule", "old look")
+    deployment = state.deployment("m")
+    assert deployment.active == "a" and deployment.canary.version == "c"

@@ -6,13 +6,18 @@ in test_generation_mesh.py."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
 from aimesh.llm.v1 import generation_pb2, sampling_pb2
+from mesh import caller
+from mesh.deployments import FileStore
 from mesh.failures import InvalidInput
+from services.generation.canary_rule import CanaryRule, CanaryRuleSettings
 from services.generation.pipeline import Pipeline
 from services.generation.servicer import GenerationRouter
+from services.generation.versions import Pool, Versions
 from services.llm.settings import LlmSettings
 from tests.services.llm.conftest import MAX_BATCH, MAX_SEQ_LEN
 
@@ -88,13 +93,52 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize(("request_fields", "field"), BAD_REQUESTS)
-async def test_bad_input_is_refused_naming_the_field(request_fields, field):
+class Metadata:
+    """The one part of a call's context validation reads."""
+
+    def __init__(self, *pairs: tuple[str, str]) -> None:
+        self.pairs = pairs
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.pairs
+
+
+def router_of_no_work(registry: Path) -> GenerationRouter:
+    """A router whose own model "m" runs on NoWork, with an empty registry."""
     router = GenerationRouter(
-        NoWork(), NoWork(), LlmSettings(max_seq_len=MAX_SEQ_LEN, max_batch_size=MAX_BATCH), "m"
+        LlmSettings(max_seq_len=MAX_SEQ_LEN, max_batch_size=MAX_BATCH),
+        CanaryRule(CanaryRuleSettings()),
     )
+    router.versions = Versions(
+        store=FileStore(registry),
+        own=Pool("m", "", NoWork(), NoWork(), NoWork()),
+        channels=NoWork(),
+        tls=None,
+        poll_interval_s=1.0,
+        warm_timeout_s=1.0,
+        warm_up=NoWork(),
+        watch=NoWork(),
+        unwatch=NoWork(),
+    )
+    return router
+
+
+@pytest.mark.parametrize(("request_fields", "field"), BAD_REQUESTS)
+async def test_bad_input_is_refused_naming_the_field(request_fields, field, tmp_path):
+    router = router_of_no_work(tmp_path / "deployments.json")
     request = generation_pb2.GenerateRequest(**request_fields)
     with pytest.raises(InvalidInput) as refused:
-        async for _ in router.Generate(request, None):
+        async for _ in router.Generate(request, Metadata()):
             pass
     assert field in {violation.field for violation in refused.value.violations}
+
+
+async def test_a_user_id_past_its_limit_is_refused_naming_the_metadata(tmp_path):
+    router = router_of_no_work(tmp_path / "deployments.json")
+    request = generation_pb2.GenerateRequest(prompt="hi")
+    with pytest.raises(InvalidInput) as refused:
+        async for _ in router.Generate(
+            request, Metadata((caller.USER_METADATA_KEY, "u" * (caller.MAX_USER_BYTES + 1)))
+        ):
+            pass
+    assert [v.field for v in refused.value.violations] == [f"metadata {caller.USER_METADATA_KEY}"]
