@@ -7,7 +7,7 @@ INSTALLED := $(VENV)/.installed
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
 	-DGGML_F16C=ON -DLLAVA_BUILD=OFF
 
-.PHONY: install test test-fast lint protos demo demo-tls bench bench-llm bench-retrieval bench-diffusion bench-agent bench-edge bench-gateway bench-triton bench-llm-peers llama-server fuzz chaos clean
+.PHONY: install test test-fast lint protos demo demo-tls bench bench-llm bench-retrieval bench-diffusion bench-agent bench-versions bench-edge bench-gateway bench-triton bench-llm-peers llama-server fuzz chaos clean
 
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -100,6 +100,9 @@ bench-diffusion: install
 
 bench-agent: install
 	$(PY) -m loadtest.agent_eval --out docs/benchmarks.md
+
+bench-versions: install
+	$(PY) -m loadtest.model_versions --rounds 3 --out docs/benchmarks.md
 
 bench-edge: install
 	$(PY) -m loadtest.edge --seconds 5 --rounds 2 --out docs/benchmarks.md

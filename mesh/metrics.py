@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import grpc
+import psutil
 from prometheus_client import (
     Counter,
     Gauge,
@@ -109,6 +110,20 @@ ASYNCIO_TASKS = Gauge(
     "aimesh_runtime_asyncio_tasks",
     "Live asyncio tasks in the server's event loop; flat when idle, or something leaks.",
 )
+
+
+COLD_START = Gauge(
+    "aimesh_cold_start_seconds",
+    "Seconds from this process's start to its server's readiness, every warm-up (a model's "
+    "first forward) included: the seed's cold_start_time.",
+)
+
+
+def record_cold_start() -> float:
+    """Sets COLD_START from the process's start time (the OS's, so imports count)."""
+    took = time.time() - psutil.Process().create_time()
+    COLD_START.set(took)
+    return took
 
 
 def watch_event_loop(loop: asyncio.AbstractEventLoop) -> None:

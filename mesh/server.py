@@ -43,7 +43,7 @@ from mesh.failures import NotReady
 from mesh.info import SERVICE as INFO_SERVICE
 from mesh.info import InfoServicer, ModelInfo
 from mesh.interceptors import MeshServerInterceptor
-from mesh.metrics import watch_event_loop
+from mesh.metrics import record_cold_start, watch_event_loop
 from mesh.registry import discover
 from mesh.tls import server_credentials, terminates_here
 
@@ -320,7 +320,7 @@ class MeshServer:
             await warmup()
         self._warm = True
         await self.set_ready(True)
-        log.info("ready")
+        log.info("ready", extra={"cold_start_s": round(record_cold_start(), 3)})
         if self._probes:
             self._following = asyncio.create_task(self._follow_probes(), name="readiness")
             self.watch(self._following)

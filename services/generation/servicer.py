@@ -17,6 +17,7 @@ import grpc
 from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, models_pb2_grpc, sampling_pb2
 from mesh import caller, request_id
+from mesh.artifacts import sha256_of
 from mesh.deployments import Deployment, open_store
 from mesh.failures import InvalidInput
 from mesh.health import probe
@@ -379,6 +380,7 @@ async def setup(server: MeshServer) -> None:
             resolve_model, settings.model, server.settings.cache_dir
         )
         text_tokenizer = await asyncio.to_thread(load_tokenizer, directory)
+        vocabulary = await asyncio.to_thread(sha256_of, directory / "tokenizer.json")
         runs_on = "triton" if options.triton is not None else "prefill+decode"
         own_info.append(described(directory, settings, engine=runs_on))
         versions = Versions(
@@ -391,6 +393,7 @@ async def setup(server: MeshServer) -> None:
             warm_up=lambda pool: warm_generation(pool, request_id.ensure("")),
             watch=server.watch,
             unwatch=server.unwatch,
+            tokenizers={vocabulary: text_tokenizer},
             on_applied=describe_models,
         )
         router.versions = models.versions = versions

@@ -11,6 +11,11 @@ close once the requests already on it have finished.
 A version without workers of its own is served by the router's own (the workers
 [services.generation] names), so registering the model a mesh already runs costs nothing.
 The mesh's own model answers by its name (or an empty `model`) even when unregistered.
+
+Bringing a version in is a warm start: the router's process, its channels to workers
+that already serve another version, and any tokenizer it already holds (by the sha256
+of tokenizer.json) are reused; the version's weights load in its own workers, whose cold
+start (process start to first forward) is aimesh_cold_start_seconds.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from aimesh.llm.v1 import sampling_pb2
+from mesh.artifacts import sha256_of
 from mesh.client import ChannelPool
 from mesh.deployments import Deployment, RegistryState, Store, Version
 from mesh.failures import Conflict, NotReady
@@ -99,6 +105,7 @@ class Versions:
         warm_up: Callable[[Pool], Awaitable[None]],
         watch: Callable[[asyncio.Task[None]], None],
         unwatch: Callable[[asyncio.Task[None]], None],
+        tokenizers: dict[str, Tokenizer] | None = None,
         on_applied: Callable[[], None] = lambda: None,
     ) -> None:
         self.store = store
@@ -111,6 +118,9 @@ class Versions:
         self._watch = watch
         self._unwatch = unwatch
         self._on_applied = on_applied
+        # Loaded tokenizers by the sha256 of their tokenizer.json: a version whose
+        # vocabulary the router already holds does not load it again.
+        self.tokenizers = dict(tokenizers or {})
         self.serving: dict[str, Deployment] = {}
         self.state = RegistryState()
         self.pools: dict[tuple[str, str], Pool] = {}
@@ -213,7 +223,7 @@ class Versions:
                     f"{self.warm_timeout_s:.0f} s"
                 ) from None
             raise
-        metrics.VERSION_WARM_UP.labels(deployment.model, version_name).observe(
+        metrics.VERSION_WARM_START.labels(deployment.model, version_name).observe(
             time.perf_counter() - started
         )
         old = self.pools.get(key)
@@ -243,8 +253,14 @@ class Versions:
         directory = version.artifact.path if version.artifact else None
         text_tokenizer = self.own.text_tokenizer
         if directory is not None and (directory / "tokenizer.json").is_file():
-            text_tokenizer = await asyncio.to_thread(load_tokenizer, Path(directory))
+            text_tokenizer = await self._tokenizer(Path(directory))
         return Pool(model, version.name, engine, tokenizer, text_tokenizer, decode_picker)
+
+    async def _tokenizer(self, directory: Path) -> Tokenizer:
+        digest = await asyncio.to_thread(sha256_of, directory / "tokenizer.json")
+        if digest not in self.tokenizers:
+            self.tokenizers[digest] = await asyncio.to_thread(load_tokenizer, directory)
+        return self.tokenizers[digest]
 
     async def _check(self, pool: Pool, version: Version) -> None:
         """Ready to take traffic: every worker answers SERVING and serves the version's

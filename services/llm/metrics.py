@@ -89,10 +89,11 @@ VERSION_REQUESTS = Counter(
     "stop_sequence, ...) or error (the mesh failed it; refusals of bad input not counted).",
     ["model", "version", "outcome"],
 )
-VERSION_WARM_UP = Histogram(
-    "aimesh_llm_version_warm_up_seconds",
-    "From a router deciding to route to a version to that version ready: its workers "
-    "answering with the registered artifact and one generation run.",
+VERSION_WARM_START = Histogram(
+    "aimesh_llm_version_warm_start_seconds",
+    "A version's warm start (the seed's warm_start_time): from a running router deciding "
+    "to route to it to its being ready there: its workers answering with the registered "
+    "artifact and one generation run (their own cold start is aimesh_cold_start_seconds).",
     ["model", "version"],
     buckets=_LATENCY_BUCKETS,
 )

@@ -5,7 +5,8 @@ in a file and in a real Redis; and `aimesh models` driving it."""
 
 from __future__ import annotations
 
-import multiprocessing
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from mesh.deployments import (
     set_canary,
 )
 from mesh.failures import AlreadyExists, Conflict, InvalidInput, NotFound
+from tests.conftest import ROOT, subprocess_env
 
 pytestmark = pytest.mark.unit
 
@@ -134,13 +136,17 @@ def _canary_flips(path: str, times: int) -> None:
 def test_concurrent_writers_lose_no_change(tmp_path):
     path = tmp_path / "registry.json"
     two_versions(FileStore(path))
-    context = multiprocessing.get_context("spawn")
-    writers = [context.Process(target=_canary_flips, args=(str(path), 40)) for _ in range(2)]
+    # Plain interpreters rather than multiprocessing, whose resource tracker would
+    # outlive the test.
+    code = (
+        f"from tests.mesh.test_deployments import _canary_flips; _canary_flips({str(path)!r}, 40)"
+    )
+    writers = [
+        subprocess.Popen([sys.executable, "-c", code], env=subprocess_env(), cwd=ROOT)
+        for _ in range(2)
+    ]
     for writer in writers:
-        writer.start()
-    for writer in writers:
-        writer.join(timeout=120)
-        assert writer.exitcode == 0
+        assert writer.wait(timeout=120) == 0
     state = FileStore(path).load()
     assert state.revision == 3 + 80
     assert [e.seq for e in state.events] == list(range(1, 84))

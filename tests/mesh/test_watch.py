@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
+import psutil
 import pytest
+from prometheus_client import REGISTRY
 
 from aimesh.echo.v1 import echo_pb2
 from mesh.config import MeshSettings
@@ -79,6 +82,24 @@ async def test_a_task_cancelled_by_drain_is_no_death(echo_server):
     await asyncio.gather(task, return_exceptions=True)
     await asyncio.sleep(0)
     assert not server.broken.is_set()
+
+
+async def test_a_task_its_owner_unwatched_and_ended_is_no_death(echo_server):
+    server = await echo_server()
+    task = asyncio.create_task(asyncio.Event().wait(), name="version-load-poll")
+    server.watch(task)
+    server.unwatch(task)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await asyncio.sleep(0)
+    assert not server.broken.is_set()
+    assert await probe(target(server), "") == "SERVING"
+
+
+async def test_the_cold_start_is_the_time_from_process_start_to_ready(echo_server):
+    await echo_server()
+    since_start = time.time() - psutil.Process().create_time()
+    assert 0 < REGISTRY.get_sample_value("aimesh_cold_start_seconds") <= since_start
 
 
 async def test_serving_ends_with_a_failure_status_after_a_watched_task_died():

@@ -271,7 +271,7 @@ async def test_activate_and_rollback_under_a_steady_stream_fail_no_request(versi
     assert after and {s.version for s in after} == {"f32"}
     # bf16 was warmed (one generation through its workers) before it took a request.
     warmed = re.search(
-        r'^aimesh_llm_version_warm_up_seconds_count\{model="chat",version="bf16"\} (\S+)$',
+        r'^aimesh_llm_version_warm_start_seconds_count\{model="chat",version="bf16"\} (\S+)$',
         mesh.metrics(),
         re.MULTILINE,
     )
