@@ -121,8 +121,11 @@ async def test_past_the_queue_a_job_is_refused_with_a_retry_hint(start_diffusion
     diffusion = await start_diffusion(slots=1, max_queued_jobs=2)
     running = diffusion.stub.Generate(LONG)
     await until(running, "progress")
-    queued = [diffusion.stub.Generate(SHORT) for _ in range(2)]
-    positions = [(await until(call, "queued")).queued.position for call in queued]
+    # One after the other: two calls started at once may reach the server in either order.
+    queued, positions = [], []
+    for _ in range(2):
+        queued.append(diffusion.stub.Generate(SHORT))
+        positions.append((await until(queued[-1], "queued")).queued.position)
     assert positions == [1, 2]
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await events(diffusion.stub.Generate(SHORT))
