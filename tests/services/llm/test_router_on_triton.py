@@ -4,6 +4,7 @@ sequence (tests/triton runs the rest against a real server)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -12,9 +13,12 @@ from pydantic import ValidationError
 
 from aimesh.llm.v1 import generation_pb2, sampling_pb2
 from mesh.config import MeshSettings
+from mesh.deployments import FileStore
+from services.generation.canary_rule import CanaryRule, CanaryRuleSettings
 from services.generation.on_triton import TritonGeneration
 from services.generation.servicer import GenerationRouter
 from services.generation.settings import RouterOptions
+from services.generation.versions import Pool, Versions
 from services.llm.artifacts import load_tokenizer
 from services.llm.settings import LlmSettings
 from tests.services.llm.conftest import collected
@@ -79,18 +83,34 @@ class FakeTokenizerService:
         return self.prompt_ids
 
 
-async def _generate_on(triton: FakeTriton, tokenizer, **stopping) -> tuple[str, list[int], object]:
-    router = GenerationRouter(
-        FakeTokenizerService(_ids(tokenizer, "Hello")),
-        TritonGeneration(triton),
-        LlmSettings(max_seq_len=512),
+async def _generate_on(
+    triton: FakeTriton, tokenizer, registry: Path, **stopping
+) -> tuple[str, list[int], object]:
+    router = GenerationRouter(LlmSettings(max_seq_len=512), CanaryRule(CanaryRuleSettings()))
+    own = Pool(
         "SmolLM2-135M-Instruct",
+        "",
+        TritonGeneration(triton),
+        FakeTokenizerService(_ids(tokenizer, "Hello")),
+        tokenizer,
     )
-    router.text_tokenizer = tokenizer
+    # The mesh's own model on Triton, no registry: what the router's warm-up sets up.
+    router.versions = Versions(
+        store=FileStore(registry),
+        own=own,
+        channels=None,
+        tls=None,
+        poll_interval_s=1.0,
+        warm_timeout_s=1.0,
+        warm_up=None,
+        watch=None,
+        unwatch=None,
+    )
     request = generation_pb2.GenerateRequest(
         prompt="Hello", stopping=sampling_pb2.StoppingCriteria(max_new_tokens=64, **stopping)
     )
-    ids, text, complete = await collected(router.Generate(request, None))
+    no_metadata = SimpleNamespace(invocation_metadata=lambda: ())
+    ids, text, complete = await collected(router.Generate(request, no_metadata))
     return text, ids, complete
 
 
@@ -103,10 +123,10 @@ def tokenizer(model_dir):
     return load_tokenizer(model_dir)
 
 
-async def test_the_router_makes_tritons_text_as_a_one_shot_decode_of_its_ids(tokenizer):
+async def test_the_router_makes_tritons_text_as_a_one_shot_decode_of_its_ids(tokenizer, tmp_path):
     tokens = _ids(tokenizer, " Paris is the capital of France. 日本語 🙂")
     triton = FakeTriton(tokens)
-    text, ids, complete = await _generate_on(triton, tokenizer)
+    text, ids, complete = await _generate_on(triton, tokenizer, tmp_path / "deployments.json")
     assert ids == tokens
     assert text == tokenizer.decode(tokens, skip_special_tokens=True)
     assert complete.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
@@ -116,11 +136,13 @@ async def test_the_router_makes_tritons_text_as_a_one_shot_decode_of_its_ids(tok
     assert not triton.closed_early
 
 
-async def test_a_stop_sequence_cuts_tritons_text_exactly_and_closes_its_stream(tokenizer):
+async def test_a_stop_sequence_cuts_tritons_text_exactly_and_closes_its_stream(tokenizer, tmp_path):
     tokens = _ids(tokenizer, " Paris is the capital of France. It is")
     triton = FakeTriton(tokens)
     # "tal of" begins inside the token " capital" and ends inside " of".
-    text, ids, complete = await _generate_on(triton, tokenizer, stop_sequences=["tal of"])
+    text, ids, complete = await _generate_on(
+        triton, tokenizer, tmp_path / "deployments.json", stop_sequences=["tal of"]
+    )
     assert text == " Paris is the capi"
     assert complete.finish_reason == sampling_pb2.FINISH_REASON_STOP_SEQUENCE
     assert triton.closed_early and triton.sent < len(tokens)
