@@ -11,6 +11,11 @@ SPEC = ServiceSpec(
     options="services.agent.settings:AgentSettings",
     # A run mostly waits on tools and generation.
     max_concurrency=32,
+    # Cancel and GetRun must reach the agent while every slot is busy.
+    exempt_methods=(
+        "/aimesh.agent.v1.AgentService/Cancel",
+        "/aimesh.agent.v1.AgentService/GetRun",
+    ),
     dependencies=("tools", "generation"),
     edge_services=("aimesh.agent.v1.AgentService",),
     callers=(("aimesh.agent.v1.AgentService", (EDGE, OPERATOR)),),

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
 import json
+from collections.abc import AsyncIterator
 from typing import Annotated
 
+import grpc
 import typer
 from google.protobuf import json_format
 from rich.console import Console
@@ -21,32 +24,44 @@ from services.agent import SPEC
 SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
 
 
-async def _ask(request: agent_pb2.RunRequest, stream: bool) -> dict:
+def _channel() -> grpc.aio.Channel:
     settings = MeshSettings()
     target = settings.target_of(SPEC.name, SPEC.default_port)
+    return create_channel(target, settings, services=[SERVICE])
+
+
+async def _collect(events: AsyncIterator[agent_pb2.RunResponse], stream: bool) -> dict:
+    """A run's events (from Run or Attach) as one result; the answer echoed as it comes
+    when `stream`."""
     answer, citations, tools, final = "", [], {}, agent_pb2.Final()
-    async with create_channel(target, settings, services=[SERVICE]) as channel:
-        async for event in agent_pb2_grpc.AgentServiceStub(channel).Run(request):
-            kind = event.WhichOneof("event")
-            if kind == "answer_delta":
-                answer += event.answer_delta.text
-                if stream:
-                    typer.echo(event.answer_delta.text, nl=False)
-            elif kind == "tool_call":
-                call = event.tool_call
-                arguments = json_format.MessageToDict(call.arguments)
-                tools[call.call_id] = {"name": call.name, "arguments": arguments}
-            elif kind == "tool_result":
-                result = event.tool_result
-                ms = round(result.duration_ns / 1e6, 1)
-                tools[result.call_id].update(
-                    is_error=result.is_error, summary=result.summary, ms=ms
-                )
-            elif kind == "citations":
-                citations = list(event.citations.passage_ids)
-            elif kind == "final":
-                final = event.final
+    run_id = ""
+    async for event in events:
+        if not run_id and event.run_id:
+            run_id = event.run_id
+            if stream:
+                typer.echo(f"[run {run_id}]", err=True)
+        kind = event.WhichOneof("event")
+        if kind == "answer_delta":
+            answer += event.answer_delta.text
+            if stream:
+                typer.echo(event.answer_delta.text, nl=False)
+        elif kind == "tool_call":
+            call = event.tool_call
+            arguments = json_format.MessageToDict(call.arguments)
+            tools[call.call_id] = {"name": call.name, "arguments": arguments}
+        elif kind == "tool_result":
+            result = event.tool_result
+            ms = round(result.duration_ns / 1e6, 1)
+            tools.setdefault(result.call_id, {"name": result.name}).update(
+                is_error=result.is_error, summary=result.summary, ms=ms
+            )
+        elif kind == "citations":
+            citations = list(event.citations.passage_ids)
+        elif kind == "final":
+            final = event.final
     return {
+        "run_id": run_id,
+        "state": agent_pb2.RunState.Name(final.state),
         "answer": answer,
         "citations": citations,
         "tools": list(tools.values()),
@@ -62,18 +77,31 @@ async def _ask(request: agent_pb2.RunRequest, stream: bool) -> dict:
     }
 
 
+async def _ask(request: agent_pb2.RunRequest, stream: bool) -> dict:
+    async with _channel() as channel:
+        return await _collect(agent_pb2_grpc.AgentServiceStub(channel).Run(request), stream)
+
+
 def ask(
     question: Annotated[str, typer.Argument(help="what to ask")],
     as_json: Annotated[bool, typer.Option("--json", help="one JSON object at the end")] = False,
     max_iterations: Annotated[int | None, typer.Option(help="plan/act rounds, 1-25")] = None,
     seed: Annotated[int | None, typer.Option(help="makes the answer reproducible")] = None,
     timeout: Annotated[float, typer.Option(help="seconds for the whole run")] = 60.0,
+    background: Annotated[
+        bool,
+        typer.Option(help="the run goes on if this command stops; `aimesh runs attach` it"),
+    ] = False,
 ) -> None:
     """Ask the agent: it plans, calls tools in parallel, and answers with citations."""
     # None leaves an optional field unset: the agent's default.
-    options = agent_pb2.RunOptions(max_iterations=max_iterations, seed=seed)
+    options = agent_pb2.RunOptions(max_iterations=max_iterations, seed=seed, background=background)
     request = agent_pb2.RunRequest(question=question, options=options)
     result, trace_id = run_command("ask", lambda: _ask(request, not as_json), timeout_s=timeout)
+    _print(result, trace_id, as_json)
+
+
+def _print(result: dict, trace_id: str, as_json: bool) -> None:
     result["trace_id"] = result["trace_id"] or trace_id
     if as_json:
         typer.echo(json.dumps(result))
@@ -88,7 +116,61 @@ def ask(
     for note in result["notes"]:
         typer.echo(f"  note: {note}", err=True)
     typer.echo(
-        f"[{result['timing'].get('total', 0):.0f} ms, {result['iterations']} iteration(s), "
-        f"planner {result['planner']}, trace {result['trace_id']}]",
+        f"[{result['state']}, {result['timing'].get('total', 0):.0f} ms, "
+        f"{result['iterations']} iteration(s), planner {result['planner']}, "
+        f"run {result['run_id']}, trace {result['trace_id']}]",
         err=True,
     )
+
+
+runs_app = typer.Typer(help="The agent's runs, by id: show, attach, cancel.", no_args_is_help=True)
+RunId = Annotated[str, typer.Argument(help="the run's id, as `aimesh ask` printed it")]
+
+
+@runs_app.command()
+def show(run_id: RunId) -> None:
+    """Where a run stands: its state, its events so far, its question."""
+
+    async def work() -> agent_pb2.GetRunResponse:
+        async with _channel() as channel:
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            return await stub.GetRun(agent_pb2.GetRunRequest(run_id=run_id))
+
+    got, _ = run_command("runs show", work, timeout_s=30)
+    typer.echo(
+        f"{got.run_id} {agent_pb2.RunState.Name(got.state)}, {got.events} events, "
+        f"started {datetime.datetime.fromtimestamp(got.created_at, datetime.UTC):%Y-%m-%d %H:%M:%S}"
+        f" UTC\nquestion: {got.question}"
+    )
+
+
+@runs_app.command()
+def attach(
+    run_id: RunId,
+    after: Annotated[int, typer.Option(min=0, help="the last event seen; 0: all")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object at the end")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds to follow the run")] = 120.0,
+) -> None:
+    """Follows a run from event AFTER on, to its end, as `aimesh ask` shows it."""
+
+    async def work() -> dict:
+        async with _channel() as channel:
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            events = stub.Attach(agent_pb2.AttachRequest(run_id=run_id, after_seq=after))
+            return await _collect(events, not as_json)
+
+    result, trace_id = run_command("runs attach", work, timeout_s=timeout)
+    _print(result, trace_id, as_json)
+
+
+@runs_app.command()
+def cancel(run_id: RunId) -> None:
+    """Stops a run (its tool calls and generation) from any terminal."""
+
+    async def work() -> agent_pb2.CancelResponse:
+        async with _channel() as channel:
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            return await stub.Cancel(agent_pb2.CancelRequest(run_id=run_id))
+
+    cancelled, _ = run_command("runs cancel", work, timeout_s=30)
+    typer.echo(f"{run_id} {agent_pb2.RunState.Name(cancelled.state)}")

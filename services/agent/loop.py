@@ -154,9 +154,17 @@ class RunState:
     iterations: int = 0
     answer: str = ""
     usage: Usage = field(default_factory=Usage)
+    # The answer was made without something the run set out to use (a tool, the model,
+    # iterations or time): its terminal state is PARTIAL rather than ANSWERED.
+    partial: bool = False
 
     def elapsed_s(self) -> float:
         return time.monotonic() - self.started
+
+    def fell_short(self, note: str) -> None:
+        """A note that says the answer lacks something."""
+        self.notes.append(note)
+        self.partial = True
 
 
 def select_tools(names: Sequence[str], available: Mapping[str, Tool]) -> dict[str, Tool]:
@@ -208,7 +216,7 @@ class Loop:
             async with asyncio.timeout(timeout_s):
                 available = await self.tools.list(timeout_s)
         except (Unavailable, TimeoutError):
-            state.notes.append("the tools service was unavailable; answered without tools")
+            state.fell_short("the tools service was unavailable; answered without tools")
             return {}
         return select_tools(question.allowed_tools, available)
 
@@ -271,11 +279,11 @@ class Loop:
                 return
             if state.iterations == question.max_iterations:
                 limit = question.max_iterations
-                state.notes.append(f"stopped at max_iterations ({limit}) with tools still to call")
+                state.fell_short(f"stopped at max_iterations ({limit}) with tools still to call")
                 return
             left_s = tools_until - time.monotonic()
             if left_s <= 0:
-                state.notes.append("no time was left for more tool calls")
+                state.fell_short("no time was left for more tool calls")
                 return
             state.iterations += 1
             yield Planned(made_by, [s.why for s in steps])
@@ -299,7 +307,7 @@ class Loop:
                 state.observations.append(observation)
                 state.hops.append(Hop(observation.step.name, seconds, "tools"))
                 if observation.is_error:
-                    state.notes.append(f"{observation.step.name}: {observation.text}")
+                    state.fell_short(f"{observation.step.name}: {observation.text}")
                 yield Called(call_id, observation, seconds)
         finally:
             for task in tasks:
@@ -351,7 +359,7 @@ class Loop:
                         state.answer += piece
                         yield Answered(piece)
         except Unavailable as error:
-            state.notes.append(
+            state.fell_short(
                 f"the language model failed ({error.reason}); answered from the evidence"
             )
             fallback = prompts.fallback_answer(state.observations)

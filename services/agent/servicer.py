@@ -1,8 +1,12 @@
 """The agent's gRPC surface: validate a Run, adapt tools and generation to the plan/act
-loop (services/agent/loop.py), and stream its events as RunResponses."""
+loop (services/agent/loop.py), and stream its events as RunResponses; each run has an
+id, its events are stored as they go (services/agent/runs.py), and Attach, Cancel and
+GetRun reach it by that id."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing, contextmanager
@@ -16,13 +20,18 @@ from aimesh.agent.v1 import agent_pb2, agent_pb2_grpc
 from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 from aimesh.tools.v1 import tools_pb2, tools_pb2_grpc
-from mesh import deadline, request_id, tracing
+from mesh import caller, deadline, request_id, tracing
+from mesh.failures import InvalidInput
 from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
 from services.agent import loop
 from services.agent.planner import Observation, Tool, ToolStep
+from services.agent.run_store import RunStore
+from services.agent.runs import LiveRun, Runs
 from services.agent.settings import AgentSettings
+
+log = logging.getLogger(__name__)
 
 SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
 TOOLS = tools_pb2.DESCRIPTOR.services_by_name["ToolsService"]
@@ -38,6 +47,7 @@ MAX_ALLOWED_TOOLS = 64
 MAX_ELEMENT_VIOLATIONS = 8
 MAX_ITERATIONS = 25
 MAX_ANSWER_TOKENS = 2048
+RUN_ID = re.compile(r"[0-9a-f]{32}")
 PLANNERS = {
     loop.Planner.MODEL: agent_pb2.PLANNER_LLM,
     loop.Planner.RULES: agent_pb2.PLANNER_FALLBACK,
@@ -185,7 +195,7 @@ def response(event: loop.Event) -> agent_pb2.RunResponse:
     return agent_pb2.RunResponse(citations=agent_pb2.Citations(passage_ids=event.passage_ids))
 
 
-def final(state: loop.RunState) -> agent_pb2.Final:
+def final(state: loop.RunState, ended: int) -> agent_pb2.Final:
     compute, call = common_pb2.STAGE_KIND_COMPUTE, common_pb2.STAGE_KIND_CALL
     stages = [
         stage(hop.name, hop.seconds, compute if hop.service == "agent" else call, hop.service)
@@ -198,32 +208,125 @@ def final(state: loop.RunState) -> agent_pb2.Final:
         trace_id=tracing.current_trace_id(),
         planner=PLANNERS[state.planner],
         notes=state.notes,
+        state=ended,
     )
 
 
+def check_run_id(run_id: str) -> None:
+    violations = Violations()
+    violations.check(
+        RUN_ID.fullmatch(run_id) is not None, "run_id", "must be a run id (32 hex digits)"
+    )
+    violations.raise_if_any()
+
+
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, server: MeshServer, settings: AgentSettings) -> None:
+    def __init__(self, server: MeshServer, settings: AgentSettings, runs: Runs) -> None:
         self.server = server
         self.settings = settings
+        self.runs = runs
 
     async def Run(
         self, request: agent_pb2.RunRequest, context: grpc.aio.ServicerContext | None
     ) -> AsyncIterator[agent_pb2.RunResponse]:
-        state = loop.RunState()
         check_request(request)
+        run = await self.runs.start(
+            caller.current(),
+            request.question,
+            lambda live: self._execute(live, request, deadline.remaining()),
+        )
+        try:
+            async for event in run.follow(0):
+                if event.HasField("final") and isinstance(run.error, InvalidInput):
+                    raise run.error  # refused once the tools were known: the caller's error
+                yield event
+            if run.error is not None and not isinstance(run.error, InvalidInput):
+                raise run.error
+        finally:
+            if not request.options.background:
+                # However this call ends (the caller left, its deadline), so does the run.
+                await run.stop()
+
+    async def _execute(
+        self, run: LiveRun, request: agent_pb2.RunRequest, left_s: float | None
+    ) -> None:
+        """The run, every event stored and published; it always ends with a Final
+        that says how it ended."""
+        state = loop.RunState()
         runner = loop.Loop(
             MeshTools(self.server.channel_to("tools", TOOLS)),
             MeshGeneration(self.server.channel_to("generation", GENERATION), request.request_id),
             self.settings,
         )
-        # aclosing: however this run ends (client cancel, deadline, error), the loop is
-        # closed here and now, and with it the calls it has in flight.
-        async with aclosing(runner.run(question_of(request), deadline.remaining(), state)) as run:
-            async for event in run:
-                yield response(event)
-        yield agent_pb2.RunResponse(final=final(state))
+        try:
+            # aclosing: however this run ends (Cancel, its caller leaving, an error), the
+            # loop is closed here and now, and with it the calls it has in flight.
+            async with aclosing(runner.run(question_of(request), left_s, state)) as events:
+                async for event in events:
+                    await self.runs.emit(run, response(event))
+            ended = agent_pb2.RUN_STATE_PARTIAL if state.partial else agent_pb2.RUN_STATE_ANSWERED
+        except asyncio.CancelledError:
+            state.notes.append("cancelled")
+            ended = agent_pb2.RUN_STATE_CANCELLED
+        except Exception as error:
+            if not isinstance(error, InvalidInput):
+                log.exception("agent run failed", extra={"run_id": run.run_id})
+            run.error = error
+            state.notes.append(f"failed: {error}")
+            ended = agent_pb2.RUN_STATE_FAILED
+        await self.runs.emit(run, agent_pb2.RunResponse(final=final(state, ended)), ended)
+
+    async def Attach(
+        self, request: agent_pb2.AttachRequest, context: grpc.aio.ServicerContext | None
+    ) -> AsyncIterator[agent_pb2.RunResponse]:
+        check_run_id(request.run_id)
+        following = self.runs.follow(request.run_id, caller.current(), request.after_seq)
+        async with aclosing(following) as events:
+            async for event in events:
+                yield event
+
+    async def Cancel(
+        self, request: agent_pb2.CancelRequest, context: grpc.aio.ServicerContext | None
+    ) -> agent_pb2.CancelResponse:
+        check_run_id(request.run_id)
+        ended = await self.runs.cancel(request.run_id, caller.current())
+        return agent_pb2.CancelResponse(state=ended)
+
+    async def GetRun(
+        self, request: agent_pb2.GetRunRequest, context: grpc.aio.ServicerContext | None
+    ) -> agent_pb2.GetRunResponse:
+        check_run_id(request.run_id)
+        record = await self.runs.record(request.run_id, caller.current())
+        return agent_pb2.GetRunResponse(
+            run_id=record.run_id,
+            state=record.state,
+            question=record.question,
+            events=record.events,
+            created_at=record.created_at,
+            updated_at=record.updated_at,
+        )
+
+
+def open_runs(server: MeshServer, settings: AgentSettings) -> Runs:
+    """The run store the settings name (default: a SQLite file in the cache) and the
+    runs of this process, stopped when it shuts down."""
+    path = settings.run_store or server.settings.cache_dir / "agent-runs.sqlite3"
+    store = RunStore(path, settings.run_retention_s)
+    runs = Runs(store, settings.max_live_runs, settings.attach_poll_s)
+
+    async def close() -> None:
+        await runs.close()
+        store.close()
+
+    async def watch_cancels() -> None:
+        server.watch(asyncio.create_task(runs.watch_cancels(), name="agent-run-cancels"))
+
+    server.add_warmup(watch_cancels)
+    server.add_shutdown(close)
+    return runs
 
 
 async def setup(server: MeshServer) -> None:
-    servicer = AgentServicer(server, server.options_as(AgentSettings))
+    settings = server.options_as(AgentSettings)
+    servicer = AgentServicer(server, settings, open_runs(server, settings))
     server.add_service(agent_pb2_grpc.add_AgentServiceServicer_to_server, servicer, SERVICE)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 
 from mesh.config import ServiceOptions
@@ -28,3 +30,12 @@ class AgentSettings(ServiceOptions):
     plan_timeout_s: float = Field(default=5.0, gt=0)
     repetition_penalty: float = Field(default=1.0, ge=1)
     passages_in_prompt: int = Field(default=4, ge=1, le=20)
+    # Where runs and their events are kept (services/agent/run_store.py), shared by the
+    # replicas that may attach to each other's runs; None: <cache_dir>/agent-runs.sqlite3.
+    run_store: Path | None = None
+    # Ended runs are kept this long for Attach and GetRun, then pruned.
+    run_retention_s: float = Field(default=86_400, gt=0)
+    # Runs in progress in this process, background ones included; more is RESOURCE_EXHAUSTED.
+    max_live_runs: int = Field(default=64, ge=1)
+    # How often Attach and Cancel look at the store for a run another replica runs.
+    attach_poll_s: float = Field(default=0.2, gt=0)

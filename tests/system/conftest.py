@@ -43,6 +43,7 @@ async def mesh(tmp_path_factory) -> AsyncIterator[Mesh]:
     env = subprocess_env(
         AIMESH_SERVICES__RETRIEVAL__PATH=str(tmp_path_factory.mktemp("agent-kb")),
         AIMESH_SERVICES__DIFFUSION__MODELS="digits",
+        AIMESH_SERVICES__AGENT__RUN_STORE=str(tmp_path_factory.mktemp("agent-runs") / "runs.db"),
         OTEL_TRACES_EXPORTER="otlp",
         OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{otlp_port}",
         OTEL_BSP_SCHEDULE_DELAY="200",

@@ -159,6 +159,27 @@ async def test_aimesh_ask_prints_the_answer_as_json(mesh):
     assert result["answer"].strip() and len(result["trace_id"]) == 32
 
 
+async def aimesh(mesh, *args: str) -> str:
+    process = await asyncio.create_subprocess_exec(
+        str(VENV_BIN / "aimesh"), *args,
+        env=mesh.env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(process.communicate(), 120)
+    assert process.returncode == 0, err.decode()
+    return out.decode()
+
+
+async def test_a_run_is_shown_attached_and_cancelled_by_its_id(mesh):
+    asked = json.loads(await aimesh(mesh, "ask", "--json", "--background", "What is 6*7?"))
+    run_id = asked["run_id"]
+    assert asked["state"] == "RUN_STATE_ANSWERED"
+    assert f"{run_id} RUN_STATE_ANSWERED" in await aimesh(mesh, "runs", "show", run_id)
+    attached = json.loads(await aimesh(mesh, "runs", "attach", run_id, "--json"))
+    assert (attached["answer"], attached["tools"]) == (asked["answer"], asked["tools"])
+    # An ended run stays as it ended.
+    assert f"{run_id} RUN_STATE_ANSWERED" in await aimesh(mesh, "runs", "cancel", run_id)
+
+
 def spans_by_trace(log: str) -> dict[str, set[str]]:
     """trace id -> the services that sent spans of it, from the collector's debug log."""
     traces: dict[str, set[str]] = {}

@@ -8,29 +8,30 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
-import grpc
 import pytest
-import pytest_asyncio
-from google.protobuf import json_format, struct_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
 from aimesh.agent.v1 import agent_pb2
-from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc
-from aimesh.tools.v1 import tools_pb2, tools_pb2_grpc
 from mesh import caller
-from mesh.config import MeshSettings, ServiceSettings
 from mesh.failures import InvalidInput
-from mesh.server import MeshServer
 from services.agent import llm_planner, loop, planner, servicer
-from services.agent.servicer import AgentServicer, check_request
-from services.agent.settings import AgentSettings
+from services.agent.servicer import check_request
 from services.tools.builtin import BUILTIN
-from tests.harness import InProcess
+from tests.services.agent.conftest import (
+    FakeGeneration,
+    FakeTools,
+    failure,
+    final,
+    no_result,
+    pending_tool_calls,
+    result,
+    run_all,
+)
 
 pytestmark = pytest.mark.service
 
@@ -239,140 +240,6 @@ def test_unknown_tools_are_named_briefly():
 
 
 # -- degradation: a run answers whatever its tools and model do -------------------------
-
-Outcome = Callable[[grpc.aio.ServicerContext], AsyncIterator[tools_pb2.CallToolResponse]]
-
-
-def result(text: str, structured: dict | None = None) -> Outcome:
-    async def outcome(context):
-        content = struct_pb2.Struct()
-        json_format.ParseDict(structured or {}, content)
-        yield tools_pb2.CallToolResponse(
-            result=tools_pb2.CallToolResult(
-                content=[tools_pb2.Content(text=text)], structured_content=content
-            )
-        )
-
-    return outcome
-
-
-async def no_result(context):
-    yield tools_pb2.CallToolResponse(progress=tools_pb2.Progress(progress=0.5))
-
-
-async def failure(context):
-    await context.abort(grpc.StatusCode.INTERNAL, "the tool broke")
-    yield  # pragma: no cover
-
-
-class FakeTools(tools_pb2_grpc.ToolsServiceServicer):
-    """Each tool does what its outcome says; "hang" runs until cancelled."""
-
-    def __init__(self, outcomes: dict[str, Outcome | str], schemas: dict | None = None) -> None:
-        self.outcomes = outcomes
-        self.schemas = {t.name: t.input_schema for t in BUILTIN} if schemas is None else schemas
-        self.calls: list[str] = []
-        self.clients: list[list[str]] = []
-        self.started = asyncio.Event()
-        self.cancelled = asyncio.Event()
-
-    async def ListTools(self, request, context):
-        listed = tools_pb2.ListToolsResponse()
-        for name in sorted(self.outcomes):
-            tool = listed.tools.add(name=name, description=name)
-            json_format.ParseDict(self.schemas.get(name, {}), tool.input_schema)
-        return listed
-
-    async def CallTool(self, request, context):
-        self.calls.append(request.name)
-        metadata = context.invocation_metadata() or ()
-        self.clients.append([value for key, value in metadata if key == "x-aimesh-client"])
-        outcome = self.outcomes[request.name]
-        if outcome == "hang":
-            self.started.set()
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                self.cancelled.set()
-                raise
-        async for message in outcome(context):
-            yield message
-
-
-class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
-    """Picks `choice` for a plan (or fails, when None); answers `answer` (or fails)."""
-
-    def __init__(self, choice: str | None = None, answer: str | None = "An answer.") -> None:
-        self.choice = choice
-        self.answer = answer
-
-    async def Chat(self, request, context):
-        text = self.choice if request.sampling.choices else self.answer
-        if text is None:
-            await context.abort(grpc.StatusCode.INTERNAL, "the model broke")
-        yield generation_pb2.ChatResponse(chunk=generation_pb2.GenerationChunk(text=text))
-        yield generation_pb2.ChatResponse(complete=generation_pb2.GenerationComplete())
-
-
-StartAgent = Callable[..., Awaitable[AgentServicer]]
-
-
-@pytest_asyncio.fixture
-async def start_agent() -> AsyncIterator[StartAgent]:
-    """An AgentServicer whose tools and generation are the given fakes on loopback, dialled
-    as its declared dependencies (a caller's override, as a proxy on an edge would be)."""
-    servers: list[grpc.aio.Server] = []
-
-    async def serve(register: Callable, servicer: object) -> str:
-        server = grpc.aio.server()
-        register(servicer, server)
-        target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-        await server.start()
-        servers.append(server)
-        return target
-
-    async def agent_servicer(server: MeshServer) -> AgentServicer:
-        return AgentServicer(server, AgentSettings())
-
-    async with InProcess() as services:
-
-        async def start(
-            tools: FakeTools, generation: FakeGeneration, tools_target: str | None = None
-        ) -> AgentServicer:
-            dependencies = {
-                "tools": tools_target
-                or await serve(tools_pb2_grpc.add_ToolsServiceServicer_to_server, tools),
-                "generation": await serve(
-                    generation_pb2_grpc.add_GenerationServiceServicer_to_server, generation
-                ),
-            }
-            mesh_settings = MeshSettings(
-                services={"agent": ServiceSettings(dependencies=dependencies)}
-            )
-            served = await services.start("agent", mesh_settings, setup=agent_servicer)
-            return served.servicer
-
-        yield start
-    for server in servers:
-        await server.stop(0)
-
-
-async def run_all(agent: AgentServicer, question: str, context=None, **fields: object) -> list:
-    request = agent_pb2.RunRequest(question=question, options=options(**fields))
-    return [event async for event in agent.Run(request, context)]
-
-
-def final(events: list) -> agent_pb2.Final:
-    assert events[-1].HasField("final")
-    return events[-1].final
-
-
-def pending_tool_calls() -> list[asyncio.Task]:
-    return [
-        task
-        for task in asyncio.all_tasks()
-        if not task.done() and task.get_coro().__qualname__ == "Loop._call"
-    ]
 
 
 async def test_failed_and_resultless_tool_calls_become_notes(start_agent):

@@ -28,7 +28,7 @@ from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior_
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61imesh/agent/v1/agent.proto\x12\x0f\x61imesh.agent.v1\x1a\x1d\x61imesh/common/v1/common.proto\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1cgoogle/protobuf/struct.proto\"f\n\nRunRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x08question\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12,\n\x07options\x18\x03 \x01(\x0b\x32\x1b.aimesh.agent.v1.RunOptions\"\x9c\x01\n\nRunOptions\x12\x1b\n\x0emax_iterations\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rallowed_tools\x18\x02 \x03(\t\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x42\x11\n\x0f_max_iterationsB\x07\n\x05_seed\"\xb1\x02\n\x0bRunResponse\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x15.aimesh.agent.v1.PlanH\x00\x12.\n\ttool_call\x18\x02 \x01(\x0b\x32\x19.aimesh.agent.v1.ToolCallH\x00\x12\x32\n\x0btool_result\x18\x03 \x01(\x0b\x32\x1b.aimesh.agent.v1.ToolResultH\x00\x12\x34\n\x0c\x61nswer_delta\x18\x04 \x01(\x0b\x32\x1c.aimesh.agent.v1.AnswerDeltaH\x00\x12/\n\tcitations\x18\x05 \x01(\x0b\x32\x1a.aimesh.agent.v1.CitationsH\x00\x12\'\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x16.aimesh.agent.v1.FinalH\x00\x42\x07\n\x05\x65vent\"@\n\x04Plan\x12)\n\x07planner\x18\x01 \x01(\x0e\x32\x18.aimesh.agent.v1.Planner\x12\r\n\x05steps\x18\x02 \x03(\t\"U\n\x08ToolCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12*\n\targuments\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"\x90\x01\n\nToolResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x10\n\x08is_error\x18\x03 \x01(\x08\x12\x0f\n\x07summary\x18\x04 \x01(\t\x12+\n\nstructured\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x13\n\x0b\x64uration_ns\x18\x06 \x01(\x03\"\x1b\n\x0b\x41nswerDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\" \n\tCitations\x12\x13\n\x0bpassage_ids\x18\x01 \x03(\t\"\xb9\x01\n\x05\x46inal\x12&\n\x05usage\x18\x01 \x01(\x0b\x32\x17.aimesh.common.v1.Usage\x12(\n\x06timing\x18\x02 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\x12\x12\n\niterations\x18\x03 \x01(\x05\x12\x10\n\x08trace_id\x18\x04 \x01(\t\x12)\n\x07planner\x18\x05 \x01(\x0e\x32\x18.aimesh.agent.v1.Planner\x12\r\n\x05notes\x18\x06 \x03(\t*I\n\x07Planner\x12\x17\n\x13PLANNER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bPLANNER_LLM\x10\x01\x12\x14\n\x10PLANNER_FALLBACK\x10\x02\x32l\n\x0c\x41gentService\x12\\\n\x03Run\x12\x1b.aimesh.agent.v1.RunRequest\x1a\x1c.aimesh.agent.v1.RunResponse\"\x18\x82\xd3\xe4\x93\x02\x12\"\r/v1/agent:run:\x01*0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61imesh/agent/v1/agent.proto\x12\x0f\x61imesh.agent.v1\x1a\x1d\x61imesh/common/v1/common.proto\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/api/field_behavior.proto\x1a\x1cgoogle/protobuf/struct.proto\"f\n\nRunRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x08question\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12,\n\x07options\x18\x03 \x01(\x0b\x32\x1b.aimesh.agent.v1.RunOptions\"\xb0\x01\n\nRunOptions\x12\x1b\n\x0emax_iterations\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x15\n\rallowed_tools\x18\x02 \x03(\t\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x12\n\nbackground\x18\x06 \x01(\x08\x42\x11\n\x0f_max_iterationsB\x07\n\x05_seed\"\xce\x02\n\x0bRunResponse\x12%\n\x04plan\x18\x01 \x01(\x0b\x32\x15.aimesh.agent.v1.PlanH\x00\x12.\n\ttool_call\x18\x02 \x01(\x0b\x32\x19.aimesh.agent.v1.ToolCallH\x00\x12\x32\n\x0btool_result\x18\x03 \x01(\x0b\x32\x1b.aimesh.agent.v1.ToolResultH\x00\x12\x34\n\x0c\x61nswer_delta\x18\x04 \x01(\x0b\x32\x1c.aimesh.agent.v1.AnswerDeltaH\x00\x12/\n\tcitations\x18\x05 \x01(\x0b\x32\x1a.aimesh.agent.v1.CitationsH\x00\x12\'\n\x05\x66inal\x18\x06 \x01(\x0b\x32\x16.aimesh.agent.v1.FinalH\x00\x12\x0e\n\x06run_id\x18\x07 \x01(\t\x12\x0b\n\x03seq\x18\x08 \x01(\x04\x42\x07\n\x05\x65vent\"8\n\rAttachRequest\x12\x14\n\x06run_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"%\n\rCancelRequest\x12\x14\n\x06run_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\":\n\x0e\x43\x61ncelResponse\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.aimesh.agent.v1.RunState\"%\n\rGetRunRequest\x12\x14\n\x06run_id\x18\x01 \x01(\tB\x04\xe2\x41\x01\x02\"\x94\x01\n\x0eGetRunResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12(\n\x05state\x18\x02 \x01(\x0e\x32\x19.aimesh.agent.v1.RunState\x12\x10\n\x08question\x18\x03 \x01(\t\x12\x0e\n\x06\x65vents\x18\x04 \x01(\x04\x12\x12\n\ncreated_at\x18\x05 \x01(\x01\x12\x12\n\nupdated_at\x18\x06 \x01(\x01\"@\n\x04Plan\x12)\n\x07planner\x18\x01 \x01(\x0e\x32\x18.aimesh.agent.v1.Planner\x12\r\n\x05steps\x18\x02 \x03(\t\"U\n\x08ToolCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12*\n\targuments\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\"\x90\x01\n\nToolResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x10\n\x08is_error\x18\x03 \x01(\x08\x12\x0f\n\x07summary\x18\x04 \x01(\t\x12+\n\nstructured\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x13\n\x0b\x64uration_ns\x18\x06 \x01(\x03\"\x1b\n\x0b\x41nswerDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\" \n\tCitations\x12\x13\n\x0bpassage_ids\x18\x01 \x03(\t\"\xe3\x01\n\x05\x46inal\x12&\n\x05usage\x18\x01 \x01(\x0b\x32\x17.aimesh.common.v1.Usage\x12(\n\x06timing\x18\x02 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\x12\x12\n\niterations\x18\x03 \x01(\x05\x12\x10\n\x08trace_id\x18\x04 \x01(\t\x12)\n\x07planner\x18\x05 \x01(\x0e\x32\x18.aimesh.agent.v1.Planner\x12\r\n\x05notes\x18\x06 \x03(\t\x12(\n\x05state\x18\x07 \x01(\x0e\x32\x19.aimesh.agent.v1.RunState*\x9a\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_RUNNING\x10\x01\x12\x16\n\x12RUN_STATE_ANSWERED\x10\x02\x12\x15\n\x11RUN_STATE_PARTIAL\x10\x03\x12\x14\n\x10RUN_STATE_FAILED\x10\x04\x12\x17\n\x13RUN_STATE_CANCELLED\x10\x05*I\n\x07Planner\x12\x17\n\x13PLANNER_UNSPECIFIED\x10\x00\x12\x0f\n\x0bPLANNER_LLM\x10\x01\x12\x14\n\x10PLANNER_FALLBACK\x10\x02\x32\xc3\x03\n\x0c\x41gentService\x12\\\n\x03Run\x12\x1b.aimesh.agent.v1.RunRequest\x1a\x1c.aimesh.agent.v1.RunResponse\"\x18\x82\xd3\xe4\x93\x02\x12\"\r/v1/agent:run:\x01*0\x01\x12p\n\x06\x41ttach\x12\x1e.aimesh.agent.v1.AttachRequest\x1a\x1c.aimesh.agent.v1.RunResponse\"&\x82\xd3\xe4\x93\x02 \x12\x1e/v1/agent/runs/{run_id}:attach0\x01\x12t\n\x06\x43\x61ncel\x12\x1e.aimesh.agent.v1.CancelRequest\x1a\x1f.aimesh.agent.v1.CancelResponse\")\x82\xd3\xe4\x93\x02#\"\x1e/v1/agent/runs/{run_id}:cancel:\x01*\x12m\n\x06GetRun\x12\x1e.aimesh.agent.v1.GetRunRequest\x1a\x1f.aimesh.agent.v1.GetRunResponse\"\"\x90\x02\x01\x82\xd3\xe4\x93\x02\x19\x12\x17/v1/agent/runs/{run_id}b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,28 +37,52 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RUNREQUEST'].fields_by_name['question']._loaded_options = None
   _globals['_RUNREQUEST'].fields_by_name['question']._serialized_options = b'\342A\001\002'
+  _globals['_ATTACHREQUEST'].fields_by_name['run_id']._loaded_options = None
+  _globals['_ATTACHREQUEST'].fields_by_name['run_id']._serialized_options = b'\342A\001\002'
+  _globals['_CANCELREQUEST'].fields_by_name['run_id']._loaded_options = None
+  _globals['_CANCELREQUEST'].fields_by_name['run_id']._serialized_options = b'\342A\001\002'
+  _globals['_GETRUNREQUEST'].fields_by_name['run_id']._loaded_options = None
+  _globals['_GETRUNREQUEST'].fields_by_name['run_id']._serialized_options = b'\342A\001\002'
   _globals['_AGENTSERVICE'].methods_by_name['Run']._loaded_options = None
   _globals['_AGENTSERVICE'].methods_by_name['Run']._serialized_options = b'\202\323\344\223\002\022\"\r/v1/agent:run:\001*'
-  _globals['_PLANNER']._serialized_start=1294
-  _globals['_PLANNER']._serialized_end=1367
+  _globals['_AGENTSERVICE'].methods_by_name['Attach']._loaded_options = None
+  _globals['_AGENTSERVICE'].methods_by_name['Attach']._serialized_options = b'\202\323\344\223\002 \022\036/v1/agent/runs/{run_id}:attach'
+  _globals['_AGENTSERVICE'].methods_by_name['Cancel']._loaded_options = None
+  _globals['_AGENTSERVICE'].methods_by_name['Cancel']._serialized_options = b'\202\323\344\223\002#\"\036/v1/agent/runs/{run_id}:cancel:\001*'
+  _globals['_AGENTSERVICE'].methods_by_name['GetRun']._loaded_options = None
+  _globals['_AGENTSERVICE'].methods_by_name['GetRun']._serialized_options = b'\220\002\001\202\323\344\223\002\031\022\027/v1/agent/runs/{run_id}'
+  _globals['_RUNSTATE']._serialized_start=1733
+  _globals['_RUNSTATE']._serialized_end=1887
+  _globals['_PLANNER']._serialized_start=1889
+  _globals['_PLANNER']._serialized_end=1962
   _globals['_RUNREQUEST']._serialized_start=172
   _globals['_RUNREQUEST']._serialized_end=274
   _globals['_RUNOPTIONS']._serialized_start=277
-  _globals['_RUNOPTIONS']._serialized_end=433
-  _globals['_RUNRESPONSE']._serialized_start=436
-  _globals['_RUNRESPONSE']._serialized_end=741
-  _globals['_PLAN']._serialized_start=743
-  _globals['_PLAN']._serialized_end=807
-  _globals['_TOOLCALL']._serialized_start=809
-  _globals['_TOOLCALL']._serialized_end=894
-  _globals['_TOOLRESULT']._serialized_start=897
-  _globals['_TOOLRESULT']._serialized_end=1041
-  _globals['_ANSWERDELTA']._serialized_start=1043
-  _globals['_ANSWERDELTA']._serialized_end=1070
-  _globals['_CITATIONS']._serialized_start=1072
-  _globals['_CITATIONS']._serialized_end=1104
-  _globals['_FINAL']._serialized_start=1107
-  _globals['_FINAL']._serialized_end=1292
-  _globals['_AGENTSERVICE']._serialized_start=1369
-  _globals['_AGENTSERVICE']._serialized_end=1477
+  _globals['_RUNOPTIONS']._serialized_end=453
+  _globals['_RUNRESPONSE']._serialized_start=456
+  _globals['_RUNRESPONSE']._serialized_end=790
+  _globals['_ATTACHREQUEST']._serialized_start=792
+  _globals['_ATTACHREQUEST']._serialized_end=848
+  _globals['_CANCELREQUEST']._serialized_start=850
+  _globals['_CANCELREQUEST']._serialized_end=887
+  _globals['_CANCELRESPONSE']._serialized_start=889
+  _globals['_CANCELRESPONSE']._serialized_end=947
+  _globals['_GETRUNREQUEST']._serialized_start=949
+  _globals['_GETRUNREQUEST']._serialized_end=986
+  _globals['_GETRUNRESPONSE']._serialized_start=989
+  _globals['_GETRUNRESPONSE']._serialized_end=1137
+  _globals['_PLAN']._serialized_start=1139
+  _globals['_PLAN']._serialized_end=1203
+  _globals['_TOOLCALL']._serialized_start=1205
+  _globals['_TOOLCALL']._serialized_end=1290
+  _globals['_TOOLRESULT']._serialized_start=1293
+  _globals['_TOOLRESULT']._serialized_end=1437
+  _globals['_ANSWERDELTA']._serialized_start=1439
+  _globals['_ANSWERDELTA']._serialized_end=1466
+  _globals['_CITATIONS']._serialized_start=1468
+  _globals['_CITATIONS']._serialized_end=1500
+  _globals['_FINAL']._serialized_start=1503
+  _globals['_FINAL']._serialized_end=1730
+  _globals['_AGENTSERVICE']._serialized_start=1965
+  _globals['_AGENTSERVICE']._serialized_end=2416
 # @@protoc_insertion_point(module_scope)

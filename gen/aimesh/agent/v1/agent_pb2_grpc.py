@@ -44,6 +44,21 @@ class AgentServiceStub:
                 request_serializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.RunRequest.SerializeToString,
                 response_deserializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.RunResponse.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_stream(
+                '/aimesh.agent.v1.AgentService/Attach',
+                request_serializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.AttachRequest.SerializeToString,
+                response_deserializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.RunResponse.FromString,
+                _registered_method=True)
+        self.Cancel = channel.unary_unary(
+                '/aimesh.agent.v1.AgentService/Cancel',
+                request_serializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.CancelRequest.SerializeToString,
+                response_deserializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.CancelResponse.FromString,
+                _registered_method=True)
+        self.GetRun = channel.unary_unary(
+                '/aimesh.agent.v1.AgentService/GetRun',
+                request_serializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.GetRunRequest.SerializeToString,
+                response_deserializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.GetRunResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -57,7 +72,38 @@ class AgentServiceServicer:
     def Run(self, request, context):
         """Run answers one question. Events come in loop order: per iteration a Plan, then
         ToolCall/ToolResult pairs; then AnswerDelta messages, Citations, and one Final last.
-        Cancelling the call cancels every tool call and generation below it.
+        Cancelling the call cancels every tool call and generation below it, unless the run
+        is in the background (RunOptions.background).
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Attach(self, request, context):
+        """Attach re-attaches to a run by its id (RunResponse.run_id), from any connection and
+        any replica that shares the run store: the run's events after `after_seq`, then the
+        rest as they happen, to its Final. Only the client that started the run sees it;
+        any other id is NOT_FOUND. It sends RunResponse, as Run does, so one reader serves
+        both.
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Cancel(self, request, context):
+        """Cancel stops a run by id from any connection: its tool calls and generation are
+        cancelled within one step and it ends CANCELLED. Cancelling an ended run changes
+        nothing and says how it ended.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRun(self, request, context):
+        """GetRun says where a run stands.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -70,6 +116,21 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.Run,
                     request_deserializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.RunRequest.FromString,
                     response_serializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.RunResponse.SerializeToString,
+            ),
+            'Attach': grpc.unary_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.AttachRequest.FromString,
+                    response_serializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.RunResponse.SerializeToString,
+            ),
+            'Cancel': grpc.unary_unary_rpc_method_handler(
+                    servicer.Cancel,
+                    request_deserializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.CancelRequest.FromString,
+                    response_serializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.CancelResponse.SerializeToString,
+            ),
+            'GetRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRun,
+                    request_deserializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.GetRunRequest.FromString,
+                    response_serializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.GetRunResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -104,6 +165,87 @@ class AgentService:
             '/aimesh.agent.v1.AgentService/Run',
             aimesh_dot_agent_dot_v1_dot_agent__pb2.RunRequest.SerializeToString,
             aimesh_dot_agent_dot_v1_dot_agent__pb2.RunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/aimesh.agent.v1.AgentService/Attach',
+            aimesh_dot_agent_dot_v1_dot_agent__pb2.AttachRequest.SerializeToString,
+            aimesh_dot_agent_dot_v1_dot_agent__pb2.RunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cancel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aimesh.agent.v1.AgentService/Cancel',
+            aimesh_dot_agent_dot_v1_dot_agent__pb2.CancelRequest.SerializeToString,
+            aimesh_dot_agent_dot_v1_dot_agent__pb2.CancelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aimesh.agent.v1.AgentService/GetRun',
+            aimesh_dot_agent_dot_v1_dot_agent__pb2.GetRunRequest.SerializeToString,
+            aimesh_dot_agent_dot_v1_dot_agent__pb2.GetRunResponse.FromString,
             options,
             channel_credentials,
             insecure,

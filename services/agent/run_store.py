@@ -1,0 +1,168 @@
+"""The agent's runs on disk: each run's record and every event it sent, so a client can
+re-attach to a run by id (on any replica that shares the store) and Cancel reaches a run
+whichever replica runs it.
+
+Embedded default: SQLite (stdlib), one file, WAL so readers do not wait on the writer.
+Every event is stored as it is sent, a RunResponse in protobuf (the schema'd form the
+client receives) compressed with zlib; the schema's version is the file's user_version.
+A run's record holds its client (every read is scoped by it), state, question, event
+count and whether a Cancel asked it to stop. Ended runs are pruned after
+`retention_s`, so the file is bounded by traffic over that window.
+
+Calls are blocking (sqlite3); the servicer runs them in a worker thread.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from aimesh.agent.v1 import agent_pb2
+
+SCHEMA_VERSION = 1
+RUNNING = agent_pb2.RUN_STATE_RUNNING
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    client TEXT NOT NULL,
+    question TEXT NOT NULL,
+    state INTEGER NOT NULL,
+    events INTEGER NOT NULL DEFAULT 0,
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS runs_by_update ON runs (state, updated_at);
+CREATE TABLE IF NOT EXISTS events (
+    run_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    body BLOB NOT NULL,
+    PRIMARY KEY (run_id, seq)
+);
+"""
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    run_id: str
+    client: str
+    question: str
+    state: int  # agent_pb2.RunState
+    events: int
+    cancel_requested: bool
+    created_at: float
+    updated_at: float
+
+    @property
+    def ended(self) -> bool:
+        return self.state != RUNNING
+
+
+class RunStore:
+    def __init__(self, path: Path, retention_s: float = 86_400.0) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.retention_s = retention_s
+        # One connection, used from worker threads one call at a time.
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._lock = threading.Lock()
+        with self._lock:
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"{path} holds run store schema {version}; this agent reads up to "
+                    f"{SCHEMA_VERSION}"
+                )
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA busy_timeout=5000")
+            self._db.executescript(_SCHEMA)
+            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def create(self, run_id: str, client: str, question: str) -> None:
+        """A new run, RUNNING; ended runs past the retention window go."""
+        now = time.time()
+        with self._lock, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._prune(now)
+            self._db.execute(
+                "INSERT INTO runs (run_id, client, question, state, created_at, updated_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (run_id, client, question, RUNNING, now, now),
+            )
+
+    def append(self, event: agent_pb2.RunResponse, state: int = RUNNING) -> bool:
+        """Stores the event (its run_id and seq set) and, with a terminal `state`, ends
+        the run. True when a Cancel has asked the run to stop."""
+        body = zlib.compress(event.SerializeToString())
+        with self._lock, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute(
+                "INSERT INTO events (run_id, seq, body) VALUES (?, ?, ?)",
+                (event.run_id, event.seq, body),
+            )
+            row = self._db.execute(
+                "UPDATE runs SET events = ?, state = ?, updated_at = ? WHERE run_id = ?"
+                " RETURNING cancel_requested",
+                (event.seq, state, time.time(), event.run_id),
+            ).fetchone()
+        return bool(row and row[0])
+
+    def end(self, run_id: str, state: int) -> None:
+        """Ends a run that sends no Final (its caller left before one was made)."""
+        with self._lock, self._db:
+            self._db.execute(
+                "UPDATE runs SET state = ?, updated_at = ? WHERE run_id = ? AND state = ?",
+                (state, time.time(), run_id, RUNNING),
+            )
+
+    def request_cancel(self, run_id: str) -> None:
+        with self._lock, self._db:
+            self._db.execute(
+                "UPDATE runs SET cancel_requested = 1 WHERE run_id = ? AND state = ?",
+                (run_id, RUNNING),
+            )
+
+    def cancels_asked(self, run_ids: list[str]) -> list[str]:
+        """Which of these running runs a Cancel asked to stop."""
+        if not run_ids:
+            return []
+        marks = ", ".join("?" * len(run_ids))
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT run_id FROM runs WHERE cancel_requested = 1 AND run_id IN ({marks})",
+                run_ids,
+            ).fetchall()
+        return [run_id for (run_id,) in rows]
+
+    def get(self, run_id: str, client: str) -> RunRecord | None:
+        """The run, if it exists and belongs to `client`."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT run_id, client, question, state, events, cancel_requested, created_at,"
+                " updated_at FROM runs WHERE run_id = ? AND client = ?",
+                (run_id, client),
+            ).fetchone()
+        return None if row is None else RunRecord(*row[:5], bool(row[5]), *row[6:])
+
+    def events(self, run_id: str, after_seq: int, limit: int = 256) -> list[agent_pb2.RunResponse]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT body FROM events WHERE run_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+                (run_id, after_seq, limit),
+            ).fetchall()
+        return [agent_pb2.RunResponse.FromString(zlib.decompress(body)) for (body,) in rows]
+
+    def _prune(self, now: float) -> None:
+        horizon = now - self.retention_s
+        old = "SELECT run_id FROM runs WHERE state != ? AND updated_at < ?"
+        self._db.execute(f"DELETE FROM events WHERE run_id IN ({old})", (RUNNING, horizon))
+        self._db.execute("DELETE FROM runs WHERE state != ? AND updated_at < ?", (RUNNING, horizon))

@@ -1,0 +1,222 @@
+"""Runs by id: every event numbered and stored as it is sent, re-attached from any seq
+(after a dropped stream, from another replica sharing the store), cancelled by id from
+another call or replica, scoped to the client that started them, ended in a stated
+terminal state."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from contextlib import aclosing
+from types import SimpleNamespace
+
+import pytest
+
+from aimesh.agent.v1 import agent_pb2
+from mesh import caller
+from mesh.failures import InvalidInput, NotFound
+from services.agent.run_store import RunStore
+from tests.services.agent.conftest import (
+    FakeGeneration,
+    FakeTools,
+    failure,
+    final,
+    pending_tool_calls,
+    result,
+    run_all,
+)
+
+pytestmark = pytest.mark.service
+
+ANSWERED, PARTIAL = agent_pb2.RUN_STATE_ANSWERED, agent_pb2.RUN_STATE_PARTIAL
+FAILED, CANCELLED = agent_pb2.RUN_STATE_FAILED, agent_pb2.RUN_STATE_CANCELLED
+
+
+def as_client(name: str) -> None:
+    """What the server interceptor does with the caller's metadata (mesh.caller)."""
+    caller.adopt(SimpleNamespace(invocation_metadata=lambda: (("x-aimesh-client", name),)))
+
+
+def slow(text: str, seconds: float):
+    async def outcome(context):
+        await asyncio.sleep(seconds)
+        async for message in result(text)(context):
+            yield message
+
+    return outcome
+
+
+async def attach(agent, run_id: str, after_seq: int = 0) -> list:
+    request = agent_pb2.AttachRequest(run_id=run_id, after_seq=after_seq)
+    async with aclosing(agent.Attach(request, None)) as events:
+        return [event async for event in events]
+
+
+# -- the store ---------------------------------------------------------------------------
+
+
+def test_events_are_stored_compressed_and_read_back_by_their_client_only(tmp_path):
+    store = RunStore(tmp_path / "runs.sqlite3")
+    store.create("r1", "alice", "why?")
+    answer = "the same words again " * 200
+    for seq, event in enumerate(
+        [
+            agent_pb2.RunResponse(answer_delta=agent_pb2.AnswerDelta(text=answer)),
+            agent_pb2.RunResponse(final=agent_pb2.Final(state=ANSWERED)),
+        ],
+        start=1,
+    ):
+        event.run_id, event.seq = "r1", seq
+        assert not store.append(event, ANSWERED if seq == 2 else agent_pb2.RUN_STATE_RUNNING)
+    assert store.get("r1", "bob") is None
+    record = store.get("r1", "alice")
+    assert (record.state, record.events, record.question) == (ANSWERED, 2, "why?")
+    assert [e.seq for e in store.events("r1", 0)] == [1, 2]
+    (later,) = store.events("r1", 1)
+    assert later.final.state == ANSWERED
+    (stored,) = sqlite3.connect(tmp_path / "runs.sqlite3").execute(
+        "SELECT length(body) FROM events WHERE seq = 1"
+    )
+    assert stored[0] < len(answer) / 10
+    store.close()
+
+
+def test_ended_runs_past_retention_are_pruned_and_running_ones_kept(tmp_path, monkeypatch):
+    store = RunStore(tmp_path / "runs.sqlite3", retention_s=60)
+    clock = [1000.0]
+    monkeypatch.setattr("services.agent.run_store.time.time", lambda: clock[0])
+    store.create("ended", "", "q")
+    store.end("ended", CANCELLED)
+    store.create("running", "", "q")
+    clock[0] += 61
+    store.create("new", "", "q")
+    assert store.get("ended", "") is None
+    assert store.get("running", "") is not None
+    store.close()
+
+
+def test_a_store_written_by_a_newer_agent_is_refused(tmp_path):
+    path = tmp_path / "runs.sqlite3"
+    with sqlite3.connect(path) as db:
+        db.execute("PRAGMA user_version = 2")
+    with pytest.raises(RuntimeError, match="schema 2"):
+        RunStore(path)
+
+
+# -- runs through the servicer -------------------------------------------------------------
+
+
+async def test_every_event_carries_its_run_and_seq_and_attach_replays_them(start_agent):
+    agent = await start_agent(FakeTools({"calculator": result("4")}), FakeGeneration())
+    events = await run_all(agent, "What is 2+2?")
+    run_id = events[0].run_id
+    assert len(run_id) == 32 and {e.run_id for e in events} == {run_id}
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert final(events).state == ANSWERED
+    assert await attach(agent, run_id) == events
+    assert await attach(agent, run_id, after_seq=len(events) - 1) == events[-1:]
+    got = await agent.GetRun(agent_pb2.GetRunRequest(run_id=run_id), None)
+    assert (got.state, got.events, got.question) == (ANSWERED, len(events), "What is 2+2?")
+
+
+async def test_a_background_run_outlives_its_stream_and_is_reattached_where_it_was(start_agent):
+    tools = FakeTools({"calculator": slow("4", 0.5)})
+    agent = await start_agent(tools, FakeGeneration())
+    request = agent_pb2.RunRequest(
+        question="What is 2+2?", options=agent_pb2.RunOptions(background=True)
+    )
+    seen = []
+    async with aclosing(agent.Run(request, None)) as stream:
+        async for event in stream:
+            seen.append(event)
+            if event.HasField("tool_call"):
+                break  # the connection drops mid-run
+    rest = await attach(agent, seen[-1].run_id, after_seq=seen[-1].seq)
+    assert [e.seq for e in seen + rest] == list(range(1, len(seen) + len(rest) + 1))
+    assert rest[0].HasField("tool_result") and not rest[0].tool_result.is_error
+    assert final(rest).state == ANSWERED
+    assert tools.calls == ["calculator"]
+
+
+async def test_cancel_by_id_from_another_call_stops_the_run_and_its_tool_calls(start_agent):
+    tools = FakeTools({"knowledge_search": "hang"})
+    agent = await start_agent(tools, FakeGeneration())
+    request = agent_pb2.RunRequest(question="How do I copy a list?")
+    run = asyncio.create_task(run_all(agent, request.question))
+    await asyncio.wait_for(tools.started.wait(), 10)
+    (run_id,) = {r.run_id for r in agent.runs.live.values()}
+    cancelled = await agent.Cancel(agent_pb2.CancelRequest(run_id=run_id), None)
+    assert cancelled.state == CANCELLED
+    events = await asyncio.wait_for(run, 10)
+    assert final(events).state == CANCELLED
+    await asyncio.wait_for(tools.cancelled.wait(), 10)
+    assert pending_tool_calls() == []
+    again = await agent.Cancel(agent_pb2.CancelRequest(run_id=run_id), None)
+    assert again.state == CANCELLED
+
+
+async def test_a_cancel_on_another_replica_stops_a_run_waiting_on_a_tool(start_agent):
+    """Two agents on one store: the run's replica sees the other's Cancel while the tool
+    it waits on sends nothing."""
+    tools = FakeTools({"knowledge_search": "hang"})
+    owner = await start_agent(tools, FakeGeneration())
+    other = await start_agent(FakeTools({}), FakeGeneration())
+    request = agent_pb2.RunRequest(
+        question="How do I copy a list?", options=agent_pb2.RunOptions(background=True)
+    )
+    async with aclosing(owner.Run(request, None)) as stream:
+        first = await anext(stream)
+    await asyncio.wait_for(tools.started.wait(), 10)
+    followed = asyncio.create_task(attach(other, first.run_id))
+    cancelled = await other.Cancel(agent_pb2.CancelRequest(run_id=first.run_id), None)
+    assert cancelled.state == CANCELLED
+    events = await asyncio.wait_for(followed, 10)
+    assert events[0] == first and final(events).state == CANCELLED
+    await asyncio.wait_for(tools.cancelled.wait(), 10)
+
+
+async def test_a_run_is_invisible_to_another_client(start_agent):
+    agent = await start_agent(FakeTools({"calculator": result("4")}), FakeGeneration())
+    as_client("alice")
+    events = await run_all(agent, "What is 2+2?")
+    as_client("mallory")
+    run_id = events[0].run_id
+    for call in (
+        agent.GetRun(agent_pb2.GetRunRequest(run_id=run_id), None),
+        agent.Cancel(agent_pb2.CancelRequest(run_id=run_id), None),
+        attach(agent, run_id),
+    ):
+        with pytest.raises(NotFound):
+            await call
+    as_client("alice")
+    assert (await agent.GetRun(agent_pb2.GetRunRequest(run_id=run_id), None)).state == ANSWERED
+
+
+async def test_each_terminal_state_is_reached_and_stated(start_agent, tmp_path):
+    tools = FakeTools({"calculator": failure, "knowledge_search": "hang"})
+    agent = await start_agent(tools, FakeGeneration())
+    partial = await run_all(agent, "What is 2+2?")
+    assert final(partial).state == PARTIAL
+    assert any("calculator" in note for note in final(partial).notes)
+    # Refused once the tools are known: the caller gets INVALID_ARGUMENT, the run FAILED.
+    with pytest.raises(InvalidInput):
+        await run_all(agent, "What is 2+2?", allowed_tools=["no_such_tool"])
+    with sqlite3.connect(tmp_path / "runs.sqlite3") as db:  # the fixture's store
+        ((failed_id,),) = db.execute("SELECT run_id FROM runs WHERE state = ?", (FAILED,))
+    replayed = await attach(agent, failed_id)
+    assert final(replayed).state == FAILED and "no_such_tool" in final(replayed).notes[-1]
+    # A caller that leaves a run not in the background ends it.
+    request = agent_pb2.RunRequest(question="How do I copy a list?")
+    async with aclosing(agent.Run(request, None)) as stream:
+        left = await anext(stream)
+        await asyncio.wait_for(tools.started.wait(), 10)
+    got = await agent.GetRun(agent_pb2.GetRunRequest(run_id=left.run_id), None)
+    assert got.state == CANCELLED
+
+
+@pytest.mark.parametrize("run_id", ["", "x" * 32, "A" * 32, "0" * 31, "0" * 33, "é" * 16])
+async def test_a_malformed_run_id_is_refused_naming_the_field(start_agent, run_id):
+    agent = await start_agent(FakeTools({}), FakeGeneration())
+    with pytest.raises(InvalidInput) as refused:
+        await agent.GetRun(agent_pb2.GetRunRequest(run_id=run_id), None)
+    assert [v.field for v in refused.value.violations] == ["run_id"]
