@@ -92,11 +92,14 @@ def ask(
         bool,
         typer.Option(help="the run goes on if this command stops; `aimesh runs attach` it"),
     ] = False,
+    session: Annotated[
+        str, typer.Option(help="a conversation: the answer knows the session's earlier turns")
+    ] = "",
 ) -> None:
     """Ask the agent: it plans, calls tools in parallel, and answers with citations."""
     # None leaves an optional field unset: the agent's default.
     options = agent_pb2.RunOptions(max_iterations=max_iterations, seed=seed, background=background)
-    request = agent_pb2.RunRequest(question=question, options=options)
+    request = agent_pb2.RunRequest(question=question, options=options, session_id=session)
     result, trace_id = run_command("ask", lambda: _ask(request, not as_json), timeout_s=timeout)
     _print(result, trace_id, as_json)
 

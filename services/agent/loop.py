@@ -96,6 +96,8 @@ class Question:
     max_new_tokens: int = 0
     temperature: float = 0.0
     seed: int | None = None
+    # The session's earlier (question, answer) turns, oldest first, already within budget.
+    history: Sequence[tuple[str, str]] = ()
 
 
 # What a run reports as it goes, in this order: per iteration a Plan, then a Calling per
@@ -347,7 +349,7 @@ class Loop:
             repetition_penalty=settings.repetition_penalty,
         )
         messages = prompts.answer_messages(
-            question.text, state.observations, settings.passages_in_prompt
+            question.text, state.observations, settings.passages_in_prompt, question.history
         )
         reply = self.generation.generate(messages, sampling, until - answered)
         try:

@@ -4,6 +4,7 @@ what they could not do, so a small model answers from evidence and cites it."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from services.agent.planner import CALCULATOR, GENERATE_IMAGE, Observation
 
@@ -49,9 +50,24 @@ def evidence(observations: list[Observation], limit: int, chars: int = 600) -> s
     return "\n\n".join(lines) or "(no evidence: every tool failed or none applied)"
 
 
-def answer_messages(question: str, observations: list[Observation], limit: int) -> list[dict]:
+def answer_messages(
+    question: str,
+    observations: list[Observation],
+    limit: int,
+    history: Sequence[tuple[str, str]] = (),
+) -> list[dict]:
+    """The system prompt, the session's earlier turns as the conversation they were, then
+    this question with its evidence."""
     prompt = f"Evidence:\n{evidence(observations, limit)}\n\nQuestion: {question}"
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
+    earlier = [
+        message
+        for asked, answered in history
+        for message in (
+            {"role": "user", "content": asked},
+            {"role": "assistant", "content": answered},
+        )
+    ]
+    return [{"role": "system", "content": SYSTEM}, *earlier, {"role": "user", "content": prompt}]
 
 
 def cited(answer: str, observations: list[Observation], limit: int) -> list[str]:

@@ -5,9 +5,11 @@ whichever replica runs it.
 Embedded default: SQLite (stdlib), one file, WAL so readers do not wait on the writer.
 Every event is stored as it is sent, a RunResponse in protobuf (the schema'd form the
 client receives) compressed with zlib; the schema's version is the file's user_version.
-A run's record holds its client (every read is scoped by it), state, question, event
-count and whether a Cancel asked it to stop. Ended runs are pruned after
-`retention_s`, so the file is bounded by traffic over that window.
+A run's record holds its client (every read is scoped by it), session, state, question,
+the answer so far, event count and whether a Cancel asked it to stop. A session is its
+client's runs under one session id: its turns are their questions and answers. Ended
+runs are pruned after `retention_s` (and with them old turns), so the file is bounded by
+traffic over that window.
 
 Calls are blocking (sqlite3); the servicer runs them in a worker thread.
 """
@@ -23,8 +25,9 @@ from pathlib import Path
 
 from aimesh.agent.v1 import agent_pb2
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 RUNNING = agent_pb2.RUN_STATE_RUNNING
+ANSWERED_STATES = (agent_pb2.RUN_STATE_ANSWERED, agent_pb2.RUN_STATE_PARTIAL)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     run_id TEXT PRIMARY KEY,
@@ -34,9 +37,12 @@ CREATE TABLE IF NOT EXISTS runs (
     events INTEGER NOT NULL DEFAULT 0,
     cancel_requested INTEGER NOT NULL DEFAULT 0,
     created_at REAL NOT NULL,
-    updated_at REAL NOT NULL
+    updated_at REAL NOT NULL,
+    session_id TEXT NOT NULL DEFAULT '',
+    answer TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS runs_by_update ON runs (state, updated_at);
+CREATE INDEX IF NOT EXISTS runs_by_session ON runs (client, session_id, created_at);
 CREATE TABLE IF NOT EXISTS events (
     run_id TEXT NOT NULL,
     seq INTEGER NOT NULL,
@@ -44,6 +50,15 @@ CREATE TABLE IF NOT EXISTS events (
     PRIMARY KEY (run_id, seq)
 );
 """
+
+
+@dataclass(frozen=True)
+class Turn:
+    run_id: str
+    question: str
+    answer: str
+    state: int
+    created_at: float
 
 
 @dataclass(frozen=True)
@@ -80,6 +95,9 @@ class RunStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA busy_timeout=5000")
+            if version == 1:  # before sessions: runs gain their session and answer
+                self._db.execute("ALTER TABLE runs ADD COLUMN session_id TEXT NOT NULL DEFAULT ''")
+                self._db.execute("ALTER TABLE runs ADD COLUMN answer TEXT NOT NULL DEFAULT ''")
             self._db.executescript(_SCHEMA)
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
@@ -87,22 +105,23 @@ class RunStore:
         with self._lock:
             self._db.close()
 
-    def create(self, run_id: str, client: str, question: str) -> None:
+    def create(self, run_id: str, client: str, question: str, session_id: str = "") -> None:
         """A new run, RUNNING; ended runs past the retention window go."""
         now = time.time()
         with self._lock, self._db:
             self._db.execute("BEGIN IMMEDIATE")
             self._prune(now)
             self._db.execute(
-                "INSERT INTO runs (run_id, client, question, state, created_at, updated_at)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (run_id, client, question, RUNNING, now, now),
+                "INSERT INTO runs (run_id, client, question, state, created_at, updated_at,"
+                " session_id) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (run_id, client, question, RUNNING, now, now, session_id),
             )
 
     def append(self, event: agent_pb2.RunResponse, state: int = RUNNING) -> bool:
         """Stores the event (its run_id and seq set) and, with a terminal `state`, ends
         the run. True when a Cancel has asked the run to stop."""
         body = zlib.compress(event.SerializeToString())
+        text = event.answer_delta.text if event.HasField("answer_delta") else ""
         with self._lock, self._db:
             self._db.execute("BEGIN IMMEDIATE")
             self._db.execute(
@@ -110,9 +129,9 @@ class RunStore:
                 (event.run_id, event.seq, body),
             )
             row = self._db.execute(
-                "UPDATE runs SET events = ?, state = ?, updated_at = ? WHERE run_id = ?"
-                " RETURNING cancel_requested",
-                (event.seq, state, time.time(), event.run_id),
+                "UPDATE runs SET events = ?, state = ?, updated_at = ?, answer = answer || ?"
+                " WHERE run_id = ? RETURNING cancel_requested",
+                (event.seq, state, time.time(), text, event.run_id),
             ).fetchone()
         return bool(row and row[0])
 
@@ -152,6 +171,30 @@ class RunStore:
                 (run_id, client),
             ).fetchone()
         return None if row is None else RunRecord(*row[:5], bool(row[5]), *row[6:])
+
+    def turns(self, client: str, session_id: str) -> list[Turn]:
+        """The session's answered (or partly answered) runs, oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT run_id, question, answer, state, created_at FROM runs"
+                " WHERE client = ? AND session_id = ? AND state IN (?, ?) ORDER BY created_at",
+                (client, session_id, *ANSWERED_STATES),
+            ).fetchall()
+        return [Turn(*row) for row in rows]
+
+    def delete_session(self, client: str, session_id: str) -> int:
+        """Forgets the session's ended runs; how many."""
+        runs = "SELECT run_id FROM runs WHERE client = ? AND session_id = ? AND state != ?"
+        with self._lock, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute(
+                f"DELETE FROM events WHERE run_id IN ({runs})", (client, session_id, RUNNING)
+            )
+            deleted = self._db.execute(
+                "DELETE FROM runs WHERE client = ? AND session_id = ? AND state != ?",
+                (client, session_id, RUNNING),
+            ).rowcount
+        return deleted
 
     def events(self, run_id: str, after_seq: int, limit: int = 256) -> list[agent_pb2.RunResponse]:
         with self._lock:

@@ -80,7 +80,9 @@ class Runs:
         self.poll_s = poll_s
         self.live: dict[str, LiveRun] = {}
 
-    async def start(self, client: str, question: str, execute: Execute) -> LiveRun:
+    async def start(
+        self, client: str, question: str, execute: Execute, session_id: str = ""
+    ) -> LiveRun:
         """A new run, recorded, running `execute` in a task of its own."""
         if len(self.live) >= self.max_live:
             raise Overloaded(
@@ -88,7 +90,7 @@ class Runs:
                 retry_after_s=1.0,
             )
         run = LiveRun(uuid.uuid4().hex, client)
-        await asyncio.to_thread(self.store.create, run.run_id, client, question)
+        await asyncio.to_thread(self.store.create, run.run_id, client, question, session_id)
         self.live[run.run_id] = run
         run.task = asyncio.create_task(execute(run), name="agent-run")
         run.task.add_done_callback(lambda _: self.live.pop(run.run_id, None))

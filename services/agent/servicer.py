@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import aclosing, contextmanager
 from dataclasses import asdict
 from itertools import islice
@@ -27,7 +27,7 @@ from mesh.timing import stage
 from mesh.validation import Violations
 from services.agent import loop
 from services.agent.planner import Observation, Tool, ToolStep
-from services.agent.run_store import RunStore
+from services.agent.run_store import RunStore, Turn
 from services.agent.runs import LiveRun, Runs
 from services.agent.settings import AgentSettings
 
@@ -48,6 +48,8 @@ MAX_ELEMENT_VIOLATIONS = 8
 MAX_ITERATIONS = 25
 MAX_ANSWER_TOKENS = 2048
 RUN_ID = re.compile(r"[0-9a-f]{32}")
+SESSION_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+SESSION_RULE = "must be 1 to 128 of [A-Za-z0-9_.:-]"
 PLANNERS = {
     loop.Planner.MODEL: agent_pb2.PLANNER_LLM,
     loop.Planner.RULES: agent_pb2.PLANNER_FALLBACK,
@@ -62,6 +64,11 @@ def check_request(request: agent_pb2.RunRequest) -> None:
     violations.check(bool(question.strip()), "question", "must not be empty")
     violations.max_length(question.encode(), "question", MAX_QUESTION_BYTES)
     violations.check(request_id.is_valid(request.request_id), "request_id", request_id.RULE)
+    violations.check(
+        not request.session_id or SESSION_ID.fullmatch(request.session_id) is not None,
+        "session_id",
+        SESSION_RULE,
+    )
     if options.HasField("max_iterations"):
         violations.in_range(options.max_iterations, "options.max_iterations", 1, MAX_ITERATIONS)
     violations.in_range(options.max_new_tokens, "options.max_new_tokens", 0, MAX_ANSWER_TOKENS)
@@ -79,7 +86,9 @@ def check_request(request: agent_pb2.RunRequest) -> None:
     violations.raise_if_any()
 
 
-def question_of(request: agent_pb2.RunRequest) -> loop.Question:
+def question_of(
+    request: agent_pb2.RunRequest, history: Sequence[tuple[str, str]] = ()
+) -> loop.Question:
     """The checked request as the loop's Question (a max_iterations set is at least 1)."""
     options = request.options
     return loop.Question(
@@ -89,6 +98,7 @@ def question_of(request: agent_pb2.RunRequest) -> loop.Question:
         max_new_tokens=options.max_new_tokens,
         temperature=options.temperature,
         seed=options.seed if options.HasField("seed") else None,
+        history=history,
     )
 
 
@@ -212,6 +222,25 @@ def final(state: loop.RunState, ended: int) -> agent_pb2.Final:
     )
 
 
+def fit_history(turns: list[Turn], chars: int) -> tuple[list[tuple[str, str]], int]:
+    """The newest turns whose questions and answers fit in `chars`, oldest first, and
+    how many older ones were left out."""
+    kept: list[tuple[str, str]] = []
+    used = 0
+    for turn in reversed(turns):
+        used += len(turn.question) + len(turn.answer)
+        if used > chars:
+            break
+        kept.append((turn.question, turn.answer))
+    return kept[::-1], len(turns) - len(kept)
+
+
+def check_session_id(session_id: str) -> None:
+    violations = Violations()
+    violations.check(SESSION_ID.fullmatch(session_id) is not None, "session_id", SESSION_RULE)
+    violations.raise_if_any()
+
+
 def check_run_id(run_id: str) -> None:
     violations = Violations()
     violations.check(
@@ -230,10 +259,16 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         self, request: agent_pb2.RunRequest, context: grpc.aio.ServicerContext | None
     ) -> AsyncIterator[agent_pb2.RunResponse]:
         check_request(request)
+        client, history, left_out = caller.current(), [], 0
+        if request.session_id:
+            turns = await asyncio.to_thread(self.runs.store.turns, client, request.session_id)
+            history, left_out = fit_history(turns, self.settings.history_chars)
+        question = question_of(request, history)
         run = await self.runs.start(
-            caller.current(),
+            client,
             request.question,
-            lambda live: self._execute(live, request, deadline.remaining()),
+            lambda live: self._execute(live, request, question, left_out, deadline.remaining()),
+            request.session_id,
         )
         try:
             async for event in run.follow(0):
@@ -248,11 +283,20 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 await run.stop()
 
     async def _execute(
-        self, run: LiveRun, request: agent_pb2.RunRequest, left_s: float | None
+        self,
+        run: LiveRun,
+        request: agent_pb2.RunRequest,
+        question: loop.Question,
+        left_out: int,
+        left_s: float | None,
     ) -> None:
         """The run, every event stored and published; it always ends with a Final
         that says how it ended."""
         state = loop.RunState()
+        if left_out:
+            state.notes.append(
+                f"{left_out} earlier turn(s) of the session left out of the prompt (history_chars)"
+            )
         runner = loop.Loop(
             MeshTools(self.server.channel_to("tools", TOOLS)),
             MeshGeneration(self.server.channel_to("generation", GENERATION), request.request_id),
@@ -261,7 +305,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         try:
             # aclosing: however this run ends (Cancel, its caller leaving, an error), the
             # loop is closed here and now, and with it the calls it has in flight.
-            async with aclosing(runner.run(question_of(request), left_s, state)) as events:
+            async with aclosing(runner.run(question, left_s, state)) as events:
                 async for event in events:
                     await self.runs.emit(run, response(event))
             ended = agent_pb2.RUN_STATE_PARTIAL if state.partial else agent_pb2.RUN_STATE_ANSWERED
@@ -291,6 +335,33 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         check_run_id(request.run_id)
         ended = await self.runs.cancel(request.run_id, caller.current())
         return agent_pb2.CancelResponse(state=ended)
+
+    async def GetSession(
+        self, request: agent_pb2.GetSessionRequest, context: grpc.aio.ServicerContext | None
+    ) -> agent_pb2.GetSessionResponse:
+        check_session_id(request.session_id)
+        turns = await asyncio.to_thread(self.runs.store.turns, caller.current(), request.session_id)
+        return agent_pb2.GetSessionResponse(
+            turns=[
+                agent_pb2.Turn(
+                    run_id=t.run_id,
+                    question=t.question,
+                    answer=t.answer,
+                    state=t.state,
+                    created_at=t.created_at,
+                )
+                for t in turns
+            ]
+        )
+
+    async def DeleteSession(
+        self, request: agent_pb2.DeleteSessionRequest, context: grpc.aio.ServicerContext | None
+    ) -> agent_pb2.DeleteSessionResponse:
+        check_session_id(request.session_id)
+        deleted = await asyncio.to_thread(
+            self.runs.store.delete_session, caller.current(), request.session_id
+        )
+        return agent_pb2.DeleteSessionResponse(deleted_runs=deleted)
 
     async def GetRun(
         self, request: agent_pb2.GetRunRequest, context: grpc.aio.ServicerContext | None

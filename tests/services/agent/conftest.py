@@ -86,9 +86,14 @@ class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, choice: str | None = None, answer: str | None = "An answer.") -> None:
         self.choice = choice
         self.answer = answer
+        self.answer_prompts: list[list[dict[str, str]]] = []
 
     async def Chat(self, request, context):
         text = self.choice if request.sampling.choices else self.answer
+        if not request.sampling.choices:
+            self.answer_prompts.append(
+                [{"role": m.role, "content": m.content} for m in request.messages]
+            )
         if text is None:
             await context.abort(grpc.StatusCode.INTERNAL, "the model broke")
         yield generation_pb2.ChatResponse(chunk=generation_pb2.GenerationChunk(text=text))
@@ -112,15 +117,20 @@ async def start_agent(tmp_path) -> AsyncIterator[StartAgent]:
         servers.append(server)
         return target
 
-    async def agent_servicer(server: MeshServer) -> AgentServicer:
-        settings = AgentSettings(run_store=tmp_path / "runs.sqlite3")
-        return AgentServicer(server, settings, servicer.open_runs(server, settings))
-
     async with InProcess() as services:
 
         async def start(
-            tools: FakeTools, generation: FakeGeneration, tools_target: str | None = None
+            tools: FakeTools,
+            generation: FakeGeneration,
+            tools_target: str | None = None,
+            **options: object,
         ) -> AgentServicer:
+            """`options`: AgentSettings fields; every agent of a test shares one run store."""
+
+            async def agent_servicer(server: MeshServer) -> AgentServicer:
+                settings = AgentSettings(run_store=tmp_path / "runs.sqlite3", **options)
+                return AgentServicer(server, settings, servicer.open_runs(server, settings))
+
             dependencies = {
                 "tools": tools_target
                 or await serve(tools_pb2_grpc.add_ToolsServiceServicer_to_server, tools),

@@ -15,7 +15,7 @@ import pytest
 from aimesh.agent.v1 import agent_pb2
 from mesh import caller
 from mesh.failures import InvalidInput, NotFound
-from services.agent.run_store import RunStore
+from services.agent.run_store import SCHEMA_VERSION, RunStore
 from tests.services.agent.conftest import (
     FakeGeneration,
     FakeTools,
@@ -98,8 +98,8 @@ def test_ended_runs_past_retention_are_pruned_and_running_ones_kept(tmp_path, mo
 def test_a_store_written_by_a_newer_agent_is_refused(tmp_path):
     path = tmp_path / "runs.sqlite3"
     with sqlite3.connect(path) as db:
-        db.execute("PRAGMA user_version = 2")
-    with pytest.raises(RuntimeError, match="schema 2"):
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(RuntimeError, match=f"schema {SCHEMA_VERSION + 1}"):
         RunStore(path)
 
 
@@ -220,3 +220,87 @@ async def test_a_malformed_run_id_is_refused_naming_the_field(start_agent, run_i
     with pytest.raises(InvalidInput) as refused:
         await agent.GetRun(agent_pb2.GetRunRequest(run_id=run_id), None)
     assert [v.field for v in refused.value.violations] == ["run_id"]
+
+
+# -- sessions ----------------------------------------------------------------------------
+
+
+async def ask_in(agent, session_id: str, question: str) -> list:
+    request = agent_pb2.RunRequest(question=question, session_id=session_id)
+    return [event async for event in agent.Run(request, None)]
+
+
+async def test_a_sessions_next_question_is_asked_after_its_earlier_turns(start_agent):
+    generation = FakeGeneration(answer="json.loads returns a Python object.")
+    agent = await start_agent(FakeTools({"python_doc": result("doc")}), generation)
+    first = await ask_in(agent, "s-1", "What does json.loads return?")
+    generation.answer = "It does the opposite."
+    await ask_in(agent, "s-1", "And json.dumps?")
+    earlier = generation.answer_prompts[-1][1:-1]
+    assert earlier == [
+        {"role": "user", "content": "What does json.loads return?"},
+        {"role": "assistant", "content": "json.loads returns a Python object."},
+    ]
+    assert "And json.dumps?" in generation.answer_prompts[-1][-1]["content"]
+    # Another session, and another client's same session id, start from nothing.
+    await ask_in(agent, "s-2", "What does json.loads return?")
+    assert len(generation.answer_prompts[-1]) == 2
+    as_client("mallory")
+    await ask_in(agent, "s-1", "What did I ask?")
+    assert len(generation.answer_prompts[-1]) == 2
+    got = await agent.GetSession(agent_pb2.GetSessionRequest(session_id="s-1"), None)
+    assert [t.question for t in got.turns] == ["What did I ask?"]
+    as_client("")
+    got = await agent.GetSession(agent_pb2.GetSessionRequest(session_id="s-1"), None)
+    assert (got.turns[0].run_id, got.turns[0].state) == (first[0].run_id, ANSWERED)
+    assert [t.answer for t in got.turns] == [
+        "json.loads returns a Python object.",
+        "It does the opposite.",
+    ]
+    deleted = await agent.DeleteSession(agent_pb2.DeleteSessionRequest(session_id="s-1"), None)
+    assert deleted.deleted_runs == 2
+    got = await agent.GetSession(agent_pb2.GetSessionRequest(session_id="s-1"), None)
+    assert list(got.turns) == []
+
+
+async def test_the_oldest_turns_that_do_not_fit_are_left_out_and_said(start_agent):
+    generation = FakeGeneration(answer="a" * 40)
+    agent = await start_agent(FakeTools({"calculator": result("4")}), generation, history_chars=110)
+    for n in range(3):
+        await ask_in(agent, "s", f"What is {n}+{n}?")  # 12 + 40 characters each
+    events = await ask_in(agent, "s", "What is 9+9?")
+    earlier = generation.answer_prompts[-1][1:-1]
+    assert [m["content"] for m in earlier if m["role"] == "user"] == [
+        "What is 1+1?",
+        "What is 2+2?",
+    ]
+    assert any("1 earlier turn(s)" in note for note in final(events).notes)
+
+
+@pytest.mark.parametrize("session_id", ["a b", "x" * 129, "é", "a/b"])
+async def test_a_malformed_session_id_is_refused_naming_the_field(start_agent, session_id):
+    agent = await start_agent(FakeTools({}), FakeGeneration())
+    with pytest.raises(InvalidInput) as refused:
+        await ask_in(agent, session_id, "What is 2+2?")
+    assert [v.field for v in refused.value.violations] == ["session_id"]
+    with pytest.raises(InvalidInput):
+        await agent.GetSession(agent_pb2.GetSessionRequest(session_id=session_id), None)
+
+
+def test_a_store_from_before_sessions_is_migrated(tmp_path):
+    path = tmp_path / "runs.sqlite3"
+    with sqlite3.connect(path) as db:
+        db.executescript(
+            "CREATE TABLE runs (run_id TEXT PRIMARY KEY, client TEXT NOT NULL,"
+            " question TEXT NOT NULL, state INTEGER NOT NULL, events INTEGER NOT NULL DEFAULT 0,"
+            " cancel_requested INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL,"
+            " updated_at REAL NOT NULL);"
+            "INSERT INTO runs VALUES ('old', '', 'q', 2, 0, 0, 1.0, 1.0);"
+            "PRAGMA user_version = 1;"
+        )
+    store = RunStore(path)
+    assert store.get("old", "").question == "q"
+    assert [t.run_id for t in store.turns("", "")] == ["old"]
+    store.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 2

@@ -36,14 +36,16 @@ PLANNER_LLM: Planner
 PLANNER_FALLBACK: Planner
 
 class RunRequest(_message.Message):
-    __slots__ = ("request_id", "question", "options")
+    __slots__ = ("request_id", "question", "options", "session_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     question: str
     options: RunOptions
-    def __init__(self, request_id: _Optional[str] = ..., question: _Optional[str] = ..., options: _Optional[_Union[RunOptions, _Mapping]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, request_id: _Optional[str] = ..., question: _Optional[str] = ..., options: _Optional[_Union[RunOptions, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class RunOptions(_message.Message):
     __slots__ = ("max_iterations", "allowed_tools", "max_new_tokens", "temperature", "seed", "background")
@@ -186,3 +188,41 @@ class Final(_message.Message):
     notes: _containers.RepeatedScalarFieldContainer[str]
     state: RunState
     def __init__(self, usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., iterations: _Optional[int] = ..., trace_id: _Optional[str] = ..., planner: _Optional[_Union[Planner, str]] = ..., notes: _Optional[_Iterable[str]] = ..., state: _Optional[_Union[RunState, str]] = ...) -> None: ...
+
+class GetSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class Turn(_message.Message):
+    __slots__ = ("run_id", "question", "answer", "state", "created_at")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    QUESTION_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    question: str
+    answer: str
+    state: RunState
+    created_at: float
+    def __init__(self, run_id: _Optional[str] = ..., question: _Optional[str] = ..., answer: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., created_at: _Optional[float] = ...) -> None: ...
+
+class GetSessionResponse(_message.Message):
+    __slots__ = ("turns",)
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    turns: _containers.RepeatedCompositeFieldContainer[Turn]
+    def __init__(self, turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ...) -> None: ...
+
+class DeleteSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class DeleteSessionResponse(_message.Message):
+    __slots__ = ("deleted_runs",)
+    DELETED_RUNS_FIELD_NUMBER: _ClassVar[int]
+    deleted_runs: int
+    def __init__(self, deleted_runs: _Optional[int] = ...) -> None: ...

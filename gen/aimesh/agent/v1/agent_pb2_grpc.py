@@ -54,6 +54,16 @@ class AgentServiceStub:
                 request_serializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.CancelRequest.SerializeToString,
                 response_deserializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.CancelResponse.FromString,
                 _registered_method=True)
+        self.GetSession = channel.unary_unary(
+                '/aimesh.agent.v1.AgentService/GetSession',
+                request_serializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.GetSessionRequest.SerializeToString,
+                response_deserializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.GetSessionResponse.FromString,
+                _registered_method=True)
+        self.DeleteSession = channel.unary_unary(
+                '/aimesh.agent.v1.AgentService/DeleteSession',
+                request_serializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.DeleteSessionRequest.SerializeToString,
+                response_deserializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.DeleteSessionResponse.FromString,
+                _registered_method=True)
         self.GetRun = channel.unary_unary(
                 '/aimesh.agent.v1.AgentService/GetRun',
                 request_serializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.GetRunRequest.SerializeToString,
@@ -102,6 +112,21 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetSession(self, request, context):
+        """GetSession lists a session's turns, oldest first: what its next run remembers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteSession(self, request, context):
+        """DeleteSession forgets a session: its runs that ended (with their events and turns);
+        a run still in progress stays.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetRun(self, request, context):
         """GetRun says where a run stands.
         """
@@ -126,6 +151,16 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.Cancel,
                     request_deserializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.CancelRequest.FromString,
                     response_serializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.CancelResponse.SerializeToString,
+            ),
+            'GetSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSession,
+                    request_deserializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.GetSessionRequest.FromString,
+                    response_serializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.GetSessionResponse.SerializeToString,
+            ),
+            'DeleteSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteSession,
+                    request_deserializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.DeleteSessionRequest.FromString,
+                    response_serializer=aimesh_dot_agent_dot_v1_dot_agent__pb2.DeleteSessionResponse.SerializeToString,
             ),
             'GetRun': grpc.unary_unary_rpc_method_handler(
                     servicer.GetRun,
@@ -219,6 +254,60 @@ class AgentService:
             '/aimesh.agent.v1.AgentService/Cancel',
             aimesh_dot_agent_dot_v1_dot_agent__pb2.CancelRequest.SerializeToString,
             aimesh_dot_agent_dot_v1_dot_agent__pb2.CancelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aimesh.agent.v1.AgentService/GetSession',
+            aimesh_dot_agent_dot_v1_dot_agent__pb2.GetSessionRequest.SerializeToString,
+            aimesh_dot_agent_dot_v1_dot_agent__pb2.GetSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/aimesh.agent.v1.AgentService/DeleteSession',
+            aimesh_dot_agent_dot_v1_dot_agent__pb2.DeleteSessionRequest.SerializeToString,
+            aimesh_dot_agent_dot_v1_dot_agent__pb2.DeleteSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
