@@ -35,3 +35,9 @@ def adopt(context: grpc.aio.ServicerContext) -> None:
     """Takes the client from the call's metadata for this call's task; the interceptors
     send it on (mesh.rpc.carried)."""
     _client.set(incoming(context, METADATA_KEY, _MAX_LENGTH) or "")
+
+
+def act_for(client: str) -> None:
+    """Makes `client` this task's client outside a call of its own (a run another replica
+    started, resumed here, goes on for the client that started it)."""
+    _client.set(client)

@@ -1,6 +1,7 @@
 """The agent's runs on disk: each run's record and every event it sent, so a client can
-re-attach to a run by id (on any replica that shares the store) and Cancel reaches a run
-whichever replica runs it.
+re-attach to a run by id (on any replica that shares the store), Cancel reaches a run
+whichever replica runs it, and a run whose replica died is taken over by another (a
+lease its holder renews; services/agent/runs.py).
 
 Embedded default: SQLite (stdlib), one file, WAL so readers do not wait on the writer.
 Every event is stored as it is sent, a RunResponse in protobuf (the schema'd form the
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from aimesh.agent.v1 import agent_pb2
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 1
 RUNNING = agent_pb2.RUN_STATE_RUNNING
 ANSWERED_STATES = (agent_pb2.RUN_STATE_ANSWERED, agent_pb2.RUN_STATE_PARTIAL)
 _SCHEMA = """
@@ -39,8 +40,15 @@ CREATE TABLE IF NOT EXISTS runs (
     created_at REAL NOT NULL,
     updated_at REAL NOT NULL,
     session_id TEXT NOT NULL DEFAULT '',
-    answer TEXT NOT NULL DEFAULT ''
+    answer TEXT NOT NULL DEFAULT '',
+    -- What resuming it on another replica needs: the RunRequest (protobuf), the loop's
+    -- state after its last step (services/agent/checkpoint.py), and who holds it until when.
+    request BLOB NOT NULL,
+    checkpoint BLOB,
+    owner TEXT NOT NULL,
+    lease_until REAL NOT NULL
 );
+CREATE INDEX IF NOT EXISTS runs_by_lease ON runs (state, lease_until);
 CREATE INDEX IF NOT EXISTS runs_by_update ON runs (state, updated_at);
 CREATE INDEX IF NOT EXISTS runs_by_session ON runs (client, session_id, created_at);
 CREATE TABLE IF NOT EXISTS events (
@@ -50,6 +58,26 @@ CREATE TABLE IF NOT EXISTS events (
     PRIMARY KEY (run_id, seq)
 );
 """
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Who holds a run (a replica's id) and for how long each renewal is good."""
+
+    owner: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Orphan:
+    """A run whose replica died, as the replica that takes it over finds it."""
+
+    run_id: str
+    client: str
+    request: agent_pb2.RunRequest
+    checkpoint: bytes | None
+    answer: str  # what it had sent of its answer
+    events: int
 
 
 @dataclass(frozen=True)
@@ -95,9 +123,6 @@ class RunStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA busy_timeout=5000")
-            if version == 1:  # before sessions: runs gain their session and answer
-                self._db.execute("ALTER TABLE runs ADD COLUMN session_id TEXT NOT NULL DEFAULT ''")
-                self._db.execute("ALTER TABLE runs ADD COLUMN answer TEXT NOT NULL DEFAULT ''")
             self._db.executescript(_SCHEMA)
             self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
@@ -105,21 +130,35 @@ class RunStore:
         with self._lock:
             self._db.close()
 
-    def create(self, run_id: str, client: str, question: str, session_id: str = "") -> None:
-        """A new run, RUNNING; ended runs past the retention window go."""
+    def create(self, request: agent_pb2.RunRequest, run_id: str, client: str, lease: Lease) -> None:
+        """A new run, RUNNING, held by `lease`; ended runs past the retention window go."""
         now = time.time()
         with self._lock, self._db:
             self._db.execute("BEGIN IMMEDIATE")
             self._prune(now)
             self._db.execute(
                 "INSERT INTO runs (run_id, client, question, state, created_at, updated_at,"
-                " session_id) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (run_id, client, question, RUNNING, now, now, session_id),
+                " session_id, request, owner, lease_until) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    run_id,
+                    client,
+                    request.question,
+                    RUNNING,
+                    now,
+                    now,
+                    request.session_id,
+                    request.SerializeToString(),
+                    lease.owner,
+                    now + lease.seconds,
+                ),
             )
 
-    def append(self, event: agent_pb2.RunResponse, state: int = RUNNING) -> bool:
-        """Stores the event (its run_id and seq set) and, with a terminal `state`, ends
-        the run. True when a Cancel has asked the run to stop."""
+    def append(
+        self, event: agent_pb2.RunResponse, state: int = RUNNING, checkpoint: bytes | None = None
+    ) -> bool:
+        """Stores the event (its run_id and seq set), the loop's state after it when
+        given, and with a terminal `state` ends the run. True when a Cancel has asked
+        the run to stop."""
         body = zlib.compress(event.SerializeToString())
         text = event.answer_delta.text if event.HasField("answer_delta") else ""
         with self._lock, self._db:
@@ -129,19 +168,47 @@ class RunStore:
                 (event.run_id, event.seq, body),
             )
             row = self._db.execute(
-                "UPDATE runs SET events = ?, state = ?, updated_at = ?, answer = answer || ?"
-                " WHERE run_id = ? RETURNING cancel_requested",
-                (event.seq, state, time.time(), text, event.run_id),
+                "UPDATE runs SET events = ?, state = ?, updated_at = ?, answer = answer || ?,"
+                " checkpoint = coalesce(?, checkpoint) WHERE run_id = ? RETURNING cancel_requested",
+                (event.seq, state, time.time(), text, checkpoint, event.run_id),
             ).fetchone()
         return bool(row and row[0])
 
-    def end(self, run_id: str, state: int) -> None:
-        """Ends a run that sends no Final (its caller left before one was made)."""
+    def renew(self, lease: Lease, run_ids: list[str]) -> None:
+        """Extends the lease on these runs, as long as `lease.owner` still holds them."""
+        if not run_ids:
+            return
+        marks = ", ".join("?" * len(run_ids))
         with self._lock, self._db:
             self._db.execute(
-                "UPDATE runs SET state = ?, updated_at = ? WHERE run_id = ? AND state = ?",
-                (state, time.time(), run_id, RUNNING),
+                f"UPDATE runs SET lease_until = ? WHERE owner = ? AND run_id IN ({marks})",
+                (time.time() + lease.seconds, lease.owner, *run_ids),
             )
+
+    def claim_orphans(self, lease: Lease, limit: int) -> list[Orphan]:
+        """Takes over running runs whose holder stopped renewing (a replica that died):
+        each is `lease.owner`'s now, with what resuming it needs."""
+        now = time.time()
+        orphaned = "SELECT 1 FROM runs WHERE state = ? AND lease_until < ? LIMIT 1"
+        with self._lock:
+            if self._db.execute(orphaned, (RUNNING, now)).fetchone() is None:
+                return []  # the common case, without taking the write lock
+        with self._lock, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            rows = self._db.execute(
+                "SELECT run_id, client, request, checkpoint, answer, events FROM runs"
+                " WHERE state = ? AND lease_until < ? LIMIT ?",
+                (RUNNING, now, limit),
+            ).fetchall()
+            for run_id, *_ in rows:
+                self._db.execute(
+                    "UPDATE runs SET owner = ?, lease_until = ? WHERE run_id = ?",
+                    (lease.owner, now + lease.seconds, run_id),
+                )
+        return [
+            Orphan(run_id, client, agent_pb2.RunRequest.FromString(request), checkpoint, answer, n)
+            for run_id, client, request, checkpoint, answer, n in rows
+        ]
 
     def request_cancel(self, run_id: str) -> None:
         with self._lock, self._db:

@@ -6,6 +6,8 @@ GetRun reach it by that id."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import re
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -25,9 +27,9 @@ from mesh.failures import InvalidInput
 from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
-from services.agent import loop
+from services.agent import checkpoint, loop
 from services.agent.planner import Observation, Tool, ToolStep
-from services.agent.run_store import RunStore, Turn
+from services.agent.run_store import Orphan, RunStore, Turn
 from services.agent.runs import LiveRun, Runs
 from services.agent.settings import AgentSettings
 
@@ -113,10 +115,13 @@ def reported() -> Iterator[None]:
 
 class MeshTools:
     """loop.Tools over the tools service; the caller's client travels with each call
-    (mesh.caller), so the tools' per-client state is the caller's."""
+    (mesh.caller), so the tools' per-client state is the caller's. Each call's
+    idempotency key is its run and its content: a run resumed on another replica that
+    calls a tool again gets the first call's result if that call completed."""
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, run_id: str) -> None:
         self.stub = tools_pb2_grpc.ToolsServiceStub(channel)
+        self.run_id = run_id
 
     async def list(self, timeout_s: float) -> dict[str, Tool]:
         with reported():
@@ -129,7 +134,9 @@ class MeshTools:
         }
 
     async def call(self, step: ToolStep, timeout_s: float) -> Observation | None:
-        request = tools_pb2.CallToolRequest(name=step.name, arguments=step.arguments)
+        request = tools_pb2.CallToolRequest(
+            name=step.name, arguments=step.arguments, idempotency_key=self._key(step)
+        )
         observation = None
         with reported(), deadline.budget(timeout_s):
             async for message in self.stub.CallTool(request):
@@ -139,6 +146,10 @@ class MeshTools:
                     structured = json_format.MessageToDict(result.structured_content)
                     observation = Observation(step, result.is_error, text, structured)
         return observation
+
+    def _key(self, step: ToolStep) -> str:
+        content = json.dumps([step.name, step.arguments], sort_keys=True, separators=(",", ":"))
+        return f"{self.run_id}:{hashlib.sha256(content.encode()).hexdigest()[:32]}"
 
 
 class MeshGeneration:
@@ -255,20 +266,26 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         self.settings = settings
         self.runs = runs
 
+    async def _history(self, client: str, session_id: str) -> tuple[list[tuple[str, str]], int]:
+        if not session_id:
+            return [], 0
+        turns = await asyncio.to_thread(self.runs.store.turns, client, session_id)
+        return fit_history(turns, self.settings.history_chars)
+
     async def Run(
         self, request: agent_pb2.RunRequest, context: grpc.aio.ServicerContext | None
     ) -> AsyncIterator[agent_pb2.RunResponse]:
         check_request(request)
-        client, history, left_out = caller.current(), [], 0
-        if request.session_id:
-            turns = await asyncio.to_thread(self.runs.store.turns, client, request.session_id)
-            history, left_out = fit_history(turns, self.settings.history_chars)
-        question = question_of(request, history)
+        client = caller.current()
+        history, left_out = await self._history(client, request.session_id)
+        state = loop.RunState()
+        if left_out:
+            state.notes.append(
+                f"{left_out} earlier turn(s) of the session left out of the prompt (history_chars)"
+            )
+        question, left_s = question_of(request, history), deadline.remaining()
         run = await self.runs.start(
-            client,
-            request.question,
-            lambda live: self._execute(live, request, question, left_out, deadline.remaining()),
-            request.session_id,
+            request, client, lambda live: self._execute(live, request, question, state, left_s)
         )
         try:
             async for event in run.follow(0):
@@ -282,32 +299,62 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 # However this call ends (the caller left, its deadline), so does the run.
                 await run.stop()
 
+    async def resume(self, orphan: Orphan) -> None:
+        """Goes on with a run whose replica died, from its last checkpoint: completed
+        tool calls are not made again, and the answer already sent is not sent again."""
+        request = orphan.request
+        try:
+            state = checkpoint.load(orphan.checkpoint) if orphan.checkpoint else loop.RunState()
+        except ValueError as error:
+            log.warning("checkpoint unreadable; the run starts over", extra={"error": str(error)})
+            state = loop.RunState()
+        state.notes.append("resumed on another replica after the first stopped")
+        history, _ = await self._history(orphan.client, request.session_id)
+        question = question_of(request, history)
+        await self.runs.adopt(
+            orphan,
+            lambda live: self._execute(live, request, question, state, None, orphan.answer),
+        )
+
     async def _execute(
         self,
         run: LiveRun,
         request: agent_pb2.RunRequest,
         question: loop.Question,
-        left_out: int,
+        state: loop.RunState,
         left_s: float | None,
+        sent: str = "",
     ) -> None:
-        """The run, every event stored and published; it always ends with a Final
-        that says how it ended."""
-        state = loop.RunState()
-        if left_out:
-            state.notes.append(
-                f"{left_out} earlier turn(s) of the session left out of the prompt (history_chars)"
-            )
+        """The run, every event stored and published, the loop's state checkpointed
+        after each plan and tool result; it always ends with a Final that says how it
+        ended. `sent`: the answer a resumed run had already sent, not sent again."""
+        caller.act_for(run.client)
         runner = loop.Loop(
-            MeshTools(self.server.channel_to("tools", TOOLS)),
+            MeshTools(self.server.channel_to("tools", TOOLS), run.run_id),
             MeshGeneration(self.server.channel_to("generation", GENERATION), request.request_id),
             self.settings,
         )
+        answer = ""  # this replica's answer, of which `sent` may be the start
         try:
             # aclosing: however this run ends (Cancel, its caller leaving, an error), the
             # loop is closed here and now, and with it the calls it has in flight.
             async with aclosing(runner.run(question, left_s, state)) as events:
                 async for event in events:
-                    await self.runs.emit(run, response(event))
+                    if isinstance(event, loop.Answered):
+                        before, answer = len(answer), answer + event.text
+                        if len(answer) <= len(sent):
+                            continue
+                        event = loop.Answered(answer[max(before, len(sent)) :])
+                    # The state is small (bounded by max_iterations); dumped here, as the
+                    # loop changes it between steps.
+                    saved = (
+                        checkpoint.dump(state)
+                        if isinstance(event, (loop.Planned, loop.Called))
+                        else None
+                    )
+                    await self.runs.emit(run, response(event), checkpoint=saved)
+            if not answer.startswith(sent):
+                state.fell_short("the answer made after the resume differs from the part sent")
             ended = agent_pb2.RUN_STATE_PARTIAL if state.partial else agent_pb2.RUN_STATE_ANSWERED
         except asyncio.CancelledError:
             state.notes.append("cancelled")
@@ -378,26 +425,27 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         )
 
 
-def open_runs(server: MeshServer, settings: AgentSettings) -> Runs:
-    """The run store the settings name (default: a SQLite file in the cache) and the
-    runs of this process, stopped when it shuts down."""
+def serve_agent(server: MeshServer, settings: AgentSettings) -> AgentServicer:
+    """The agent on the run store the settings name (default: a SQLite file in the
+    cache), its runs' upkeep (cancels, leases, taking over a dead replica's runs)
+    running once the server starts, and every run here stopped when it shuts down."""
     path = settings.run_store or server.settings.cache_dir / "agent-runs.sqlite3"
     store = RunStore(path, settings.run_retention_s)
-    runs = Runs(store, settings.max_live_runs, settings.attach_poll_s)
+    runs = Runs(store, settings.max_live_runs, settings.attach_poll_s, settings.lease_s)
+    servicer = AgentServicer(server, settings, runs)
+
+    async def keep_up() -> None:
+        server.watch(asyncio.create_task(runs.upkeep(servicer.resume), name="agent-run-upkeep"))
 
     async def close() -> None:
         await runs.close()
         store.close()
 
-    async def watch_cancels() -> None:
-        server.watch(asyncio.create_task(runs.watch_cancels(), name="agent-run-cancels"))
-
-    server.add_warmup(watch_cancels)
+    server.add_warmup(keep_up)
     server.add_shutdown(close)
-    return runs
+    return servicer
 
 
 async def setup(server: MeshServer) -> None:
-    settings = server.options_as(AgentSettings)
-    servicer = AgentServicer(server, settings, open_runs(server, settings))
+    servicer = serve_agent(server, server.options_as(AgentSettings))
     server.add_service(agent_pb2_grpc.add_AgentServiceServicer_to_server, servicer, SERVICE)

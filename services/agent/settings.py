@@ -39,6 +39,9 @@ class AgentSettings(ServiceOptions):
     max_live_runs: int = Field(default=64, ge=1)
     # How often Attach and Cancel look at the store for a run another replica runs.
     attach_poll_s: float = Field(default=0.2, gt=0)
+    # A replica holds each of its runs this long per renewal (it renews four times per
+    # lease); a run whose replica died is taken over by another this long after.
+    lease_s: float = Field(default=10.0, gt=0)
     # A session's earlier turns in the answer prompt: the newest that fit in this many
     # characters of questions and answers (the small model's context is 2048 tokens).
     history_chars: int = Field(default=2000, ge=0)

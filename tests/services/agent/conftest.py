@@ -129,7 +129,7 @@ async def start_agent(tmp_path) -> AsyncIterator[StartAgent]:
 
             async def agent_servicer(server: MeshServer) -> AgentServicer:
                 settings = AgentSettings(run_store=tmp_path / "runs.sqlite3", **options)
-                return AgentServicer(server, settings, servicer.open_runs(server, settings))
+                return servicer.serve_agent(server, settings)
 
             dependencies = {
                 "tools": tools_target

@@ -6,6 +6,7 @@ terminal state."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 from contextlib import aclosing
 from types import SimpleNamespace
@@ -15,7 +16,9 @@ import pytest
 from aimesh.agent.v1 import agent_pb2
 from mesh import caller
 from mesh.failures import InvalidInput, NotFound
-from services.agent.run_store import SCHEMA_VERSION, RunStore
+from services.agent import checkpoint, loop
+from services.agent.planner import Observation, ToolStep
+from services.agent.run_store import SCHEMA_VERSION, Lease, RunStore
 from tests.services.agent.conftest import (
     FakeGeneration,
     FakeTools,
@@ -55,9 +58,16 @@ async def attach(agent, run_id: str, after_seq: int = 0) -> list:
 # -- the store ---------------------------------------------------------------------------
 
 
+LEASE = Lease("replica-a", 10.0)
+
+
+def create(store: RunStore, run_id: str, question: str = "q", client: str = "") -> None:
+    store.create(agent_pb2.RunRequest(question=question), run_id, client, LEASE)
+
+
 def test_events_are_stored_compressed_and_read_back_by_their_client_only(tmp_path):
     store = RunStore(tmp_path / "runs.sqlite3")
-    store.create("r1", "alice", "why?")
+    create(store, "r1", "why?", client="alice")
     answer = "the same words again " * 200
     for seq, event in enumerate(
         [
@@ -85,14 +95,52 @@ def test_ended_runs_past_retention_are_pruned_and_running_ones_kept(tmp_path, mo
     store = RunStore(tmp_path / "runs.sqlite3", retention_s=60)
     clock = [1000.0]
     monkeypatch.setattr("services.agent.run_store.time.time", lambda: clock[0])
-    store.create("ended", "", "q")
-    store.end("ended", CANCELLED)
-    store.create("running", "", "q")
+    create(store, "ended")
+    ended = agent_pb2.RunResponse(run_id="ended", seq=1, final=agent_pb2.Final(state=CANCELLED))
+    store.append(ended, CANCELLED)
+    create(store, "running")
     clock[0] += 61
-    store.create("new", "", "q")
+    create(store, "new")
     assert store.get("ended", "") is None
     assert store.get("running", "") is not None
     store.close()
+
+
+def test_a_run_whose_holder_stops_renewing_is_claimed_once(tmp_path, monkeypatch):
+    store = RunStore(tmp_path / "runs.sqlite3")
+    clock = [1000.0]
+    monkeypatch.setattr("services.agent.run_store.time.time", lambda: clock[0])
+    request = agent_pb2.RunRequest(question="q", session_id="s")
+    store.create(request, "kept", "alice", LEASE)
+    store.create(request, "orphan", "alice", LEASE)
+    clock[0] += 8
+    store.renew(LEASE, ["kept"])  # replica-a renews what it still runs
+    clock[0] += 5  # past the orphan's lease, within the renewed one
+    other = Lease("replica-b", 10.0)
+    (claimed,) = store.claim_orphans(other, limit=10)
+    assert (claimed.run_id, claimed.client, claimed.request) == ("orphan", "alice", request)
+    assert store.claim_orphans(Lease("replica-c", 10.0), limit=10) == []  # b holds it now
+    store.renew(LEASE, ["orphan"])  # the old holder, come back, no longer holds it
+    clock[0] += 11
+    assert {o.run_id for o in store.claim_orphans(other, limit=10)} == {"kept", "orphan"}
+    store.close()
+
+
+def test_a_checkpoint_round_trips_the_loops_state_compactly():
+    state = loop.RunState(iterations=2, planner=loop.Planner.RULES, partial=True)
+    step = ToolStep("knowledge_search", {"query": "deep copy"}, "search")
+    passages = [{"id": f"p{n}", "text": "copy.deepcopy copies " * 20} for n in range(5)]
+    state.observations.append(Observation(step, False, "5 passages", {"passages": passages}))
+    state.notes.append("calculator: failed")
+    blob = checkpoint.dump(state)
+    back = checkpoint.load(blob)
+    assert (back.observations, back.iterations, back.notes) == (
+        state.observations,
+        2,
+        ["calculator: failed"],
+    )
+    assert (back.planner, back.partial) == (loop.Planner.RULES, True)
+    assert len(blob) < len(json.dumps(passages)) / 4
 
 
 def test_a_store_written_by_a_newer_agent_is_refused(tmp_path):
@@ -285,22 +333,3 @@ async def test_a_malformed_session_id_is_refused_naming_the_field(start_agent, s
     assert [v.field for v in refused.value.violations] == ["session_id"]
     with pytest.raises(InvalidInput):
         await agent.GetSession(agent_pb2.GetSessionRequest(session_id=session_id), None)
-
-
-def test_a_store_from_before_sessions_is_migrated(tmp_path):
-    path = tmp_path / "runs.sqlite3"
-    with sqlite3.connect(path) as db:
-        db.executescript(
-            "CREATE TABLE runs (run_id TEXT PRIMARY KEY, client TEXT NOT NULL,"
-            " question TEXT NOT NULL, state INTEGER NOT NULL, events INTEGER NOT NULL DEFAULT 0,"
-            " cancel_requested INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL,"
-            " updated_at REAL NOT NULL);"
-            "INSERT INTO runs VALUES ('old', '', 'q', 2, 0, 0, 1.0, 1.0);"
-            "PRAGMA user_version = 1;"
-        )
-    store = RunStore(path)
-    assert store.get("old", "").question == "q"
-    assert [t.run_id for t in store.turns("", "")] == ["old"]
-    store.close()
-    with sqlite3.connect(path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 2
