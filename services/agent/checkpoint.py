@@ -36,7 +36,7 @@ def dump(state: loop.RunState) -> bytes:
         "iterations": state.iterations,
         "notes": state.notes,
         "planner": state.planner.value,
-        "partial": state.partial,
+        "shortfalls": state.shortfalls,
     }
     return zlib.compress(json.dumps(body, separators=(",", ":")).encode())
 
@@ -59,5 +59,5 @@ def load(blob: bytes) -> loop.RunState:
         iterations=body["iterations"],
         notes=body["notes"],
         planner=loop.Planner(body["planner"]),
-        partial=body["partial"],
+        shortfalls=body["shortfalls"],
     )

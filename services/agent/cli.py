@@ -19,6 +19,8 @@ from mesh.commands import run_command
 from mesh.config import MeshSettings
 from mesh.timing import timing_ms
 from services.agent import SPEC
+from services.agent.run_store import RunStore
+from services.agent.settings import AgentSettings
 
 # From the generated code, not the servicer: a command must not import the engine.
 SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
@@ -177,3 +179,37 @@ def cancel(run_id: RunId) -> None:
 
     cancelled, _ = run_command("runs cancel", work, timeout_s=30)
     typer.echo(f"{run_id} {agent_pb2.RunState.Name(cancelled.state)}")
+
+
+@runs_app.command()
+def handoffs(
+    take: Annotated[
+        str | None, typer.Option(help="a run id: you took it, it leaves the queue")
+    ] = None,
+    last: Annotated[int, typer.Option(min=1, help="how many, oldest first")] = 20,
+) -> None:
+    """The runs the agent handed to a person, from the run store the config names
+    ([services.agent] run_store) on this machine."""
+    settings = MeshSettings()
+    options = AgentSettings.of(settings, SPEC.name)
+    store = RunStore(options.run_store or settings.cache_dir / "agent-runs.sqlite3")
+    try:
+        if take is not None:
+            if not store.take_handoff(take):
+                typer.echo(f"error: {take} is not in the handoff queue", err=True)
+                raise typer.Exit(1)
+            typer.echo(f"{take} taken")
+            return
+        table = Table("run", "client", "at (UTC)", "question", "why")
+        for handoff in store.handoffs(last):
+            at = datetime.datetime.fromtimestamp(handoff.created_at, datetime.UTC)
+            table.add_row(
+                handoff.run_id,
+                handoff.client or "-",
+                f"{at:%Y-%m-%d %H:%M:%S}",
+                handoff.question[:80],
+                "; ".join(handoff.notes)[:200],
+            )
+        Console().print(table)
+    finally:
+        store.close()

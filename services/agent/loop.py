@@ -32,6 +32,8 @@ MIN_PLAN_S = 0.5
 LIST_TOOLS_S = 5.0
 # An unknown-tools error names at most this many.
 MAX_NAMED = 8
+# Iterations (and failed calls) with no call succeeding after which a run goes to a person.
+REPEATED_FAILURES = 2
 
 
 class Unavailable(Exception):
@@ -53,6 +55,8 @@ class Sampling:
     repetition_penalty: float | None = None
     # The reply must be one of these (guided choice); empty: free text.
     choices: tuple[str, ...] = ()
+    # Which registered model answers (its version picked by the router); "": the mesh's own.
+    model: str = ""
 
 
 @dataclass(frozen=True)
@@ -156,17 +160,43 @@ class RunState:
     iterations: int = 0
     answer: str = ""
     usage: Usage = field(default_factory=Usage)
-    # The answer was made without something the run set out to use (a tool, the model,
-    # iterations or time): its terminal state is PARTIAL rather than ANSWERED.
-    partial: bool = False
+    # Why the answer lacks something the run set out to use (a tool, the model,
+    # iterations or time), first reason first: its terminal state is PARTIAL, not ANSWERED.
+    shortfalls: list[str] = field(default_factory=list)
+    # Why the run went to a person instead of answering (max_iterations, tool_failures);
+    # "" while it answers itself.
+    handed_off: str = ""
 
     def elapsed_s(self) -> float:
         return time.monotonic() - self.started
 
-    def fell_short(self, note: str) -> None:
-        """A note that says the answer lacks something."""
+    @property
+    def partial(self) -> bool:
+        return bool(self.shortfalls)
+
+    def fell_short(self, reason: str, note: str) -> None:
+        """A note that says the answer lacks something, and why in one word (a metric
+        label: tools_unavailable, max_iterations, deadline, tool_failed, model_failed,
+        resume_mismatch)."""
         self.notes.append(note)
-        self.partial = True
+        self.shortfalls.append(reason)
+
+
+def hand_off_reason(state: RunState) -> tuple[str, str]:
+    """Why the run should go to a person rather than answer: it has nothing to answer
+    from (no tool call succeeded) after max_iterations, or after tool calls failed in
+    more than one iteration (one failing round still answers, from what it has); ""
+    when it can answer (a question that needed no tool answers from the model). As
+    (a metric label, a note)."""
+    if any(not o.is_error for o in state.observations):
+        return "", ""
+    if "max_iterations" in state.shortfalls:
+        return "max_iterations", "max_iterations reached and no tool call succeeded"
+    failed = sum(o.is_error for o in state.observations)
+    if state.iterations >= REPEATED_FAILURES and failed >= REPEATED_FAILURES:
+        note = f"{failed} tool calls over {state.iterations} iterations failed, none succeeded"
+        return "tool_failures", note
+    return "", ""
 
 
 def select_tools(names: Sequence[str], available: Mapping[str, Tool]) -> dict[str, Tool]:
@@ -203,6 +233,12 @@ class Loop:
         async with aclosing(self._act(question, tools, state, tools_until)) as acting:
             async for event in acting:
                 yield event
+        reason, why = hand_off_reason(state)
+        if reason:
+            # A guess from nothing helps no one: a person takes it (the servicer's sink).
+            state.handed_off = reason
+            state.notes.append(f"handed off to a person: {why}")
+            return
         async with aclosing(self._respond(question, state, state.started + budget_s)) as answer:
             async for event in answer:
                 yield event
@@ -218,7 +254,9 @@ class Loop:
             async with asyncio.timeout(timeout_s):
                 available = await self.tools.list(timeout_s)
         except (Unavailable, TimeoutError):
-            state.fell_short("the tools service was unavailable; answered without tools")
+            state.fell_short(
+                "tools_unavailable", "the tools service was unavailable; answered without tools"
+            )
             return {}
         return select_tools(question.allowed_tools, available)
 
@@ -259,7 +297,7 @@ class Loop:
 
     async def _choose(self, text: str, tools: dict[str, Tool], timeout_s: float) -> str:
         """The model's pick among `tools` and llm_planner.ANSWER."""
-        sampling = Sampling(choices=llm_planner.choices(tools))
+        sampling = Sampling(choices=llm_planner.choices(tools), model=self.settings.plan_model)
         reply = self.generation.generate(llm_planner.messages(text, tools), sampling, timeout_s)
         async with aclosing(reply) as pieces:
             return "".join([piece async for piece in pieces if isinstance(piece, str)])
@@ -281,11 +319,14 @@ class Loop:
                 return
             if state.iterations == question.max_iterations:
                 limit = question.max_iterations
-                state.fell_short(f"stopped at max_iterations ({limit}) with tools still to call")
+                state.fell_short(
+                    "max_iterations",
+                    f"stopped at max_iterations ({limit}) with tools still to call",
+                )
                 return
             left_s = tools_until - time.monotonic()
             if left_s <= 0:
-                state.fell_short("no time was left for more tool calls")
+                state.fell_short("deadline", "no time was left for more tool calls")
                 return
             state.iterations += 1
             yield Planned(made_by, [s.why for s in steps])
@@ -309,7 +350,7 @@ class Loop:
                 state.observations.append(observation)
                 state.hops.append(Hop(observation.step.name, seconds, "tools"))
                 if observation.is_error:
-                    state.fell_short(f"{observation.step.name}: {observation.text}")
+                    state.fell_short("tool_failed", f"{observation.step.name}: {observation.text}")
                 yield Called(call_id, observation, seconds)
         finally:
             for task in tasks:
@@ -347,6 +388,7 @@ class Loop:
             seed=question.seed,
             max_new_tokens=question.max_new_tokens or settings.max_new_tokens,
             repetition_penalty=settings.repetition_penalty,
+            model=settings.answer_model,
         )
         messages = prompts.answer_messages(
             question.text, state.observations, settings.passages_in_prompt, question.history
@@ -362,7 +404,8 @@ class Loop:
                         yield Answered(piece)
         except Unavailable as error:
             state.fell_short(
-                f"the language model failed ({error.reason}); answered from the evidence"
+                "model_failed",
+                f"the language model failed ({error.reason}); answered from the evidence",
             )
             fallback = prompts.fallback_answer(state.observations)
             state.answer += ("\n\n" if state.answer else "") + fallback

@@ -7,7 +7,8 @@ Embedded default: SQLite (stdlib), one file, WAL so readers do not wait on the w
 Every event is stored as it is sent, a RunResponse in protobuf (the schema'd form the
 client receives) compressed with zlib; the schema's version is the file's user_version.
 A run's record holds its client (every read is scoped by it), session, state, question,
-the answer so far, event count and whether a Cancel asked it to stop. A session is its
+the answer so far, event count and whether a Cancel asked it to stop. Runs handed to a
+person wait in the handoff queue (a table here) until someone takes them. A session is its
 client's runs under one session id: its turns are their questions and answers. Ended
 runs are pruned after `retention_s` (and with them old turns), so the file is bounded by
 traffic over that window.
@@ -17,6 +18,7 @@ Calls are blocking (sqlite3); the servicer runs them in a worker thread.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 import time
@@ -51,6 +53,14 @@ CREATE TABLE IF NOT EXISTS runs (
 CREATE INDEX IF NOT EXISTS runs_by_lease ON runs (state, lease_until);
 CREATE INDEX IF NOT EXISTS runs_by_update ON runs (state, updated_at);
 CREATE INDEX IF NOT EXISTS runs_by_session ON runs (client, session_id, created_at);
+-- The handoff queue: runs given to a person, oldest first, until one marks them done.
+CREATE TABLE IF NOT EXISTS handoffs (
+    run_id TEXT PRIMARY KEY,
+    client TEXT NOT NULL,
+    question TEXT NOT NULL,
+    notes TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS events (
     run_id TEXT NOT NULL,
     seq INTEGER NOT NULL,
@@ -78,6 +88,15 @@ class Orphan:
     checkpoint: bytes | None
     answer: str  # what it had sent of its answer
     events: int
+
+
+@dataclass(frozen=True)
+class Handoff:
+    run_id: str
+    client: str
+    question: str
+    notes: list[str]
+    created_at: float
 
 
 @dataclass(frozen=True)
@@ -215,6 +234,33 @@ class RunStore:
             self._db.execute(
                 "UPDATE runs SET cancel_requested = 1 WHERE run_id = ? AND state = ?",
                 (run_id, RUNNING),
+            )
+
+    def hand_off(
+        self, run_id: str, client: str, request: agent_pb2.RunRequest, notes: list[str]
+    ) -> None:
+        with self._lock, self._db:
+            self._db.execute(
+                "INSERT OR REPLACE INTO handoffs (run_id, client, question, notes, created_at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (run_id, client, request.question, json.dumps(notes), time.time()),
+            )
+
+    def handoffs(self, limit: int) -> list[Handoff]:
+        """The queue, oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT run_id, client, question, notes, created_at FROM handoffs"
+                " ORDER BY created_at LIMIT ?",
+                (limit,),
+            ).fetchall()
+        return [Handoff(r, c, q, json.loads(n), t) for r, c, q, n, t in rows]
+
+    def take_handoff(self, run_id: str) -> bool:
+        """A person took the run: it leaves the queue. False when it was not there."""
+        with self._lock, self._db:
+            return (
+                self._db.execute("DELETE FROM handoffs WHERE run_id = ?", (run_id,)).rowcount == 1
             )
 
     def cancels_asked(self, run_ids: list[str]) -> list[str]:

@@ -27,7 +27,7 @@ from mesh.failures import InvalidInput
 from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
-from services.agent import checkpoint, loop
+from services.agent import checkpoint, loop, metrics
 from services.agent.planner import Observation, Tool, ToolStep
 from services.agent.run_store import Orphan, RunStore, Turn
 from services.agent.runs import LiveRun, Runs
@@ -169,6 +169,7 @@ class MeshGeneration:
         if sampling.repetition_penalty is not None:
             parameters.repetition_penalty = sampling.repetition_penalty
         request = generation_pb2.ChatRequest(
+            model=sampling.model,
             request_id=self.request_id,
             messages=messages,
             sampling=parameters,
@@ -246,6 +247,15 @@ def fit_history(turns: list[Turn], chars: int) -> tuple[list[tuple[str, str]], i
     return kept[::-1], len(turns) - len(kept)
 
 
+def _ended(state: loop.RunState) -> tuple[int, str]:
+    """The terminal state of a run the loop finished, and its reason label."""
+    if state.handed_off:
+        return agent_pb2.RUN_STATE_HANDED_OFF, state.handed_off
+    if state.partial:
+        return agent_pb2.RUN_STATE_PARTIAL, state.shortfalls[0]
+    return agent_pb2.RUN_STATE_ANSWERED, ""
+
+
 def check_session_id(session_id: str) -> None:
     violations = Violations()
     violations.check(SESSION_ID.fullmatch(session_id) is not None, "session_id", SESSION_RULE)
@@ -309,6 +319,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
             log.warning("checkpoint unreadable; the run starts over", extra={"error": str(error)})
             state = loop.RunState()
         state.notes.append("resumed on another replica after the first stopped")
+        metrics.RESUMED.inc()
         history, _ = await self._history(orphan.client, request.session_id)
         question = question_of(request, history)
         await self.runs.adopt(
@@ -347,25 +358,33 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                         event = loop.Answered(answer[max(before, len(sent)) :])
                     # The state is small (bounded by max_iterations); dumped here, as the
                     # loop changes it between steps.
-                    saved = (
-                        checkpoint.dump(state)
-                        if isinstance(event, (loop.Planned, loop.Called))
-                        else None
-                    )
+                    saved = None
+                    if isinstance(event, (loop.Planned, loop.Called)):
+                        saved = checkpoint.dump(state)
+                        metrics.CHECKPOINT_BYTES.observe(len(saved))
                     await self.runs.emit(run, response(event), checkpoint=saved)
             if not answer.startswith(sent):
-                state.fell_short("the answer made after the resume differs from the part sent")
-            ended = agent_pb2.RUN_STATE_PARTIAL if state.partial else agent_pb2.RUN_STATE_ANSWERED
+                state.fell_short(
+                    "resume_mismatch", "the answer made after the resume differs from the part sent"
+                )
+            ended, reason = _ended(state)
+            if state.handed_off:
+                await asyncio.to_thread(
+                    self.runs.store.hand_off, run.run_id, run.client, request, state.notes
+                )
         except asyncio.CancelledError:
             state.notes.append("cancelled")
-            ended = agent_pb2.RUN_STATE_CANCELLED
+            ended, reason = agent_pb2.RUN_STATE_CANCELLED, ""
         except Exception as error:
-            if not isinstance(error, InvalidInput):
+            invalid = isinstance(error, InvalidInput)
+            if not invalid:
                 log.exception("agent run failed", extra={"run_id": run.run_id})
             run.error = error
             state.notes.append(f"failed: {error}")
-            ended = agent_pb2.RUN_STATE_FAILED
+            ended, reason = agent_pb2.RUN_STATE_FAILED, "invalid_input" if invalid else "error"
         await self.runs.emit(run, agent_pb2.RunResponse(final=final(state, ended)), ended)
+        name = agent_pb2.RunState.Name(ended).removeprefix("RUN_STATE_").lower()
+        metrics.RUNS.labels(name, reason).inc()
 
     async def Attach(
         self, request: agent_pb2.AttachRequest, context: grpc.aio.ServicerContext | None

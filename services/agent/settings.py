@@ -45,3 +45,8 @@ class AgentSettings(ServiceOptions):
     # A session's earlier turns in the answer prompt: the newest that fit in this many
     # characters of questions and answers (the small model's context is 2048 tokens).
     history_chars: int = Field(default=2000, ge=0)
+    # Model tiers: the model that picks the tool and the one that writes the answer, by
+    # name (a model the generation router serves: its registry picks the version);
+    # "": the mesh's own model.
+    plan_model: str = ""
+    answer_model: str = ""

@@ -109,9 +109,10 @@ async def test_a_stuck_tool_costs_evidence_not_the_answer(mesh):
     assert "".join(d.text for d in of(events, "answer_delta")).strip()
 
 
-async def test_without_a_language_model_the_agent_answers_from_the_evidence(mesh):
+async def test_without_a_language_model_the_agent_answers_from_the_evidence(mesh, tmp_path):
     dependencies = {"tools": mesh.target("tools"), "generation": f"127.0.0.1:{free_port()}"}
-    settings = MeshSettings(services={"agent": ServiceSettings(dependencies=dependencies)})
+    agent = ServiceSettings(dependencies=dependencies, run_store=str(tmp_path / "runs.db"))
+    settings = MeshSettings(services={"agent": agent})
     async with InProcess() as services:
         agent = await services.start("agent", settings)
         events = await run(agent.target, "What is 2^10?")

@@ -87,9 +87,11 @@ class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
         self.choice = choice
         self.answer = answer
         self.answer_prompts: list[list[dict[str, str]]] = []
+        self.models: list[tuple[str, str]] = []  # (plan or answer, ChatRequest.model)
 
     async def Chat(self, request, context):
         text = self.choice if request.sampling.choices else self.answer
+        self.models.append(("plan" if request.sampling.choices else "answer", request.model))
         if not request.sampling.choices:
             self.answer_prompts.append(
                 [{"role": m.role, "content": m.content} for m in request.messages]

@@ -12,6 +12,7 @@ from contextlib import aclosing
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client import REGISTRY
 
 from aimesh.agent.v1 import agent_pb2
 from mesh import caller
@@ -33,6 +34,7 @@ pytestmark = pytest.mark.service
 
 ANSWERED, PARTIAL = agent_pb2.RUN_STATE_ANSWERED, agent_pb2.RUN_STATE_PARTIAL
 FAILED, CANCELLED = agent_pb2.RUN_STATE_FAILED, agent_pb2.RUN_STATE_CANCELLED
+HANDED_OFF = agent_pb2.RUN_STATE_HANDED_OFF
 
 
 def as_client(name: str) -> None:
@@ -127,7 +129,7 @@ def test_a_run_whose_holder_stops_renewing_is_claimed_once(tmp_path, monkeypatch
 
 
 def test_a_checkpoint_round_trips_the_loops_state_compactly():
-    state = loop.RunState(iterations=2, planner=loop.Planner.RULES, partial=True)
+    state = loop.RunState(iterations=2, planner=loop.Planner.RULES, shortfalls=["tool_failed"])
     step = ToolStep("knowledge_search", {"query": "deep copy"}, "search")
     passages = [{"id": f"p{n}", "text": "copy.deepcopy copies " * 20} for n in range(5)]
     state.observations.append(Observation(step, False, "5 passages", {"passages": passages}))
@@ -139,7 +141,7 @@ def test_a_checkpoint_round_trips_the_loops_state_compactly():
         2,
         ["calculator: failed"],
     )
-    assert (back.planner, back.partial) == (loop.Planner.RULES, True)
+    assert (back.planner, back.shortfalls) == (loop.Planner.RULES, ["tool_failed"])
     assert len(blob) < len(json.dumps(passages)) / 4
 
 
@@ -333,3 +335,57 @@ async def test_a_malformed_session_id_is_refused_naming_the_field(start_agent, s
     assert [v.field for v in refused.value.violations] == ["session_id"]
     with pytest.raises(InvalidInput):
         await agent.GetSession(agent_pb2.GetSessionRequest(session_id=session_id), None)
+
+
+# -- hand-offs, tiers, counts ------------------------------------------------------------
+
+
+def runs_counted(state: str, reason: str) -> float:
+    value = REGISTRY.get_sample_value("aimesh_agent_runs_total", {"state": state, "reason": reason})
+    return value or 0.0
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "options", "reason"),
+    [
+        # The lookup fails and the search it leads to is one iteration too many.
+        ({"python_doc": failure, "knowledge_search": result("found")}, {"max_iterations": 1},
+         "max_iterations"),
+        # The lookup fails, then the search fails too.
+        ({"python_doc": failure, "knowledge_search": failure}, {}, "tool_failures"),
+    ],
+)  # fmt: skip
+async def test_a_run_with_nothing_to_answer_from_goes_to_a_person(
+    start_agent, outcomes, options, reason
+):
+    agent = await start_agent(FakeTools(outcomes), FakeGeneration(choice="python_doc"))
+    before = runs_counted("handed_off", reason)
+    events = await run_all(agent, "What does json.loads return?", **options)
+    assert final(events).state == HANDED_OFF
+    assert not [e for e in events if e.HasField("answer_delta")]  # no guess
+    assert any("handed off to a person" in note for note in final(events).notes)
+    (queued,) = await asyncio.to_thread(agent.runs.store.handoffs, 10)
+    assert (queued.run_id, queued.question) == (events[0].run_id, "What does json.loads return?")
+    assert runs_counted("handed_off", reason) == before + 1
+    assert await asyncio.to_thread(agent.runs.store.take_handoff, queued.run_id)
+    assert await asyncio.to_thread(agent.runs.store.handoffs, 10) == []
+
+
+async def test_one_failing_round_still_answers_partially_and_is_counted(start_agent):
+    agent = await start_agent(FakeTools({"calculator": failure}), FakeGeneration())
+    before = runs_counted("partial", "tool_failed")
+    events = await run_all(agent, "What is 2+2?")
+    assert final(events).state == PARTIAL
+    assert runs_counted("partial", "tool_failed") == before + 1
+
+
+async def test_the_plan_and_the_answer_go_to_the_models_configured_for_them(start_agent):
+    generation = FakeGeneration(choice="calculator")
+    agent = await start_agent(
+        FakeTools({"calculator": result("4")}),
+        generation,
+        plan_model="small-planner",
+        answer_model="chat",
+    )
+    await run_all(agent, "What is 2+2?")
+    assert generation.models == [("plan", "small-planner"), ("answer", "chat")]

@@ -19,6 +19,7 @@ class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RUN_STATE_PARTIAL: _ClassVar[RunState]
     RUN_STATE_FAILED: _ClassVar[RunState]
     RUN_STATE_CANCELLED: _ClassVar[RunState]
+    RUN_STATE_HANDED_OFF: _ClassVar[RunState]
 
 class Planner(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -31,6 +32,7 @@ RUN_STATE_ANSWERED: RunState
 RUN_STATE_PARTIAL: RunState
 RUN_STATE_FAILED: RunState
 RUN_STATE_CANCELLED: RunState
+RUN_STATE_HANDED_OFF: RunState
 PLANNER_UNSPECIFIED: Planner
 PLANNER_LLM: Planner
 PLANNER_FALLBACK: Planner
