@@ -100,6 +100,7 @@ bench-diffusion: install
 
 bench-agent: install
 	$(PY) -m loadtest.agent_eval --out docs/benchmarks.md
+	$(PY) -m loadtest.agent_runs --runs 300 --out docs/benchmarks.md
 
 bench-versions: install
 	$(PY) -m loadtest.model_versions --rounds 3 --out docs/benchmarks.md
