@@ -41,7 +41,7 @@ from loadtest.mesh_overhead import write
 from mesh import supervisor
 from mesh.config import MeshSettings
 from mesh.registry import discover
-from services.agent.run_store import Lease, RunStore
+from services.agent.run_store import Lease, SqliteRunStore
 from services.tools.builtin import BUILTIN
 
 BEGIN, END = "<!-- agent-runs:begin -->", "<!-- agent-runs:end -->"
@@ -244,7 +244,7 @@ def _sizes(store: Path) -> dict[str, float]:
 def _append_ms(n: int = 500) -> float:
     """One event stored with a checkpoint, as the agent stores each plan and tool result."""
     with tempfile.TemporaryDirectory() as work:
-        store = RunStore(Path(work) / "runs.sqlite3")
+        store = SqliteRunStore(Path(work) / "runs.sqlite3")
         store.create(agent_pb2.RunRequest(question="q"), "r", "", Lease("bench", 10))
         blob = os.urandom(600)
         started = time.perf_counter()

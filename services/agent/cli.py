@@ -19,7 +19,7 @@ from mesh.commands import run_command
 from mesh.config import MeshSettings
 from mesh.timing import timing_ms
 from services.agent import SPEC
-from services.agent.run_store import RunStore
+from services.agent.run_store import open_run_store
 from services.agent.settings import AgentSettings
 
 # From the generated code, not the servicer: a command must not import the engine.
@@ -189,10 +189,10 @@ def handoffs(
     last: Annotated[int, typer.Option(min=1, help="how many, oldest first")] = 20,
 ) -> None:
     """The runs the agent handed to a person, from the run store the config names
-    ([services.agent] run_store) on this machine."""
+    ([services.agent] run_store)."""
     settings = MeshSettings()
     options = AgentSettings.of(settings, SPEC.name)
-    store = RunStore(options.run_store or settings.cache_dir / "agent-runs.sqlite3")
+    store = open_run_store(options.run_store, settings.cache_dir, options.run_retention_s)
     try:
         if take is not None:
             if not store.take_handoff(take):

@@ -25,6 +25,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from aimesh.agent.v1 import agent_pb2
 
@@ -124,7 +125,37 @@ class RunRecord:
         return self.state != RUNNING
 
 
-class RunStore:
+class RunStore(Protocol):
+    """Where runs live: SqliteRunStore on one machine, RedisRunStore
+    (services/agent/run_store_redis.py) for replicas on several. Blocking calls."""
+
+    def create(
+        self, request: agent_pb2.RunRequest, run_id: str, client: str, lease: Lease
+    ) -> None: ...
+    def append(
+        self, event: agent_pb2.RunResponse, state: int = RUNNING, checkpoint: bytes | None = None
+    ) -> bool: ...
+    def renew(self, lease: Lease, run_ids: list[str]) -> None: ...
+    def claim_orphans(self, lease: Lease, limit: int) -> list[Orphan]: ...
+    def hand_off(
+        self, run_id: str, client: str, request: agent_pb2.RunRequest, notes: list[str]
+    ) -> None: ...
+    def handoffs(self, limit: int) -> list[Handoff]: ...
+    def take_handoff(self, run_id: str) -> bool: ...
+    def cancels_asked(self, run_ids: list[str]) -> list[str]: ...
+    def request_cancel(self, run_id: str) -> None: ...
+    def get(self, run_id: str, client: str) -> RunRecord | None: ...
+    def turns(self, client: str, session_id: str) -> list[Turn]: ...
+    def delete_session(self, client: str, session_id: str) -> int: ...
+    def events(
+        self, run_id: str, after_seq: int, limit: int = 256
+    ) -> list[agent_pb2.RunResponse]: ...
+    def close(self) -> None: ...
+
+
+class SqliteRunStore:
+    """The embedded store: one SQLite file, for one machine's replicas."""
+
     def __init__(self, path: Path, retention_s: float = 86_400.0) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
@@ -322,3 +353,14 @@ class RunStore:
         old = "SELECT run_id FROM runs WHERE state != ? AND updated_at < ?"
         self._db.execute(f"DELETE FROM events WHERE run_id IN ({old})", (RUNNING, horizon))
         self._db.execute("DELETE FROM runs WHERE state != ? AND updated_at < ?", (RUNNING, horizon))
+
+
+def open_run_store(setting: str, cache_dir: Path, retention_s: float) -> RunStore:
+    """`[services.agent] run_store`: "" (<cache_dir>/agent-runs.sqlite3), a file path, or
+    a Redis URL that replicas on several machines share."""
+    if setting.startswith(("redis://", "rediss://", "unix://")):
+        from services.agent.run_store_redis import RedisRunStore  # it imports this module
+
+        return RedisRunStore(setting, retention_s)
+    path = Path(setting) if setting else cache_dir / "agent-runs.sqlite3"
+    return SqliteRunStore(path, retention_s)

@@ -29,7 +29,7 @@ from mesh.timing import stage
 from mesh.validation import Violations
 from services.agent import checkpoint, loop, metrics
 from services.agent.planner import Observation, Tool, ToolStep
-from services.agent.run_store import Orphan, RunStore, Turn
+from services.agent.run_store import Orphan, Turn, open_run_store
 from services.agent.runs import LiveRun, Runs
 from services.agent.settings import AgentSettings
 
@@ -446,10 +446,10 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
 
 def serve_agent(server: MeshServer, settings: AgentSettings) -> AgentServicer:
     """The agent on the run store the settings name (default: a SQLite file in the
-    cache), its runs' upkeep (cancels, leases, taking over a dead replica's runs)
-    running once the server starts, and every run here stopped when it shuts down."""
-    path = settings.run_store or server.settings.cache_dir / "agent-runs.sqlite3"
-    store = RunStore(path, settings.run_retention_s)
+    cache; a Redis URL for replicas on several machines), its runs' upkeep (cancels,
+    leases, taking over a dead replica's runs) running once the server starts, and every
+    run here stopped when it shuts down."""
+    store = open_run_store(settings.run_store, server.settings.cache_dir, settings.run_retention_s)
     runs = Runs(store, settings.max_live_runs, settings.attach_poll_s, settings.lease_s)
     servicer = AgentServicer(server, settings, runs)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from pydantic import Field
 
 from mesh.config import ServiceOptions
@@ -31,8 +29,9 @@ class AgentSettings(ServiceOptions):
     repetition_penalty: float = Field(default=1.0, ge=1)
     passages_in_prompt: int = Field(default=4, ge=1, le=20)
     # Where runs and their events are kept (services/agent/run_store.py), shared by the
-    # replicas that may attach to each other's runs; None: <cache_dir>/agent-runs.sqlite3.
-    run_store: Path | None = None
+    # replicas that may take over each other's runs: "" (<cache_dir>/agent-runs.sqlite3)
+    # or a file path for replicas on one machine, a Redis URL for several.
+    run_store: str = ""
     # Ended runs are kept this long for Attach and GetRun, then pruned.
     run_retention_s: float = Field(default=86_400, gt=0)
     # Runs in progress in this process, background ones included; more is RESOURCE_EXHAUSTED.

@@ -130,7 +130,7 @@ async def start_agent(tmp_path) -> AsyncIterator[StartAgent]:
             """`options`: AgentSettings fields; every agent of a test shares one run store."""
 
             async def agent_servicer(server: MeshServer) -> AgentServicer:
-                settings = AgentSettings(run_store=tmp_path / "runs.sqlite3", **options)
+                settings = AgentSettings(run_store=str(tmp_path / "runs.sqlite3"), **options)
                 return servicer.serve_agent(server, settings)
 
             dependencies = {

@@ -1,6 +1,7 @@
-"""A run survives its replica: two real agent processes on one run store, the first killed
-with SIGKILL mid-run; the second takes the run over when the lease runs out, goes on from
-the last checkpoint, and the client re-attached from its last event gets every event once.
+"""A run survives its replica: two real agent processes on one run store (SQLite, and a
+real redis-server), the first killed with SIGKILL mid-run; the second takes the run over
+when the lease runs out, goes on from the last checkpoint, and the client re-attached
+from its last event gets every event once.
 
 The agents' tools and model are fakes in this test process (on loopback gRPC), so the
 test decides when a tool hangs and how fast the answer streams: killing at the right
@@ -89,7 +90,10 @@ async def _serve(register, servicer) -> tuple[grpc.aio.Server, str]:
 
 @pytest_asyncio.fixture
 async def replicas(tmp_path: Path, request) -> AsyncIterator[tuple[Replicas, KeyedTools]]:
-    tools = KeyedTools(hang_first=request.param)
+    """Two agents on one run store: the SQLite file, or a real redis-server."""
+    hang_first, kind = request.param
+    store = request.getfixturevalue("redis_url") if kind == "redis" else str(tmp_path / "runs.db")
+    tools = KeyedTools(hang_first=hang_first)
     tools_server, tools_target = await _serve(
         tools_pb2_grpc.add_ToolsServiceServicer_to_server, tools
     )
@@ -98,7 +102,7 @@ async def replicas(tmp_path: Path, request) -> AsyncIterator[tuple[Replicas, Key
     )
     config = tmp_path / "agents.toml"
     config.write_text(
-        f'[services.agent]\nrun_store = "{tmp_path / "runs.sqlite3"}"\n'
+        f'[services.agent]\nrun_store = "{store}"\n'
         f"lease_s = {LEASE_S}\nattach_poll_s = 0.1\n"
         f'[services.agent.dependencies]\ntools = "{tools_target}"\n'
         f'generation = "{model_target}"\n'
@@ -152,7 +156,7 @@ def _assert_every_event_once(events: list) -> agent_pb2.Final:
     return events[-1].final
 
 
-@pytest.mark.parametrize("replicas", [True], indirect=True)
+@pytest.mark.parametrize("replicas", [(True, "sqlite"), (True, "redis")], indirect=True)
 async def test_killed_during_a_tool_call_the_run_finishes_on_the_other_replica(replicas):
     replicas, tools = replicas
     # Killed once the tool has the call: the event says the call is about to be made.
@@ -170,7 +174,7 @@ async def test_killed_during_a_tool_call_the_run_finishes_on_the_other_replica(r
     assert answer == "".join(ANSWER)
 
 
-@pytest.mark.parametrize("replicas", [False], indirect=True)
+@pytest.mark.parametrize("replicas", [(False, "sqlite"), (False, "redis")], indirect=True)
 async def test_killed_during_the_answer_no_tool_call_repeats_and_no_word_twice(replicas):
     replicas, tools = replicas
     answered = lambda seen: sum(e.HasField("answer_delta") for e in seen) == 5  # noqa: E731

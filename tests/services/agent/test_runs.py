@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+from collections.abc import Callable
 from contextlib import aclosing
 from types import SimpleNamespace
 
@@ -19,7 +20,14 @@ from mesh import caller
 from mesh.failures import InvalidInput, NotFound
 from services.agent import checkpoint, loop
 from services.agent.planner import Observation, ToolStep
-from services.agent.run_store import SCHEMA_VERSION, Lease, RunStore
+from services.agent.run_store import (
+    SCHEMA_VERSION,
+    Lease,
+    RunStore,
+    SqliteRunStore,
+    open_run_store,
+)
+from tests.conftest import eventually
 from tests.services.agent.conftest import (
     FakeGeneration,
     FakeTools,
@@ -67,8 +75,36 @@ def create(store: RunStore, run_id: str, question: str = "q", client: str = "") 
     store.create(agent_pb2.RunRequest(question=question), run_id, client, LEASE)
 
 
-def test_events_are_stored_compressed_and_read_back_by_their_client_only(tmp_path):
-    store = RunStore(tmp_path / "runs.sqlite3")
+@pytest.fixture(params=["sqlite", "redis"])
+def store_at(request, tmp_path) -> Callable[..., RunStore]:
+    """Opens a run store of each kind: the SQLite file, and a real redis-server."""
+    opened: list[RunStore] = []
+
+    def open_store(retention_s: float = 86_400.0) -> RunStore:
+        if request.param == "sqlite":
+            store: RunStore = SqliteRunStore(tmp_path / "runs.sqlite3", retention_s)
+        else:
+            url = request.getfixturevalue("redis_url")
+            store = open_run_store(url, tmp_path, retention_s)
+        opened.append(store)
+        return store
+
+    yield open_store
+    for store in opened:
+        store.close()
+
+
+@pytest.fixture
+def clock(monkeypatch) -> list[float]:
+    """Both stores' wall clock, stopped at 1000 s (advance it by adding to [0])."""
+    now = [1000.0]
+    for module in ("run_store", "run_store_redis"):
+        monkeypatch.setattr(f"services.agent.{module}.time.time", lambda: now[0])
+    return now
+
+
+def test_events_are_stored_and_read_back_by_their_client_only(store_at):
+    store = store_at()
     create(store, "r1", "why?", client="alice")
     answer = "the same words again " * 200
     for seq, event in enumerate(
@@ -86,15 +122,35 @@ def test_events_are_stored_compressed_and_read_back_by_their_client_only(tmp_pat
     assert [e.seq for e in store.events("r1", 0)] == [1, 2]
     (later,) = store.events("r1", 1)
     assert later.final.state == ANSWERED
-    (stored,) = sqlite3.connect(tmp_path / "runs.sqlite3").execute(
-        "SELECT length(body) FROM events WHERE seq = 1"
-    )
-    assert stored[0] < len(answer) / 10
+
+
+async def test_an_ended_run_expires_from_redis_after_the_retention_window(redis_url, tmp_path):
+    store = open_run_store(redis_url, tmp_path, retention_s=1)
+    create(store, "ended")
+    store.append(agent_pb2.RunResponse(run_id="ended", seq=1), CANCELLED)
+    create(store, "running")
+    assert store.get("ended", "") is not None
+    await eventually(lambda: store.get("ended", "") is None, timeout_s=10, interval_s=0.2)
+    assert store.get("running", "") is not None
     store.close()
 
 
+def test_events_are_stored_compressed(tmp_path):
+    store = SqliteRunStore(tmp_path / "runs.sqlite3")
+    create(store, "r1")
+    answer = "the same words again " * 200
+    event = agent_pb2.RunResponse(
+        run_id="r1", seq=1, answer_delta=agent_pb2.AnswerDelta(text=answer)
+    )
+    store.append(event)
+    store.close()
+    with sqlite3.connect(tmp_path / "runs.sqlite3") as db:
+        ((stored,),) = db.execute("SELECT length(body) FROM events WHERE seq = 1")
+    assert stored < len(answer) / 10
+
+
 def test_ended_runs_past_retention_are_pruned_and_running_ones_kept(tmp_path, monkeypatch):
-    store = RunStore(tmp_path / "runs.sqlite3", retention_s=60)
+    store = SqliteRunStore(tmp_path / "runs.sqlite3", retention_s=60)
     clock = [1000.0]
     monkeypatch.setattr("services.agent.run_store.time.time", lambda: clock[0])
     create(store, "ended")
@@ -108,10 +164,8 @@ def test_ended_runs_past_retention_are_pruned_and_running_ones_kept(tmp_path, mo
     store.close()
 
 
-def test_a_run_whose_holder_stops_renewing_is_claimed_once(tmp_path, monkeypatch):
-    store = RunStore(tmp_path / "runs.sqlite3")
-    clock = [1000.0]
-    monkeypatch.setattr("services.agent.run_store.time.time", lambda: clock[0])
+def test_a_run_whose_holder_stops_renewing_is_claimed_once(store_at, clock):
+    store = store_at()
     request = agent_pb2.RunRequest(question="q", session_id="s")
     store.create(request, "kept", "alice", LEASE)
     store.create(request, "orphan", "alice", LEASE)
@@ -125,7 +179,33 @@ def test_a_run_whose_holder_stops_renewing_is_claimed_once(tmp_path, monkeypatch
     store.renew(LEASE, ["orphan"])  # the old holder, come back, no longer holds it
     clock[0] += 11
     assert {o.run_id for o in store.claim_orphans(other, limit=10)} == {"kept", "orphan"}
-    store.close()
+
+
+def test_sessions_cancels_and_the_handoff_queue_in_each_store(store_at):
+    store = store_at()
+    for n, question in enumerate(("first?", "second?", "running?")):
+        store.create(
+            agent_pb2.RunRequest(question=question, session_id="s"), f"r{n}", "alice", LEASE
+        )
+    for n in (0, 1):
+        delta = agent_pb2.RunResponse(run_id=f"r{n}", seq=1)
+        delta.answer_delta.text = f"answer {n}"
+        store.append(delta)
+        store.append(agent_pb2.RunResponse(run_id=f"r{n}", seq=2), ANSWERED)
+    assert [(t.question, t.answer) for t in store.turns("alice", "s")] == [
+        ("first?", "answer 0"),
+        ("second?", "answer 1"),
+    ]
+    assert store.turns("bob", "s") == []
+    store.request_cancel("r2")
+    assert store.cancels_asked(["r0", "r1", "r2"]) == ["r2"]
+    assert store.append(agent_pb2.RunResponse(run_id="r2", seq=1))  # the run hears it
+    assert store.delete_session("alice", "s") == 2  # the running one stays
+    assert store.get("r2", "alice") is not None and store.turns("alice", "s") == []
+    store.hand_off("r2", "alice", agent_pb2.RunRequest(question="running?"), ["why"])
+    (queued,) = store.handoffs(10)
+    assert (queued.run_id, queued.question, queued.notes) == ("r2", "running?", ["why"])
+    assert store.take_handoff("r2") and not store.take_handoff("r2")
 
 
 def test_a_checkpoint_round_trips_the_loops_state_compactly():
@@ -150,7 +230,7 @@ def test_a_store_written_by_a_newer_agent_is_refused(tmp_path):
     with sqlite3.connect(path) as db:
         db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
     with pytest.raises(RuntimeError, match=f"schema {SCHEMA_VERSION + 1}"):
-        RunStore(path)
+        SqliteRunStore(path)
 
 
 # -- runs through the servicer -------------------------------------------------------------
