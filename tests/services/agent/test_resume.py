@@ -185,3 +185,23 @@ async def test_killed_during_the_answer_no_tool_call_repeats_and_no_word_twice(r
     assert len(tools.keys) == 1  # the completed call is in the checkpoint
     answer = "".join(e.answer_delta.text for e in seen + rest if e.HasField("answer_delta"))
     assert answer == "".join(ANSWER)
+
+
+@pytest.mark.parametrize("replicas", [(True, "sqlite")], indirect=True)
+async def test_cancel_by_id_from_another_connection_to_another_replica(replicas):
+    replicas, tools = replicas
+    async with (
+        create_channel(replicas.target("agent-a"), MeshSettings()) as channel_a,
+        create_channel(replicas.target("agent-b"), MeshSettings()) as channel_b,
+    ):
+        running = agent_pb2_grpc.AgentServiceStub(channel_a).Run(
+            agent_pb2.RunRequest(question="How do I copy a nested list?"), timeout=60
+        )
+        first = await anext(aiter(running))
+        await asyncio.wait_for(tools.started.wait(), 10)  # the run waits on the tool
+        other = agent_pb2_grpc.AgentServiceStub(channel_b)
+        cancelled = await other.Cancel(agent_pb2.CancelRequest(run_id=first.run_id), timeout=30)
+        assert cancelled.state == agent_pb2.RUN_STATE_CANCELLED
+        rest = [event async for event in running]
+    assert rest[-1].final.state == agent_pb2.RUN_STATE_CANCELLED
+    await asyncio.wait_for(tools.cancelled.wait(), 10)  # the tool call below it stopped
