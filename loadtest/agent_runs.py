@@ -22,7 +22,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import sqlite3
 import statistics
 import tempfile
@@ -37,6 +36,7 @@ from google.protobuf import json_format
 from aimesh.agent.v1 import agent_pb2, agent_pb2_grpc
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc
 from aimesh.tools.v1 import tools_pb2, tools_pb2_grpc
+from loadtest.chaos_mesh import free_port
 from loadtest.mesh_overhead import write
 from mesh import supervisor
 from mesh.config import MeshSettings
@@ -199,7 +199,7 @@ async def run(runs: int) -> tuple[list[Outcome], Soak, ScriptedTools, dict[str, 
             f'[services.agent.dependencies]\ntools = "{targets["tools"]}"\n'
             f'generation = "{targets["generation"]}"\n'
         )
-        soak = Soak(root, {"agent-a": _free_port(), "agent-b": _free_port()}, config)
+        soak = Soak(root, {"agent-a": free_port(), "agent-b": free_port()}, config)
         outcomes: list[Outcome] = []
         stop = asyncio.Event()
         try:
@@ -225,12 +225,6 @@ async def run(runs: int) -> tuple[list[Outcome], Soak, ScriptedTools, dict[str, 
                 await server.stop(0)
     sizes["append_ms"] = _append_ms()
     return outcomes, soak, tools, sizes
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _sizes(store: Path) -> dict[str, float]:

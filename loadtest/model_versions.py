@@ -18,7 +18,6 @@ import asyncio
 import itertools
 import os
 import platform
-import socket
 import statistics
 import tempfile
 import time
@@ -35,6 +34,7 @@ from aimesh.llm.v1 import (
     models_pb2_grpc,
     sampling_pb2,
 )
+from loadtest.chaos_mesh import free_port
 from loadtest.mesh_overhead import write
 from mesh import caller, supervisor
 from mesh.client import create_channel
@@ -51,12 +51,6 @@ CALLERS = 2
 CANARY_PERCENT = 30
 # A change's failures are the requests that ended from its start to this long after it.
 SETTLE_S = 2.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
