@@ -29,6 +29,7 @@ from prometheus_client import Counter, Gauge
 
 from mesh.config import BreakerSettings
 from mesh.errors import error_info, passed_through, retry_delay_s, status
+from mesh.failures import QUOTA_REASONS
 
 
 class State(enum.IntEnum):
@@ -44,9 +45,10 @@ class Outcome(enum.Enum):
 
 
 FAILURE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS})
-# RESOURCE_EXHAUSTED reasons that are about one call, not the target's capacity: holding
-# every caller back for them would let one caller's short deadline stall the rest.
-CALLER_REASONS = frozenset({"DEADLINE_TOO_SHORT"})
+# RESOURCE_EXHAUSTED reasons that are about one call or one tenant, not the target's
+# capacity: holding every caller back for them would let one caller's short deadline, or
+# one tenant's spent quota, stall the rest.
+CALLER_REASONS = frozenset({"DEADLINE_TOO_SHORT", *QUOTA_REASONS})
 
 STATE = Gauge(
     "aimesh_breaker_state",

@@ -23,7 +23,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from mesh.buckets import URL_PATTERN
+from mesh.buckets import STORE_PATTERN
 
 LOOPBACK = "127.0.0.1"
 
@@ -199,12 +199,6 @@ class EdgeSettings(BaseModel):
         "written (file-based SDS, so renewed certificates are read again); `aimesh up` and "
         "`aimesh edge render` put them beside Envoy's config unless set",
     )
-    limits_store: str = Field(
-        default="memory",
-        pattern=URL_PATTERN,
-        description='where tenants\' requests_per_minute buckets live: "memory" (each edge '
-        "replica its own) or a Redis URL shared by every replica",
-    )
     cors_allow_origins: list[str] = Field(
         default_factory=list,
         description="browser origins allowed to call gRPC-Web and JSON ('*': any); none: "
@@ -253,6 +247,40 @@ class EdgeSettings(BaseModel):
     health_check_interval_s: float = Field(default=2.0, gt=0)
     connect_timeout_s: float = Field(default=1.0, gt=0)
     envoy_binary: str = Field(default="envoy", description="path or name on PATH")
+
+
+class LimitsSettings(BaseModel):
+    """[limits]: tenants' limits and the usage ledger, one for every door (mesh/metering.py).
+    The edge's authorizer and the gateway charge a request to its tenant's
+    requests_per_minute where it enters; the generation router charges the tokens of every
+    generation, whoever sent it (the gateway, the edge's gRPC and JSON routes, an agent's
+    run), and writes the ledger."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenants_file: Path | None = Field(
+        default=None,
+        description="the file whose [tenants.NAME] tables set each tenant's limits (it may be "
+        "the API key file itself); re-read when it changes; none: no tenant is limited",
+    )
+    store: str = Field(
+        default="sqlite",
+        pattern=STORE_PATTERN,
+        description='where buckets, budgets and the ledger live: "sqlite" '
+        '(<cache_dir>/limits.sqlite, shared by every process of this machine), "sqlite:PATH", '
+        '"memory" (this process only), or a Redis URL shared by every machine',
+    )
+    window_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="the period the *_per_minute buckets refill over (60; shorter in tests)",
+    )
+    reserve_tokens: int = Field(
+        default=256,
+        ge=1,
+        description="completion tokens a generation without max_new_tokens reserves (and may "
+        "then generate at most) when its tenant has token limits",
+    )
 
 
 class TlsSettings(BaseModel, extra="forbid"):
@@ -308,6 +336,7 @@ class MeshSettings(BaseSettings):
     client: ClientSettings = Field(default_factory=ClientSettings)
     transport: TransportSettings = Field(default_factory=TransportSettings)
     edge: EdgeSettings = Field(default_factory=EdgeSettings)
+    limits: LimitsSettings = Field(default_factory=LimitsSettings)
     # None: plaintext (the loopback default); mesh/tls.py.
     tls: TlsSettings | None = None
     deployments: str = Field(

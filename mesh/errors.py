@@ -29,6 +29,7 @@ from mesh.failures import (
     OutOfMemory,
     Overloaded,
     PermissionDenied,
+    QuotaExceeded,
     Unauthenticated,
 )
 
@@ -45,6 +46,7 @@ FAILURE_CODES: Mapping[type[Failure], grpc.StatusCode] = {
     InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     OutOfMemory: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    QuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotReady: grpc.StatusCode.UNAVAILABLE,
     NotFound: grpc.StatusCode.NOT_FOUND,
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,

@@ -51,6 +51,32 @@ class Overloaded(Failure):
         self.retry_after_s = retry_after_s
 
 
+class QuotaExceeded(Failure):
+    """A tenant is past one of its limits (mesh/metering.py): RESOURCE_EXHAUSTED about
+    that tenant alone, never about the server's capacity, so no circuit breaker holds
+    other callers back for it. `retry_after_s` is when a bucket will have room; None when
+    waiting cannot help (a spent budget, a request larger than the bucket)."""
+
+    reason = "RATE_LIMIT_EXCEEDED"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str,
+        retry_after_s: float | None,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message, reason=reason)
+        self.retry_after_s = retry_after_s
+        self.metadata = dict(metadata or {})
+
+
+# QuotaExceeded's reasons, as OpenAI names the same refusals: a bucket that will refill,
+# a request larger than the bucket, a spent budget.
+QUOTA_REASONS = frozenset({"RATE_LIMIT_EXCEEDED", "REQUEST_TOO_LARGE", "INSUFFICIENT_QUOTA"})
+
+
 class NotReady(Failure):
     """The engine cannot serve yet (model loading, warming up) or any more (draining)."""
 

@@ -50,12 +50,11 @@ class KeyEntry(BaseModel):
 
 @dataclass(frozen=True)
 class Principal:
-    """Who a request is for: the tenant its key belongs to, what it may do, and how often
-    (`[tenants.<tenant>] requests_per_minute` of the file; None: no limit)."""
+    """Who a request is for: the tenant its key belongs to and what it may do (how much,
+    the meter knows: mesh/metering.py)."""
 
     tenant: str
     scopes: frozenset[str]
-    requests_per_minute: int | None = None
 
 
 def digest(key: str) -> str:
@@ -80,10 +79,13 @@ class WatchedFile(Generic[T]):
     value), so a half-written rotation never locks every tenant out; a missing file is
     `empty`."""
 
-    def __init__(self, path: Path, parse: Callable[[Any], T], empty: T) -> None:
+    def __init__(
+        self, path: Path, parse: Callable[[Any], T], empty: T, *, kind: str = "API key file"
+    ) -> None:
         self.path = path
         self._parse = parse
         self._empty = empty
+        self.kind = kind
         self._seen: tuple[int, int, int] | None = None
         self._current = empty
 
@@ -100,9 +102,7 @@ class WatchedFile(Generic[T]):
             return self._current
         self._seen = stamp
         if stamp is None:
-            log.error(
-                "API key file is missing; every key is refused", extra={"path": str(self.path)}
-            )
+            log.error("%s is missing", self.kind, extra={"path": str(self.path)})
             self._current = self._empty
             return self._current
         try:
@@ -110,16 +110,18 @@ class WatchedFile(Generic[T]):
         except (OSError, ValueError, ValidationError) as error:
             # ValidationError names fields and positions, never a value that could be a key.
             log.error(
-                "API key file did not parse; the keys read before stay in force",
+                "%s did not parse; what was read before stays in force",
+                self.kind,
                 extra={"path": str(self.path), "problem": type(error).__name__},
             )
             return self._current
-        log.info("API keys loaded", extra={"path": str(self.path)})
+        log.info("%s loaded", self.kind, extra={"path": str(self.path)})
         return self._current
 
 
 class KeyFile(BaseModel):
-    """The keys of a file; the `tenants` table is the gateway's (its limits), not read here."""
+    """The keys of a file; its `tenants` tables are the meter's (mesh/metering.py, when the
+    file is also [limits] tenants_file), not read here."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -127,18 +129,9 @@ class KeyFile(BaseModel):
     tenants: dict[str, Any] = Field(default_factory=dict)
 
 
-def _rate(tenant: Any) -> int | None:
-    """A tenant's requests_per_minute, if its table sets a positive integer."""
-    value = tenant.get("requests_per_minute") if isinstance(tenant, dict) else None
-    return value if isinstance(value, int) and value > 0 else None
-
-
 def _principals(data: Any) -> dict[str, Principal]:
     parsed = KeyFile.model_validate(data)
-    return {
-        e.sha256: Principal(e.tenant, frozenset(e.scopes), _rate(parsed.tenants.get(e.tenant)))
-        for e in parsed.keys
-    }
+    return {e.sha256: Principal(e.tenant, frozenset(e.scopes)) for e in parsed.keys}
 
 
 class KeyStore(Generic[P]):

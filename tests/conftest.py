@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import os
 import re
@@ -160,11 +161,19 @@ def echo_stub(server: MeshServer, settings: MeshSettings | None = None):
 
 
 async def eventually(
-    condition: Callable[[], bool], timeout_s: float = 5.0, interval_s: float = 0.01
+    condition: Callable[[], bool | Awaitable[bool]],
+    timeout_s: float = 5.0,
+    interval_s: float = 0.01,
 ) -> float:
-    """Waits until `condition()` holds; returns how long it took. Fails after timeout_s."""
+    """Waits until `condition()` holds (awaited, when it is a coroutine function); returns
+    how long it took. Fails after timeout_s."""
     started = time.monotonic()
-    while not condition():
+
+    async def holds() -> bool:
+        answer = condition()
+        return await answer if inspect.isawaitable(answer) else answer
+
+    while not await holds():
         if time.monotonic() - started > timeout_s:
             raise AssertionError(f"condition not met within {timeout_s} s")
         await asyncio.sleep(interval_s)
@@ -424,10 +433,13 @@ def redis_url(redis_server: RedisServer) -> str:
 
 @pytest.fixture
 def buckets_clock(monkeypatch) -> list[float]:
-    """mesh.buckets' clock, stopped at 1000 s (advance it by adding to [0]); asyncio's
-    timers (Redis timeouts) keep the real one."""
-    from mesh import buckets
+    """The clock of mesh.buckets and mesh.ledger (monotonic and wall alike), stopped at
+    1000 s (advance it by adding to [0]); asyncio's timers (Redis timeouts) keep the real
+    one."""
+    from mesh import buckets, ledger
 
     now = [1000.0]
-    monkeypatch.setattr(buckets, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    stopped = SimpleNamespace(monotonic=lambda: now[0], time=lambda: now[0])
+    monkeypatch.setattr(buckets, "time", stopped)
+    monkeypatch.setattr(ledger, "time", stopped)
     return now

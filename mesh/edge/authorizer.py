@@ -9,9 +9,9 @@ ServiceSpec.scopes) must be among the key's, and the answer tells Envoy which te
 request is for (`x-aimesh-client`, which every hop carries on and services scope their
 data by) and which scopes it holds (`x-aimesh-scopes`), and to drop the key before going
 upstream. No key or an unknown one: 401 (UNAUTHENTICATED to a gRPC client); a key without
-the scope: 403 (PERMISSION_DENIED); a tenant past the requests_per_minute its file's
-`[tenants.<tenant>]` table sets: 429 (RESOURCE_EXHAUSTED) with retry-after, per edge
-process or, with `edge.limits_store` a Redis URL, across every replica. Keys given in
+the scope: 403 (PERMISSION_DENIED); a tenant past its requests_per_minute (the mesh's
+meter, mesh/metering.py: one bucket per tenant that the gateway's HTTP API draws from
+too, in the [limits] store): 429 (RESOURCE_EXHAUSTED) with retry-after. Keys given in
 clear text (`edge.api_keys`, for a machine of one's own) stand for tenants `key-1`,
 `key-2`, ... with every scope.
 
@@ -36,10 +36,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mesh import caller, caller_token
-from mesh.buckets import Buckets, Limit, LocalWhileDown, MemoryBuckets, open_buckets
 from mesh.config import MeshSettings
 from mesh.embedded_http import EmbeddedServer
+from mesh.failures import NotReady, QuotaExceeded
 from mesh.keys import ALL_SCOPES, KeyStore, Principal, bearer_key, digest
+from mesh.ledger import LocalWhileDown, open_store
+from mesh.metering import Meter, TenantsFile, warn_unenforced
 from mesh.registry import ServiceSpec, discover
 from mesh.rpc import split_method
 
@@ -56,8 +58,6 @@ TOKEN_HEADER = caller_token.METADATA_KEY
 UPSTREAM_HEADERS = (CLIENT_HEADER, SCOPES_HEADER, TOKEN_HEADER)
 # A method no spec gives a scope is refused to every key (default deny).
 NO_SCOPE = ""
-# The edge's keys in a shared limits store, beside the gateway's aimesh:gateway:.
-PREFIX = "aimesh:edge:"
 # A shared store is waited for this long per request before this replica limits alone.
 SHARED_TIMEOUT_S = 0.25
 # /package.Service/Method; an HTTP path such as /v1/models has no dotted package.
@@ -91,30 +91,15 @@ class Keys:
         return found
 
 
-class TenantRates:
-    """A token bucket per tenant with a requests_per_minute (its whole minute is the burst,
-    refilled continuously), as the gateway meters its own routes. In this process by
-    default (each edge replica its own share); with `edge.limits_store = "redis://..."` one
-    bucket per tenant for every replica, falling back to this replica's own while Redis
-    does not answer. Tenants come from the key file: bounded."""
-
-    def __init__(self, buckets: Buckets | None = None) -> None:
-        self.buckets = buckets or MemoryBuckets()
-
-    async def wait_s(self, principal: Principal) -> float:
-        """0 and one request taken, or how long until the tenant may send the next."""
-        rate = principal.requests_per_minute
-        if rate is None:
-            return 0.0
-        name = "requests_per_minute"
-        limit = Limit(name, f"{PREFIX}{name}:{principal.tenant}", rate, rate / 60, 1)
-        refused = await self.buckets.take([limit])
-        if refused is None:
-            return 0.0
-        return refused.wait_s if refused.wait_s is not None else 60.0
-
-    async def close(self) -> None:
-        await self.buckets.close()
+def edge_meter(settings: MeshSettings) -> Meter:
+    """The mesh's meter for this edge: the [limits] store, which with Redis falls back to
+    this replica's own buckets while Redis does not answer (a Redis outage loosens the
+    requests limit rather than refusing every request)."""
+    limits = settings.limits
+    if limits.store == "memory" or limits.store.startswith("sqlite"):
+        return Meter.from_settings(limits, settings.cache_dir)
+    shared = open_store(limits.store, settings.cache_dir, timeout_s=SHARED_TIMEOUT_S)
+    return Meter(LocalWhileDown(shared), TenantsFile(limits.tenants_file), window_s=limits.window_s)
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:
@@ -135,13 +120,22 @@ def _refusal(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
+def _too_many(message: str, wait_s: float) -> JSONResponse:
+    refused = _refusal(429, message)
+    refused.headers["retry-after"] = str(max(1, math.ceil(wait_s)))
+    # Envoy would say UNAVAILABLE to a gRPC client for a 429, which clients and breakers
+    # read as a sick server; this is the caller's backpressure.
+    refused.headers["grpc-status"] = str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
+    refused.headers["grpc-message"] = message
+    return refused
+
+
 def build_app(
     keys: Keys,
     scopes: Mapping[str, str],
-    rates: TenantRates | None = None,
+    meter: Meter,
     tokens: caller_token.TokenSigner | None = None,
 ) -> Starlette:
-    metered = rates or TenantRates()
 
     async def check(request: Request) -> Response:
         path = request.url.path.removeprefix(PATH_PREFIX) or "/"
@@ -152,16 +146,12 @@ def build_app(
         if needed is not None and needed not in principal.scopes:
             reason = f"the {needed!r} scope" if needed else "a scope no key has"
             return _refusal(403, f"this key may not call {path}: it needs {reason}")
-        wait_s = await metered.wait_s(principal)
-        if wait_s > 0:
-            message = f"tenant {principal.tenant!r} is past its requests_per_minute"
-            refused = _refusal(429, message)
-            refused.headers["retry-after"] = str(math.ceil(wait_s))
-            # Envoy would say UNAVAILABLE to a gRPC client for a 429, which clients and
-            # breakers read as a sick server; this is the caller's backpressure.
-            refused.headers["grpc-status"] = str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
-            refused.headers["grpc-message"] = message
-            return refused
+        try:
+            await meter.admit_request(principal.tenant)
+        except QuotaExceeded as refused:
+            return _too_many(refused.message, refused.retry_after_s or meter.window_s)
+        except NotReady as down:
+            return _refusal(503, down.message)
         headers = {
             CLIENT_HEADER: principal.tenant,
             SCOPES_HEADER: ",".join(sorted(principal.scopes)),
@@ -181,17 +171,13 @@ class AuthorizerServer:
     services this edge fronts."""
 
     def __init__(self, settings: MeshSettings) -> None:
-        store = settings.edge.limits_store
-        if store == "memory":
-            self.rates = TenantRates()
-        else:
-            self.rates = TenantRates(
-                LocalWhileDown(open_buckets(store, timeout_s=SHARED_TIMEOUT_S))
-            )
+        self.meter = edge_meter(settings)
+        if settings.edge.api_keys_file is not None:
+            warn_unenforced(settings.edge.api_keys_file, settings.limits)
         tls = settings.tls
         tokens = caller_token.token_signer(tls) if tls is not None and tls.caller_tokens else None
         config = uvicorn.Config(
-            build_app(Keys(settings), method_scopes(discover().values()), self.rates, tokens),
+            build_app(Keys(settings), method_scopes(discover().values()), self.meter, tokens),
             host="127.0.0.1",
             port=settings.edge.authorizer_port,
             log_config=None,
@@ -213,4 +199,4 @@ class AuthorizerServer:
         self.server.should_exit = True
         if self.task is not None:
             await self.task
-        await self.rates.close()
+        await self.meter.close()

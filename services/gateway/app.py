@@ -15,6 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp
 
+from mesh.failures import Failure
+from mesh.metering import Meter
 from services.gateway.catalog import Catalog
 from services.gateway.completions import Completions
 from services.gateway.embeddings import Embeddings
@@ -22,7 +24,6 @@ from services.gateway.errors import ApiError, from_validation, model_not_found
 from services.gateway.front import PRINCIPAL, Front
 from services.gateway.images import Images
 from services.gateway.keys import KeyStore, OpenAccess, Principal
-from services.gateway.limits import Limiter
 from services.gateway.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,6 +32,7 @@ from services.gateway.openai_types import (
     RerankRequest,
 )
 from services.gateway.rerank import Rerank
+from services.gateway.shared import refusal
 
 _HTTP_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
 
@@ -47,7 +49,7 @@ def build_app(
     rerank: Rerank,
     catalog: Catalog,
     keys: KeyStore | OpenAccess,
-    limiter: Limiter,
+    meter: Meter,
     budget_s: float,
     ready: Callable[[], bool],
 ) -> ASGIApp:
@@ -109,7 +111,18 @@ def build_app(
     @app.get("/v1/usage")
     async def usage(request: Request) -> dict[str, object]:
         """The ledger: an `admin` key sees every tenant, any other key its own."""
-        return {"object": "list", "data": await limiter.usage(_principal(request))}
+        principal = _principal(request)
+        try:
+            rows = await meter.usage()
+        except Failure as failed:
+            raise refusal(failed) from None
+        everyone = "admin" in principal.scopes
+        data = [
+            {"tenant": tenant, "model": model, **counts}
+            for (tenant, model), counts in sorted(rows.items())
+            if everyone or tenant == principal.tenant
+        ]
+        return {"object": "list", "data": data}
 
     @app.get("/health/live")
     async def live() -> dict[str, str]:

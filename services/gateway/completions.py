@@ -8,10 +8,10 @@ first message is awaited before the response starts, so a request the mesh refus
 its real status (400, 429, ...) rather than a 200 stream that ends in an error; after
 that, a failure is an error event and then [DONE].
 
-Each request is admitted against its tenant's limits first (limits.py): a tenant with
-token limits reserves its prompt estimate plus `max_tokens` (or the limiter's
-`reserve_tokens`, then sent as the request's max_new_tokens), settled to the real usage at
-the end.
+Each request is charged to its tenant's requests_per_minute here, the door it came in
+by; its tokens are the generation router's to meter (mesh/metering.py): it reserves the
+real prompt tokens plus the most the request may generate, and refuses a tenant past its
+limits with RESOURCE_EXHAUSTED, which becomes OpenAI's 429 here.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 from mesh import caller, request_id
 from services.gateway.errors import ApiError, from_rpc
 from services.gateway.keys import Principal
-from services.gateway.limits import Limiter, prompt_estimate
 from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.responses import Exchange, Guarded
 from services.gateway.shared import Shared
@@ -103,6 +102,7 @@ def chat_request(body: ChatCompletionRequest) -> generation_pb2.ChatRequest:
         sampling=sampling(body),
         stopping=stopping(body),
         model=body.model,
+        cache_salt=body.cache_salt or "",
     )
 
 
@@ -113,6 +113,7 @@ def completion_request(body: CompletionRequest) -> generation_pb2.GenerateReques
         sampling=sampling(body),
         stopping=stopping(body),
         model=body.model,
+        cache_salt=body.cache_salt or "",
     )
 
 
@@ -124,18 +125,6 @@ class _Run:
     body: Body
     shape: Shape
     params: dict[str, str]
-    tenant: str
-    limiter: Limiter
-    prompt_estimate: int = 0
-    streamed_tokens: int = 0
-    used: int | None = None
-
-    def spent(self) -> int:
-        """What to settle the reservation to: the real usage once known; else the prompt
-        and the tokens streamed before a failure; nothing when no token came."""
-        if self.used is not None:
-            return self.used
-        return self.prompt_estimate + self.streamed_tokens if self.streamed_tokens else 0
 
 
 class Completions:
@@ -151,30 +140,15 @@ class Completions:
         self._check(body)
         request = chat_request(body)
         shape = ChatShape(body.model, int(time.time()), body.include_usage)
-        chars = sum(len(m.content) for m in request.messages)
         return self._guarded(
-            "/v1/chat/completions", self.stub.Chat, request, body, shape, principal, chars
+            "/v1/chat/completions", self.stub.Chat, request, body, shape, principal
         )
 
     def completion(self, body: CompletionRequest, principal: Principal) -> Guarded:
         self._check(body)
         request = completion_request(body)
         shape = TextShape(body.model, int(time.time()), body.include_usage)
-        chars = len(request.prompt)
-        return self._guarded(
-            "/v1/completions", self.stub.Generate, request, body, shape, principal, chars
-        )
-
-    def _reserve(self, request: Any, body: Body, who: Principal, chars: int) -> tuple[int, int]:
-        """(prompt estimate, tokens to reserve); a tenant with token limits gets its
-        completion capped at what it reserved."""
-        prompt = prompt_estimate(chars)
-        if not self.shared.limiter.counts_tokens(who):
-            return prompt, 0
-        length = body.length()
-        completion = length[1] if length else self.shared.limiter.reserve_tokens
-        request.stopping.max_new_tokens = completion
-        return prompt, prompt + completion
+        return self._guarded("/v1/completions", self.stub.Generate, request, body, shape, principal)
 
     def _guarded(
         self,
@@ -184,15 +158,11 @@ class Completions:
         body: Body,
         shape: Shape,
         who: Principal,
-        chars: int,
     ) -> Guarded:
-        prompt, reserve = self._reserve(request, body, who, chars)
-
         async def work(exchange: Exchange) -> None:
-            async with self.shared.admitted(who, reserve, route, streaming=body.stream) as charge:
+            async with self.shared.admitted(who, route, model=None, streaming=body.stream):
                 call = method(request, metadata=_metadata(who, body))
-                limiter = self.shared.limiter
-                run = _Run(call, body, shape, params_of(body), who.tenant, limiter, prompt)
+                run = _Run(call, body, shape, params_of(body))
                 try:
                     if body.stream:
                         await _stream(exchange, run)
@@ -200,7 +170,6 @@ class Completions:
                         await _whole(exchange, run)
                 finally:
                     call.cancel()  # a no-op once the call ended; else decode stops now
-                    charge.used = run.spent()
 
         return Guarded(work, route=route, send_timeout_s=self.shared.send_timeout_s)
 
@@ -214,18 +183,6 @@ def _metadata(who: Principal, body: Body) -> tuple[tuple[str, str], ...]:
     return metadata
 
 
-async def _record(run: _Run, complete: generation_pb2.GenerationComplete) -> None:
-    run.shape.fingerprint = complete.model_version or None
-    usage = complete.usage
-    run.used = usage.prompt_tokens + usage.completion_tokens
-    await run.limiter.record(
-        run.tenant,
-        run.body.model,
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-    )
-
-
 async def _whole(exchange: Exchange, run: _Run) -> None:
     text: list[str] = []
     complete = None
@@ -233,14 +190,13 @@ async def _whole(exchange: Exchange, run: _Run) -> None:
         async for message in run.call:
             if message.HasField("chunk"):
                 text.append(message.chunk.text)
-                run.streamed_tokens += len(message.chunk.token_ids)
             else:
                 complete = message.complete
     except grpc.aio.AioRpcError as error:
         raise from_rpc(error, run.params) from None
     if complete is None:
         raise _unfinished()
-    await _record(run, complete)
+    run.shape.fingerprint = complete.model_version or None
     body = run.shape.whole("".join(text), finish_reason(complete.finish_reason), complete.usage)
     await exchange.whole(JSONResponse(body))
 
@@ -264,7 +220,6 @@ async def _stream(exchange: Exchange, run: _Run) -> None:
     try:
         while message is not None:
             if message.HasField("chunk"):
-                run.streamed_tokens += len(message.chunk.token_ids)
                 if message.chunk.text:
                     await exchange.write(frame(shape.text_event(message.chunk.text)))
             else:
@@ -276,7 +231,7 @@ async def _stream(exchange: Exchange, run: _Run) -> None:
         if complete is None:
             await exchange.write(frame(_unfinished().body()))
         else:
-            await _record(run, complete)
+            shape.fingerprint = complete.model_version or None
             await exchange.write(frame(shape.finish_event(finish_reason(complete.finish_reason))))
             if shape.include_usage:
                 await exchange.write(frame(shape.usage_event(complete.usage)))

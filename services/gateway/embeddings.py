@@ -19,10 +19,9 @@ from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
 from mesh import caller
 from services.gateway.errors import from_rpc, unsupported
 from services.gateway.keys import Principal
-from services.gateway.limits import prompt_estimate
 from services.gateway.openai_types import EmbeddingRequest
 from services.gateway.responses import Exchange, Guarded
-from services.gateway.shared import Shared
+from services.gateway.shared import Shared, prompt_estimate
 
 EMBEDDER = embedder_pb2.DESCRIPTOR.services_by_name["EmbedderService"]
 ROUTE = "/v1/embeddings"
@@ -63,19 +62,19 @@ class Embeddings:
         estimate = prompt_estimate(sum(map(len, texts)))
 
         async def work(exchange: Exchange) -> None:
-            async with self.shared.admitted(principal, estimate, ROUTE) as charge:
+            admitted = self.shared.admitted(principal, ROUTE, model=body.model, tokens=estimate)
+            async with admitted as charge:
                 try:
                     async with asyncio.TaskGroup() as group:
                         calls = [group.create_task(one(o)) for o in range(0, len(texts), BATCH)]
                 except ExceptionGroup as failed:
                     raise failed.exceptions[0] from None
                 responses = [call.result() for call in calls]
-                used = charge.used = sum(response.usage.prompt_tokens for response in responses)
+                used = charge.prompt_tokens = sum(r.usage.prompt_tokens for r in responses)
             dimensions = responses[0].dimensions
             if body.dimensions not in (None, dimensions):
                 raise unsupported("dimensions", f"this model's vectors have {dimensions}")
             vectors = [list(e.values) for response in responses for e in response.embeddings]
-            await self.shared.limiter.record(principal.tenant, body.model, prompt_tokens=used)
             data = [
                 {"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
                 for i, v in enumerate(vectors)

@@ -136,7 +136,8 @@ def from_rpc(error: grpc.aio.AioRpcError, params: Mapping[str, str]) -> ApiError
     return ApiError(
         status,
         message,
-        type=kind,
+        # OpenAI's type for a spent quota (its code too); other 429s are rate limits.
+        type="insufficient_quota" if reason == "insufficient_quota" else kind,
         param=violations[0].field if violations else None,
         code=reason,
         headers=retry_headers(delay) if delay is not None else None,

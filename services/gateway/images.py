@@ -70,9 +70,9 @@ class Images:
 
         async def work(exchange: Exchange) -> None:
             # Images cost no tokens: only requests_per_minute applies.
-            async with self.shared.admitted(principal, 0, ROUTE):
+            async with self.shared.admitted(principal, ROUTE, model=body.model) as charge:
                 images = await self._images(request, principal)
-            await self.shared.limiter.record(principal.tenant, body.model, images=len(images))
+                charge.images = len(images)
             data = [{"b64_json": base64.b64encode(image.png).decode()} for image in images]
             await exchange.whole(JSONResponse({"created": int(time.time()), "data": data}))
 

@@ -1,6 +1,6 @@
-"""The gateway's Prometheus series: HTTP traffic by route and status, clients that went
-away, and the usage ledger (tokens by tenant and model). Label values are bounded: routes
-are the app's own, tenants come from the key file, models from the dependencies."""
+"""The gateway's Prometheus series: HTTP traffic by route and status, and clients that
+went away. Label values are bounded: routes are the app's own. (The usage ledger's
+counters, by tenant and model, are the meter's: mesh/metering.py.)"""
 
 from __future__ import annotations
 
@@ -23,36 +23,3 @@ ABANDONED = Counter(
     "their mesh calls were cancelled.",
     ["route", "reason"],
 )
-TOKENS = Counter(
-    "aimesh_gateway_tokens_total",
-    "The usage ledger: tokens served, by tenant, model and kind (prompt, completion).",
-    ["tenant", "model", "kind"],
-)
-
-
-USAGE_REQUESTS = Counter(
-    "aimesh_gateway_usage_requests_total",
-    "The usage ledger: requests served, by tenant and model.",
-    ["tenant", "model"],
-)
-IMAGES = Counter(
-    "aimesh_gateway_images_total",
-    "The usage ledger: images generated, by tenant and model.",
-    ["tenant", "model"],
-)
-LIMITED = Counter(
-    "aimesh_gateway_limited_total",
-    "Requests refused by a tenant's limit (requests_per_minute, tokens_per_minute, token_budget).",
-    ["tenant", "limit"],
-)
-
-
-def record_usage(
-    tenant: str, model: str, prompt_tokens: int, completion_tokens: int, images: int = 0
-) -> None:
-    USAGE_REQUESTS.labels(tenant, model).inc()
-    TOKENS.labels(tenant, model, "prompt").inc(prompt_tokens)
-    if completion_tokens:
-        TOKENS.labels(tenant, model, "completion").inc(completion_tokens)
-    if images:
-        IMAGES.labels(tenant, model).inc(images)

@@ -65,6 +65,8 @@ class _Sampling(_Body):
     top_logprobs: int | None = None
     # The end user: the router's canary splits users by it (mesh.caller.USER_METADATA_KEY).
     user: str | None = Field(default=None, max_length=128)
+    # vLLM's: scopes the prefix cache further than the tenant (GenerateRequest.cache_salt).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     stream: bool = False
     stream_options: StreamOptions | None = None
 

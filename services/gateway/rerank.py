@@ -17,10 +17,9 @@ from aimesh.rerank.v1 import rerank_pb2, rerank_pb2_grpc
 from mesh import caller, request_id
 from services.gateway.errors import from_rpc
 from services.gateway.keys import Principal
-from services.gateway.limits import prompt_estimate
 from services.gateway.openai_types import RerankRequest
 from services.gateway.responses import Exchange, Guarded
-from services.gateway.shared import Shared
+from services.gateway.shared import Shared, prompt_estimate
 
 RERANK = rerank_pb2.DESCRIPTOR.services_by_name["RerankService"]
 ROUTE = "/v1/rerank"
@@ -48,10 +47,10 @@ class Rerank:
         estimate = prompt_estimate(sum(map(len, texts)) + len(texts) * len(body.query))
 
         async def work(exchange: Exchange) -> None:
-            async with self.shared.admitted(principal, estimate, ROUTE) as charge:
+            admitted = self.shared.admitted(principal, ROUTE, model=body.model, tokens=estimate)
+            async with admitted as charge:
                 response = await self._call(request, principal)
-                used = charge.used = response.usage.prompt_tokens
-            await self.shared.limiter.record(principal.tenant, body.model, prompt_tokens=used)
+                used = charge.prompt_tokens = response.usage.prompt_tokens
             results = []
             for result in response.results:
                 entry: dict[str, object] = {"index": result.index, "relevance_score": result.score}

@@ -17,6 +17,7 @@ from aimesh.diffusion.v1 import diffusion_pb2_grpc
 from aimesh.llm.v1 import generation_pb2_grpc
 from aimesh.rerank.v1 import rerank_pb2_grpc
 from aimesh.retrieval.v1 import embedder_pb2_grpc
+from mesh.metering import Meter, warn_unenforced
 from mesh.server import MeshServer
 from services.gateway.admission import Slots
 from services.gateway.app import build_app
@@ -26,11 +27,9 @@ from services.gateway.embeddings import EMBEDDER, Embeddings
 from services.gateway.http_server import HttpServer
 from services.gateway.images import DIFFUSION, Images
 from services.gateway.keys import KeyStore, OpenAccess
-from services.gateway.limits import Limiter
 from services.gateway.rerank import RERANK, Rerank
 from services.gateway.settings import GatewayOptions
 from services.gateway.shared import Shared
-from services.gateway.store import open_store
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +40,8 @@ async def setup(server: MeshServer) -> HttpServer:
         {name: server.dependency_target(name) for name in SURFACES}, server.settings.tls
     )
     slots = Slots(server.admission)
-    store = open_store(options.limits_store)
-    limiter = Limiter(store, window_s=options.limit_window_s, reserve_tokens=options.reserve_tokens)
-    shared = Shared(catalog, slots, limiter, options.send_timeout_s)
+    meter = Meter.from_settings(server.settings.limits, server.settings.cache_dir)
+    shared = Shared(catalog, slots, meter, options.send_timeout_s)
     completions = Completions(
         generation_pb2_grpc.GenerationServiceStub(server.channel_to("generation", GENERATION)),
         shared,
@@ -60,6 +58,7 @@ async def setup(server: MeshServer) -> HttpServer:
         keys: KeyStore | OpenAccess = OpenAccess()
     else:
         keys = KeyStore(options.api_keys_file)
+        warn_unenforced(options.api_keys_file, server.settings.limits)
     service = server.settings.service(server.name)
     http = HttpServer(
         build_app(
@@ -69,7 +68,7 @@ async def setup(server: MeshServer) -> HttpServer:
             rerank=rerank,
             catalog=catalog,
             keys=keys,
-            limiter=limiter,
+            meter=meter,
             budget_s=options.request_timeout_s,
             ready=lambda: catalog.ready and not http.draining,
         ),
@@ -90,5 +89,5 @@ async def setup(server: MeshServer) -> HttpServer:
     server.add_warmup(wait_for_dependencies)
     server.add_readiness_probe(catalog.refresh)
     server.add_shutdown(http.stop)
-    server.add_shutdown(store.close)
+    server.add_shutdown(meter.close)
     return http

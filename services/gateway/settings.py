@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from mesh.buckets import URL_PATTERN
 from mesh.config import HttpServiceOptions
 
 
@@ -19,22 +18,4 @@ class GatewayOptions(HttpServiceOptions):
     send_timeout_s: float = Field(default=30.0, gt=0)
     poll_interval_s: float = Field(
         default=1.0, gt=0, description="how often the dependencies' readiness and models are read"
-    )
-    # Tenants' limits (the key file's [tenants.NAME]) and the usage ledger live here:
-    # "memory" (this process only) or a Redis URL shared by every gateway replica.
-    limits_store: str = Field(
-        default="memory",
-        pattern=URL_PATTERN,
-        description='"memory", or a Redis URL (redis://127.0.0.1:6379/0) shared by replicas',
-    )
-    limit_window_s: float = Field(
-        default=60.0,
-        gt=0,
-        description="the period the *_per_minute buckets refill over (60; shorter in tests)",
-    )
-    reserve_tokens: int = Field(
-        default=256,
-        ge=1,
-        description="completion tokens a request without max_tokens reserves (and may then "
-        "generate at most) when its tenant has token limits; the LLM's own default",
     )

@@ -45,7 +45,11 @@ class TritonGeneration:
         sampling: sampling_pb2.SamplingParameters,
         limits: Stopping,
         outcome: Outcome,
+        *,
+        cache_salt: str = "",
     ) -> AsyncIterator[list[int]]:
+        """As Engine.run; Triton's model keeps no prefix cache, so `cache_salt` scopes
+        nothing here."""
         inputs = {
             "input_ids": np.array(prompt_ids, dtype=np.int64),
             "max_new_tokens": np.array([limits.max_new_tokens], dtype=np.int32),
@@ -60,6 +64,7 @@ class TritonGeneration:
         outcome.decode_worker = self.model.settings.url
         started = time.perf_counter()
         first_at: float | None = None
+        outcome.prompt_sent = True
         try:
             # Leaving this block before the final response (a stop sequence, or the caller
             # gone) closes the stream, which cancels the request on Triton.

@@ -19,10 +19,12 @@ import grpc
 
 from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, sampling_pb2
+from mesh import caller
 from mesh.client import ChannelPool
 from mesh.validation import Violations
 from services.generation.workers import DecodePicker, PrefillPicker
 from services.llm.kv_transfer import KvReleaser, new_handle_id
+from services.llm.prefix import cache_scope
 from services.llm.requests import Stopping
 
 PREFILL = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"]
@@ -45,6 +47,9 @@ class Outcome:
     stage_tokens: dict[str, int] = field(default_factory=dict)
     # Prompt tokens whose KV came from prefill's prefix cache.
     cached_tokens: int = 0
+    # The prompt went to the engine: its tokens are being computed (and are paid for)
+    # however the request ends from here on.
+    prompt_sent: bool = False
 
 
 def _stage_seconds(timing: common_pb2.Timing, name: str) -> float:
@@ -72,8 +77,11 @@ class Pipeline:
         sampling: sampling_pb2.SamplingParameters,
         limits: Stopping,
         outcome: Outcome,
+        *,
+        cache_salt: str = "",
     ) -> AsyncIterator[list[int]]:
-        prefill_target = self.prefill.pick(prompt_ids)
+        scope = cache_scope(caller.current(), cache_salt)
+        prefill_target = self.prefill.pick(prompt_ids, scope)
         outcome.prefill_worker = prefill_target
         # Prefill makes the handle's id: cancelled while the answer is on its way, this
         # call never learns it, so it frees the KV by a token of its own (prefill drops a
@@ -86,7 +94,9 @@ class Pipeline:
                 token_ids=prompt_ids,
                 sampling=sampling,
                 release_token=release_token,
+                cache_salt=cache_salt,
             )
+            outcome.prompt_sent = True
             prefill = await stub.Prefill(request)
         except BaseException:
             self.releaser.release_later(prefill_target, release_token=release_token)

@@ -1,6 +1,7 @@
-"""The external text-generation API: Generate and Chat, validated here once, run by an
-engine that streams token ids, made into text here once, reported with usage and
-per-stage timing."""
+"""The external text-generation API: Generate and Chat, validated here once, metered here
+once (every generation passes this router, whichever door it came in by: mesh/metering.py),
+run by an engine that streams token ids, made into text here once, reported with usage
+and per-stage timing."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, models_pb2_grpc, 
 from mesh import caller, request_id
 from mesh.artifacts import sha256_of
 from mesh.deployments import Deployment, open_store
-from mesh.failures import InvalidInput
+from mesh.failures import InvalidInput, QuotaExceeded
 from mesh.health import probe
 from mesh.info import ModelInfo
+from mesh.metering import Meter, MeterUnavailable
 from mesh.rpc import incoming
 from mesh.server import MeshServer
 from mesh.timing import stage
@@ -39,6 +41,7 @@ from services.generation.workers import DecodePicker, PrefillPicker
 from services.llm import metrics
 from services.llm.artifacts import DEFAULT_NAME, load_tokenizer, resolve_model
 from services.llm.described import described
+from services.llm.prefix import MAX_CACHE_SALT_BYTES
 from services.llm.requests import Stopping, sampling_params, stopping
 from services.llm.settings import LlmSettings, llm_settings
 
@@ -73,9 +76,12 @@ class Engine(Protocol):
         sampling: sampling_pb2.SamplingParameters,
         limits: Stopping,
         outcome: Outcome,
+        *,
+        cache_salt: str = "",
     ) -> AsyncIterator[list[int]]:
         """Token ids as they are generated; `outcome` is filled in as it goes. Closing
-        the stream early cancels the generation."""
+        the stream early cancels the generation. A prefix cache below is scoped by the
+        caller's client and `cache_salt`."""
         ...
 
 
@@ -91,9 +97,10 @@ _KINDS = {
 
 
 class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, settings: LlmSettings, rule: CanaryRule) -> None:
+    def __init__(self, settings: LlmSettings, rule: CanaryRule, meter: Meter) -> None:
         self.settings = settings
         self.rule = rule
+        self.meter = meter
         # Which version serves a request, set by the warm-up once the mesh's own model
         # (its tokenizer.json) is loaded; MeshServer answers every call NOT_READY until then.
         self.versions: Versions
@@ -113,6 +120,7 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         return self.versions.route(request.model, user)
 
     def _check_common(self, request, route: Route | None, violations: Violations) -> None:
+        violations.max_length(request.cache_salt.encode(), "cache_salt", MAX_CACHE_SALT_BYTES)
         sampling_params(request.sampling, _ANY_VOCAB, violations)
         if route is not None:
             route.pool.engine.unsupported(request.sampling, violations)
@@ -226,7 +234,7 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
     ) -> AsyncIterator[dict]:
         """The generation, counted for its version (outcome, time to first token) and
         recorded for the canary rule. A refusal of the request (bad input) and a caller
-        that left are not the version's failures."""
+        that left, or its tenant's limits, are not the version's failures."""
         first_token_s: list[float] = []
         outcome = "error"
         try:
@@ -236,7 +244,13 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
                 elif not first_token_s:
                     first_token_s.append(time.perf_counter() - received)
                 yield event
-        except (InvalidInput, asyncio.CancelledError, GeneratorExit):
+        except (
+            InvalidInput,
+            QuotaExceeded,
+            MeterUnavailable,
+            asyncio.CancelledError,
+            GeneratorExit,
+        ):
             outcome = ""
             raise
         except grpc.aio.AioRpcError as error:
@@ -262,13 +276,55 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         tokenize_s = time.perf_counter() - received
         text = TextStream(pool.text_tokenizer, limits.stop_sequences)
         sampling, limits = await self._guided(rid, request, len(prompt_ids), limits, pool)
+        tenant = caller.current()
+        if self.meter.limits(tenant).counts_tokens and not request.stopping.HasField(
+            "max_new_tokens"
+        ):
+            # What an unbounded request reserves is then its bound (OpenAI's max_tokens
+            # default works the same way against a quota).
+            length = min(limits.max_new_tokens, self.meter.reserve_tokens)
+            limits = dataclasses.replace(limits, max_new_tokens=length)
+        reservation = await self.meter.reserve(tenant, len(prompt_ids) + limits.max_new_tokens)
         outcome = Outcome()
+        clock = (received, tokenize_s)
+        try:
+            async for event in self._generated(
+                rid, prompt_ids, request, clock, route, text, sampling, limits, outcome
+            ):
+                yield event
+        finally:
+            # However the request ended: the prompt is paid for once it went to the
+            # engine, and every token the engine sent, the client gone or not.
+            self.meter.settle(
+                reservation,
+                route.model,
+                prompt_tokens=len(prompt_ids) if outcome.prompt_sent else 0,
+                completion_tokens=outcome.generated_tokens,
+            )
+
+    async def _generated(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        request,
+        clock: tuple[float, float],
+        route: Route,
+        text: TextStream,
+        sampling: sampling_pb2.SamplingParameters,
+        limits: Stopping,
+        outcome: Outcome,
+    ) -> AsyncIterator[dict]:
+        """The engine's tokens as text chunks, then the complete message; `clock` is when
+        the request was received and how long its tokenizing took."""
+        received, tokenize_s = clock
+        pool = route.pool
         last_token_at: float | None = None
         received_tokens = 0
         detokenize_s = 0.0
         engine: Engine = pool.engine  # type: ignore[assignment]
         version_itl = metrics.VERSION_INTER_TOKEN_LATENCY.labels(route.model, route.version)
-        async with aclosing(engine.run(rid, prompt_ids, sampling, limits, outcome)) as generated:
+        run = engine.run(rid, prompt_ids, sampling, limits, outcome, cache_salt=request.cache_salt)
+        async with aclosing(run) as generated:
             async for ids in generated:
                 now = time.perf_counter()
                 if last_token_at is None:
@@ -281,6 +337,9 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
                             version_itl.observe(gap)
                 last_token_at = now
                 received_tokens += len(ids)
+                # Counted as they come, so a generation that ends early reports (and pays
+                # for) every token it received.
+                outcome.generated_tokens = max(outcome.generated_tokens, received_tokens)
                 piece = text.push(ids)
                 detokenize_s += time.perf_counter() - now
                 if text.stopped:
@@ -297,7 +356,6 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
             detokenize_s += time.perf_counter() - started
             if tail:
                 yield {"chunk": generation_pb2.GenerationChunk(text=tail)}
-        outcome.generated_tokens = max(outcome.generated_tokens, received_tokens)
         outcome.stages["detokenize"] = detokenize_s
         metrics.E2E_REQUEST_LATENCY.observe(time.perf_counter() - received)
         yield {"complete": self._complete(outcome, len(prompt_ids), received, tokenize_s, route)}
@@ -356,7 +414,9 @@ async def setup(server: MeshServer) -> None:
         )
         server.add_shutdown(decode_picker.stop)
     rule = CanaryRule(options.canary_rule)
-    router = GenerationRouter(settings, rule)
+    meter = Meter.from_settings(server.settings.limits, server.settings.cache_dir)
+    server.add_shutdown(meter.close)
+    router = GenerationRouter(settings, rule, meter)
     models = ModelServicer()
     store = open_store(server.settings.deployments, server.settings.cache_dir)
     own_info: list[ModelInfo] = []

@@ -26,7 +26,7 @@ from mesh.breaker import State
 from mesh.client import ChannelPool
 from mesh.failures import NotReady
 from mesh.tls import TlsSettings, plain_channel
-from services.llm.prefix import block_hashes
+from services.llm.prefix import UNSCOPED, block_hashes
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +84,14 @@ class PrefillPicker:
         self.channels = channels
         self._turn = itertools.count()
 
-    def pick(self, prompt_ids: list[int]) -> str:
-        """The worker that was sent the longest prefix of this prompt (at least one block),
+    def pick(self, prompt_ids: list[int], scope: int = UNSCOPED) -> str:
+        """The worker that was sent the longest prefix of this prompt in its cache scope
+        (at least one block),
         unless it is busier than the least busy by more than AFFINITY_SLACK; else the least
         busy, in turn among equals. Workers whose breaker is open are skipped while any
         other is closed. Call `done` when its prefill ends."""
         usable = [w for w in self.workers if not _open(self.channels, w.target)] or self.workers
-        hashes = block_hashes(prompt_ids) if len(usable) > 1 else []
+        hashes = block_hashes(prompt_ids, scope=scope) if len(usable) > 1 else []
         least = min(worker.in_flight for worker in usable)
         chosen, longest = None, 0
         for worker in usable:

@@ -26,6 +26,7 @@ from services.llm import metrics
 from services.llm.kv_codec import KvState, kv_nbytes, kv_tokens
 from services.llm.kv_transfer import new_handle_id
 from services.llm.llama import Llama
+from services.llm.prefix import UNSCOPED
 from services.llm.sampling import SamplingParams, sample
 from services.prefill.prefix_cache import PrefixCache
 
@@ -173,10 +174,13 @@ class PrefillEngine:
         self.model = model
         self.prefixes = prefixes
 
-    def run(self, token_ids: list[int], params: SamplingParams) -> PrefillResult:
-        """Blocking: call it on the model thread, the only one that touches the cache."""
+    def run(
+        self, token_ids: list[int], params: SamplingParams, scope: int = UNSCOPED
+    ) -> PrefillResult:
+        """Blocking: call it on the model thread, the only one that touches the cache.
+        The prompt reads and feeds the prefix cache of `scope` alone."""
         started = time.perf_counter()
-        hit = self.prefixes.lookup(token_ids)
+        hit = self.prefixes.lookup(token_ids, scope)
         looked_up = time.perf_counter()
         cached = hit.tokens if hit else 0
         try:
@@ -192,7 +196,7 @@ class PrefillEngine:
             logits, kv = self.model.prefill(token_ids)
         token, logprob = sample(logits, params, token_ids, index=0)
         computed = time.perf_counter()
-        self.prefixes.insert(token_ids, kv, hit)
+        self.prefixes.insert(token_ids, kv, hit, scope)
         return PrefillResult(
             token,
             logprob,

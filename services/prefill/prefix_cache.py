@@ -6,6 +6,12 @@ An entry is a whole prompt's KV, as prefill made it. A lookup finds the entry sh
 longest prefix with the new prompt (block hashes narrow it down, then the tokens
 themselves decide, so a hash collision costs a miss, never wrong KV) and the engine
 keeps that many of its tokens. Bounded by bytes, least recently used evicted first.
+
+Every entry belongs to a cache scope (services/llm/prefix.py: the caller's client and the
+request's cache_salt) and is found only by a prompt of the same scope: the block chains
+start from it, and a found entry's scope is compared with the prompt's as its tokens are,
+so not even a hash collision can hand one tenant another's KV, its hit count or its
+speed.
 Entries share their bytes with the leases made from the same prefill (bytes and tensors
 are never written after prefill), so caching a prompt costs no copy.
 
@@ -19,11 +25,12 @@ from dataclasses import dataclass
 
 from services.llm import metrics
 from services.llm.kv_codec import KvState, kv_nbytes
-from services.llm.prefix import BLOCK_TOKENS, block_hashes
+from services.llm.prefix import BLOCK_TOKENS, UNSCOPED, block_hashes
 
 
 @dataclass(eq=False)
 class _Entry:
+    scope: int
     tokens: tuple[int, ...]
     kv: KvState
     nbytes: int
@@ -56,50 +63,53 @@ class PrefixCache:
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         # Least recently used first.
-        self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, tuple[int, ...]], _Entry] = OrderedDict()
         # Block hash -> the entries whose prompt has that block chain (dict as ordered set).
         self._holders: dict[int, dict[_Entry, None]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, token_ids: list[int]) -> Hit | None:
-        """The cached prompt sharing the longest prefix (at least one block) with
-        `token_ids`, up to all but its last token, whose logits prefill must compute."""
+    def lookup(self, token_ids: list[int], scope: int = UNSCOPED) -> Hit | None:
+        """The cached prompt of `scope` sharing the longest prefix (at least one block)
+        with `token_ids`, up to all but its last token, whose logits prefill must compute."""
         metrics.PREFIX_CACHE_QUERIES.inc(len(token_ids))
         limit = len(token_ids) - 1
         found: _Entry | None = None
-        for chain in block_hashes(token_ids, limit // BLOCK_TOKENS):
+        for chain in block_hashes(token_ids, limit // BLOCK_TOKENS, scope):
             holders = self._holders.get(chain)
             if not holders:
                 break
             found = next(iter(holders))
-        if found is None:
+        if found is None or found.scope != scope:
             return None
         matched = _common_prefix(found.tokens, token_ids, limit)
         if matched < BLOCK_TOKENS:  # a hash collision
             return None
-        self._entries.move_to_end(found.tokens)
+        self._entries.move_to_end((scope, found.tokens))
         metrics.PREFIX_CACHE_HITS.inc(matched)
         return Hit(found, matched)
 
-    def insert(self, token_ids: list[int], kv: KvState, hit: Hit | None = None) -> None:
-        """Caches a prompt's KV; a `hit` this prompt extends (its every token matched) is
-        dropped, since the new entry holds all of it."""
+    def insert(
+        self, token_ids: list[int], kv: KvState, hit: Hit | None = None, scope: int = UNSCOPED
+    ) -> None:
+        """Caches a prompt's KV in `scope`; a `hit` this prompt extends (its every token
+        matched) is dropped, since the new entry holds all of it."""
         if hit is not None and hit.tokens == len(hit.entry.tokens):
             self._remove(hit.entry)
         tokens = tuple(token_ids)
         nbytes = kv_nbytes(kv)
         if len(tokens) < BLOCK_TOKENS or nbytes > self.capacity_bytes:
             return
-        if tokens in self._entries:
-            self._entries.move_to_end(tokens)
+        key = (scope, tokens)
+        if key in self._entries:
+            self._entries.move_to_end(key)
             return
         while self.used_bytes + nbytes > self.capacity_bytes:
             self._remove(next(iter(self._entries.values())))
             metrics.PREFIX_CACHE_EVICTIONS.inc()
-        entry = _Entry(tokens, kv, nbytes, block_hashes(token_ids))
-        self._entries[tokens] = entry
+        entry = _Entry(scope, tokens, kv, nbytes, block_hashes(token_ids, scope=scope))
+        self._entries[key] = entry
         for chain in entry.hashes:
             self._holders.setdefault(chain, {})[entry] = None
         self.used_bytes += nbytes
@@ -110,7 +120,7 @@ class PrefixCache:
         self._remove(hit.entry)
 
     def _remove(self, entry: _Entry) -> None:
-        if self._entries.pop(entry.tokens, None) is None:
+        if self._entries.pop((entry.scope, entry.tokens), None) is None:
             return
         for chain in entry.hashes:
             holders = self._holders[chain]

@@ -20,6 +20,7 @@ from mesh.validation import Violations
 from services.llm import kv_codec
 from services.llm.described import load_served
 from services.llm.kv_transfer import HANDLE_ID, HANDLE_ID_RULE
+from services.llm.prefix import MAX_CACHE_SALT_BYTES, cache_scope
 from services.llm.requests import check_prompt, end_token, sampling_params
 from services.llm.settings import LlmSettings, llm_settings
 from services.prefill.engine import KvStore, PrefillEngine
@@ -74,6 +75,7 @@ class PrefillWorker(
             request.sampling, config.vocab_size, violations, end_token=end_token(config)
         )
         violations.check(request.lease_ttl_ms >= 0, "lease_ttl_ms", "must not be negative")
+        violations.max_length(request.cache_salt.encode(), "cache_salt", MAX_CACHE_SALT_BYTES)
         if request.release_token:
             check_handle_id(request.release_token, violations, "release_token")
         violations.raise_if_any()
@@ -81,10 +83,12 @@ class PrefillWorker(
 
         loop = asyncio.get_running_loop()
         queued = time.perf_counter()
-        result = await loop.run_in_executor(self.model_thread, engine.run, token_ids, params)
+        owner = caller.current()
+        client = owner if self.options.prefix_cache_scope == "tenant" else ""
+        scope = cache_scope(client, request.cache_salt)
+        result = await loop.run_in_executor(self.model_thread, engine.run, token_ids, params, scope)
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
-        owner = caller.current()
         lease = self.store.put(
             result.kv, ttl_s, carrier.get("traceparent", ""), owner, request.release_token
         )

@@ -3,6 +3,8 @@ shared [engines.llm]."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from mesh.config import ServiceOptions
@@ -15,3 +17,9 @@ class PrefillOptions(ServiceOptions):
     # The KV of recent prompts, reused by prompts that start the same way
     # (services/prefill/prefix_cache.py); 0 turns the cache off.
     prefix_cache_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
+    # Who may reuse a cached prefix (services/llm/prefix.py): "tenant" (the default) scopes
+    # it by the caller's client and the request's cache_salt, so no tenant can learn from
+    # a hit that another sent a prompt; "mesh" drops the client (the salt still scopes),
+    # for an operator whose callers all trust each other (one tenant, or a shared system
+    # prompt worth more than the side channel it opens).
+    prefix_cache_scope: Literal["tenant", "mesh"] = "tenant"

@@ -33,18 +33,26 @@ SERVICES = (
 API_KEY = "test-edge-key"
 # The one browser origin the edge grants cross-origin calls (edge.cors_allow_origins).
 BROWSER_ORIGIN = "http://app.example.test"
-# The gateway's keys: key -> (tenant, scopes). "tiny" may send one request per
-# LIMIT_WINDOW_S.
+# The keys: key -> (tenant, scopes). "tiny" and "paced" may send one request per
+# LIMIT_WINDOW_S (paced is tests/edge/test_tenancy.py's own), "frugal" has a budget of
+# FRUGAL_BUDGET tokens: limits the gateway, the edge and the router read from one file.
 GATEWAY_KEYS = {
     "sk-everything": ("acme", ["generate", "embed", "images"]),
     "sk-embed-only": ("embedco", ["embed"]),
     "sk-tiny": ("tiny", ["generate", "embed"]),
+    "sk-paced": ("paced", ["generate", "embed"]),
+    "sk-frugal": ("frugal", ["generate", "embed"]),
     "sk-reader": ("reader", ["read", "embed"]),
     "sk-writer": ("writer", ["read", "write"]),
     "sk-admin": ("ops", ["admin", "read"]),
 }
-LIMIT_WINDOW_S = 2
-TENANT_LIMITS = {"tiny": {"requests_per_minute": 1}}
+LIMIT_WINDOW_S = 6
+FRUGAL_BUDGET = 120
+TENANT_LIMITS = {
+    "tiny": {"requests_per_minute": 1},
+    "paced": {"requests_per_minute": 1},
+    "frugal": {"token_budget": FRUGAL_BUDGET},
+}
 
 
 @dataclass
@@ -124,7 +132,9 @@ async def edge(tmp_path_factory) -> AsyncIterator[Edge]:
         AIMESH_SERVICES__DIFFUSION__DEVICE="cpu",
         AIMESH_SERVICES__GATEWAY__HTTP_PORT=str(edge.http_port),
         AIMESH_SERVICES__GATEWAY__API_KEYS_FILE=str(keys),
-        AIMESH_SERVICES__GATEWAY__LIMIT_WINDOW_S=str(LIMIT_WINDOW_S),
+        AIMESH_LIMITS__TENANTS_FILE=str(keys),
+        AIMESH_LIMITS__STORE=f"sqlite:{logs / 'limits.sqlite'}",
+        AIMESH_LIMITS__WINDOW_S=str(LIMIT_WINDOW_S),
     )
     only = [arg for name in SERVICES for arg in ("--only", name)]
     process = await start_mesh(*only, "--edge", "--log-dir", str(logs), env=env)

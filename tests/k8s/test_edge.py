@@ -16,8 +16,8 @@ import pytest
 from mesh import tracing
 from mesh.config import MeshSettings, ServiceSettings
 from mesh.edge import envoy
+from mesh.keys import KeyFile
 from mesh.registry import discover
-from services.gateway.keys import KeyFile
 from tests.k8s.conftest import (
     HTTP_SERVICES,
     K8S,

@@ -7,20 +7,21 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from mesh.buckets import open_buckets
-from mesh.config import MeshSettings
+from mesh.config import LimitsSettings, MeshSettings
 from mesh.edge import api
 from mesh.edge.authorizer import (
     CLIENT_HEADER,
     PATH_PREFIX,
     SCOPES_HEADER,
     Keys,
-    TenantRates,
     build_app,
+    edge_meter,
     method_scopes,
     needed_scope,
 )
 from mesh.keys import ALL_SCOPES
+from mesh.ledger import MemoryStore
+from mesh.metering import Meter, TenantsFile
 from mesh.registry import discover
 from tests.services.gateway.conftest import write_keys
 
@@ -54,7 +55,7 @@ async def test_keys_from_the_file_and_the_settings_answer_with_tenant_and_scopes
     settings = MeshSettings()
     settings.edge.api_keys = [SecretStr("plain")]
     settings.edge.api_keys_file = keys_file
-    app = build_app(Keys(settings), method_scopes(discover().values()))
+    app = build_app(Keys(settings), method_scopes(discover().values()), any_meter())
 
     allowed = await ask(app, SEARCH, authorization="Bearer sk-read")
     assert allowed.status_code == 200
@@ -72,23 +73,29 @@ async def test_keys_from_the_file_and_the_settings_answer_with_tenant_and_scopes
     assert internal.status_code == 403
 
 
-def rated_keys(tmp_path) -> Keys:
+def rated(tmp_path, store: str = "memory") -> MeshSettings:
+    """An edge whose key file also sets the tenants' limits ([limits] tenants_file)."""
     keys_file = tmp_path / "keys.json"
     write_keys(
         keys_file,
         {"k": ("t", ["read"]), "u": ("free", ["read"])},
         {"t": {"requests_per_minute": 2}},
     )
-    settings = MeshSettings()
+    settings = MeshSettings(limits=LimitsSettings(tenants_file=keys_file, store=store))
     settings.edge.api_keys_file = keys_file
-    return Keys(settings)
+    return settings
+
+
+def any_meter() -> Meter:
+    return Meter(MemoryStore(), TenantsFile(None))
 
 
 async def test_a_tenant_past_its_requests_per_minute_waits(tmp_path, buckets_clock):
-    """The rate the shared key file gives the tenant ([tenants.t] requests_per_minute, as
-    the gateway meters it): its minute is the burst, then 429 with retry-after."""
+    """The rate the tenants file gives the tenant ([tenants.t] requests_per_minute, one
+    bucket with the gateway's): its minute is the burst, then 429 with retry-after."""
     now = buckets_clock
-    app = build_app(rated_keys(tmp_path), method_scopes(discover().values()), TenantRates())
+    settings = rated(tmp_path)
+    app = build_app(Keys(settings), method_scopes(discover().values()), edge_meter(settings))
     codes = [(await ask(app, SEARCH, authorization="Bearer k")).status_code for _ in range(2)]
     assert codes == [200, 200]
     refused = await ask(app, SEARCH, authorization="Bearer k")
@@ -104,10 +111,9 @@ async def test_a_tenant_past_its_requests_per_minute_waits(tmp_path, buckets_clo
 async def test_edge_replicas_on_one_redis_share_a_tenants_minute(tmp_path, redis_url):
     """Two authorizers (two edge replicas) on one real Redis: the tenant's 2 requests per
     minute are 2 in all, not 2 per replica."""
-    settings = MeshSettings()
-    settings.edge.limits_store = redis_url
-    keys, scopes = rated_keys(tmp_path), method_scopes(discover().values())
-    rates = [TenantRates(open_buckets(settings.edge.limits_store)) for _ in range(2)]
+    settings = rated(tmp_path, redis_url)
+    keys, scopes = Keys(settings), method_scopes(discover().values())
+    rates = [edge_meter(settings) for _ in range(2)]
     first, second = (build_app(keys, scopes, replica) for replica in rates)
     try:
         assert (await ask(first, SEARCH, authorization="Bearer k")).status_code == 200
@@ -131,7 +137,10 @@ async def test_where_a_sidecar_ends_tls_the_answer_carries_the_edges_token(tmp_p
     settings = MeshSettings()
     settings.edge.api_keys = [SecretStr("plain")]
     app = build_app(
-        Keys(settings), method_scopes(discover().values()), tokens=TokenSigner(pki[EDGE])
+        Keys(settings),
+        method_scopes(discover().values()),
+        any_meter(),
+        tokens=TokenSigner(pki[EDGE]),
     )
     allowed = await ask(app, SEARCH, authorization="Bearer plain")
     verifier = TokenVerifier(pki["retrieval"])

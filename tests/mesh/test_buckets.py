@@ -1,6 +1,7 @@
-"""Buckets and budgets (mesh/buckets.py): the arithmetic on a stopped clock, the same in a
-real Redis, shared by two clients as by two replicas, and one replica's own while Redis is
-down."""
+"""Buckets and budgets (mesh/buckets.py): the arithmetic on a stopped clock, in memory and
+in SQLite, the same in a real Redis, shared by two clients as by two replicas (two
+connections to one SQLite file, as two processes of a machine), and one replica's own
+while Redis is down (mesh/ledger.py's LocalWhileDown)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,22 @@ from dataclasses import replace
 
 import pytest
 
-from mesh.buckets import Limit, LocalWhileDown, MemoryBuckets, RedisBuckets, Refusal
+from mesh.buckets import Limit, MemoryBuckets, RedisBuckets, Refusal, SqliteBuckets
+from mesh.ledger import LocalWhileDown, RedisStore
 
 pytestmark = pytest.mark.unit
 
 
-async def test_buckets_refill_continuously_and_charge_all_or_nothing(buckets_clock):
-    store = MemoryBuckets()
+@pytest.fixture(params=["memory", "sqlite"])
+async def local_buckets(request, tmp_path):
+    """Buckets in this process, or in a SQLite file."""
+    store = MemoryBuckets() if request.param == "memory" else SqliteBuckets(tmp_path / "b.sqlite")
+    yield store
+    await store.close()
+
+
+async def test_buckets_refill_continuously_and_charge_all_or_nothing(buckets_clock, local_buckets):
+    store = local_buckets
     rpm = Limit("requests_per_minute", "r", capacity=2, rate=2 / 60, amount=1)
     tpm = Limit("tokens_per_minute", "t", capacity=10, rate=10 / 60, amount=6)
     assert await store.take([rpm, tpm]) is None
@@ -34,8 +44,8 @@ async def test_buckets_refill_continuously_and_charge_all_or_nothing(buckets_clo
     assert (await store.take([too_big])).wait_s is None
 
 
-async def test_a_budget_never_refills(buckets_clock):
-    store = MemoryBuckets()
+async def test_a_budget_never_refills(buckets_clock, local_buckets):
+    store = local_buckets
     budget = Limit("token_budget", "b", capacity=10, rate=0, amount=6)
     assert await store.take([budget]) is None
     buckets_clock[0] += 10**6
@@ -82,7 +92,7 @@ async def test_while_redis_is_down_a_replica_limits_on_its_own_then_shares_again
 ):
     """A Redis that stops answering (SIGSTOP): the take after it is this process's own
     bucket (not an error, not a free pass), and the shared one again once it answers."""
-    shared = RedisBuckets(redis_server.url, timeout_s=0.5)
+    shared = RedisStore(redis_server.url, timeout_s=0.5)
     limited = LocalWhileDown(shared, retry_s=5)
     rpm = Limit("requests_per_minute", "aimesh:test:rpm:down", capacity=1, rate=1 / 60, amount=1)
     try:
@@ -99,3 +109,21 @@ async def test_while_redis_is_down_a_replica_limits_on_its_own_then_shares_again
         assert refused.limit == "requests_per_minute" and refused.wait_s > 5
     finally:
         await shared.close()
+
+
+async def test_two_processes_on_one_sqlite_file_draw_from_one_bucket(tmp_path, buckets_clock):
+    path = tmp_path / "limits.sqlite"
+    first, second = SqliteBuckets(path), SqliteBuckets(path)
+    rpm = Limit("requests_per_minute", "rpm:t", capacity=3, rate=3 / 60, amount=1)
+    budget = Limit("token_budget", "budget:t", capacity=10, rate=0, amount=4, ttl_s=60)
+    try:
+        taken = [await store.take([rpm, budget]) for store in (first, second)]
+        assert taken == [None, None]
+        assert (await first.take([rpm, budget])).limit == "token_budget"  # 8 of 10 spent
+        assert await second.take([rpm]) is None  # the refused take charged nothing
+        assert (await first.take([rpm])).wait_s == pytest.approx(20)
+        buckets_clock[0] += 61  # the budget's key outlived its ttl: a new period's
+        assert await second.take([budget]) is None
+    finally:
+        await first.close()
+        await second.close()

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from mesh.config import MeshSettings, ServiceSettings
+from mesh.config import LimitsSettings, MeshSettings, ServiceSettings
 from mesh.keys import digest
 from mesh.server import MeshServer
 from services.gateway.http_server import HttpServer
@@ -76,8 +76,12 @@ async def start_gateway(
     keys: dict[str, tuple[str, list[str]]] = KEYS,
     tenants: dict[str, dict[str, int]] | None = None,
     dependencies: dict[str, str] | None = None,
+    limits: dict[str, object] | None = None,
     **gateway_settings: object,
 ) -> tuple[Gateway, list[MeshServer]]:
+    """The gateway on `keys` (a file every gateway started on `tmp_path` shares), its
+    tenants' limits read from the same file, the meter's store in this process unless
+    `limits` says otherwise ([limits] settings)."""
     generation, embedder, diffusion = FakeGeneration(), FakeEmbedder(), FakeDiffusion()
     fakes = [
         await fake_generation(generation),
@@ -88,6 +92,7 @@ async def start_gateway(
     if not keys_file.exists():  # a second gateway on the same directory shares the file
         write_keys(keys_file, keys, tenants)
     settings = MeshSettings(
+        limits=LimitsSettings(**{"tenants_file": keys_file, "store": "memory", **(limits or {})}),
         services={
             "gateway": ServiceSettings(
                 metrics_port=0,
@@ -103,7 +108,7 @@ async def start_gateway(
                 poll_interval_s=0.05,
                 **gateway_settings,
             )
-        }
+        },
     )
     server = MeshServer.for_service("gateway", settings, port=0)
     http = await setup(server)

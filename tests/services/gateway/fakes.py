@@ -5,6 +5,8 @@ cancellations that the real model cannot be made to produce on demand.
 The last message (chat) or the prompt (completions) picks the script:
   "refuse:<CODE>"  the call fails at once with that gRPC code (RetryInfo on
                    RESOURCE_EXHAUSTED, a field violation on INVALID_ARGUMENT)
+  "quota:<REASON>" the router's refusal of a tenant past a limit (mesh/metering.py), with
+                   RetryInfo for RATE_LIMIT_EXCEEDED
   "midstream"      one chunk, then UNAVAILABLE
   "forever"        a chunk every 20 ms until cancelled
   "stall"          nothing until cancelled
@@ -29,8 +31,8 @@ from aimesh.diffusion.v1 import diffusion_pb2, diffusion_pb2_grpc
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
 from mesh.config import MeshSettings, ServiceSettings
-from mesh.errors import abort, status
-from mesh.failures import FieldViolation, InvalidInput
+from mesh.errors import abort, status, status_for_failure
+from mesh.failures import FieldViolation, InvalidInput, QuotaExceeded
 from mesh.info import ModelInfo
 from mesh.server import MeshServer
 
@@ -79,6 +81,11 @@ class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
         if text.startswith("refuse:"):
             code = grpc.StatusCode[text.removeprefix("refuse:")]
             await abort(context, refusal(code))
+        if text.startswith("quota:"):
+            reason = text.removeprefix("quota:")
+            wait_s = 2.5 if reason == "RATE_LIMIT_EXCEEDED" else None
+            refused = QuotaExceeded("tenant past a limit", reason=reason, retry_after_s=wait_s)
+            await abort(context, status_for_failure(refused))
         if text == "stall":
             await asyncio.Event().wait()
         if text == "forever":

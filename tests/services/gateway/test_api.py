@@ -77,10 +77,6 @@ async def test_without_include_usage_there_is_no_usage_event(gateway):
 
 
 async def test_the_sdk_gets_the_same_text_streamed_and_whole(gateway):
-    def ledger(kind: str) -> float:
-        return metric("aimesh_gateway_tokens_total", tenant="acme", model=LLM, kind=kind)
-
-    before = ledger("prompt"), ledger("completion")
     client = gateway.sdk()
     whole = await client.chat.completions.create(model=LLM, messages=USER, seed=3)
     assert whole.object == "chat.completion"
@@ -91,7 +87,6 @@ async def test_the_sdk_gets_the_same_text_streamed_and_whole(gateway):
     streamed = await client.chat.completions.create(model=LLM, messages=USER, seed=3, stream=True)
     parts = [chunk.choices[0].delta.content or "" async for chunk in streamed if chunk.choices]
     assert "".join(parts) == whole.choices[0].message.content == "Hello, world!"
-    assert (ledger("prompt"), ledger("completion")) == (before[0] + 4, before[1] + 8)
 
 
 async def test_a_length_limit_finishes_with_length(gateway):

@@ -25,7 +25,7 @@ def pixels(b64: str) -> tuple[str, tuple[int, int], int]:
 
 
 async def test_the_sdk_gets_pngs_in_openais_shape(gateway):
-    before = metric("aimesh_gateway_images_total", tenant="acme", model=IMAGE_MODEL)
+    before = metric("aimesh_tenant_images_total", tenant="acme", model=IMAGE_MODEL)
     answer = await gateway.sdk().images.generate(
         model=IMAGE_MODEL,
         prompt="7",
@@ -44,7 +44,7 @@ async def test_the_sdk_gets_pngs_in_openais_shape(gateway):
     assert (sent.model, sent.prompt, sent.num_images, sent.seed) == (IMAGE_MODEL, "7", 3, 40)
     assert (sent.width, sent.height) == (16, 16)
     assert sent.request_id
-    assert metric("aimesh_gateway_images_total", tenant="acme", model=IMAGE_MODEL) == before + 3
+    assert metric("aimesh_tenant_images_total", tenant="acme", model=IMAGE_MODEL) == before + 3
     async with gateway.http() as client:
         usage = (await client.get("/v1/usage")).json()["data"]
     assert [(r["model"], r["requests"], r["images"]) for r in usage] == [(IMAGE_MODEL, 1, 3)]

@@ -24,6 +24,8 @@ from aimesh.llm.v1 import (
 )
 from mesh.client import create_channel
 from mesh.config import MeshSettings
+from mesh.ledger import MemoryStore
+from mesh.metering import Meter, TenantsFile
 from services.generation.servicer import GENERATION
 from services.llm.artifacts import resolve_model
 from tests.conftest import free_port, subprocess_env
@@ -103,14 +105,24 @@ class LlmMesh:
         return generation_pb2_grpc.GenerationServiceStub(channel), channel
 
 
+def unlimited_meter() -> Meter:
+    """A meter with no tenant limited and its ledger in memory: for a router in a test."""
+    return Meter(MemoryStore(), TenantsFile(None))
+
+
 @contextmanager
 def running_llm_mesh(
-    root: Path, dtype: str = "float32", engine: str = "torch", prefill_engine: str = "torch"
+    root: Path,
+    dtype: str = "float32",
+    engine: str = "torch",
+    prefill_engine: str = "torch",
+    extra_config: str = "",
 ) -> Iterator[LlmMesh]:
     """Five processes, as `aimesh up` runs them: decode on `engine`, prefill on
     `prefill_engine`, torch in `dtype`. Pinned, not "auto": auto is llama.cpp decode on a
     CPU, and bfloat16 on a CPU with AVX-512 BF16, and the torch tests compare output with
-    transformers float32 bit for bit."""
+    transformers float32 bit for bit. `extra_config` is TOML appended to the mesh's config
+    (tables of its own: it comes last)."""
     ports = {name: free_port() for name in ("tokenizer", "prefill", "generation")}
     ports["tokenizer_metrics"] = free_port()
     ports["prefill_metrics"] = free_port()
@@ -130,7 +142,7 @@ def running_llm_mesh(
         f'prefill = ["127.0.0.1:{ports["prefill"]}"]\n'
         f"decode = [{decode_targets}]\n"
         "[services.generation.dependencies]\n"
-        f'tokenizer = "127.0.0.1:{ports["tokenizer"]}"\n'
+        f'tokenizer = "127.0.0.1:{ports["tokenizer"]}"\n' + extra_config
     )
     processes = ServiceProcesses(
         root, subprocess_env(AIMESH_CONFIG=str(config), OTEL_TRACES_EXPORTER="none")

@@ -14,7 +14,7 @@ from mesh.config import MeshSettings
 from services.generation.workers import AFFINITY_SLACK, PrefillPicker
 from services.llm import metrics
 from services.llm.kv_codec import SequenceState
-from services.llm.prefix import BLOCK_TOKENS
+from services.llm.prefix import BLOCK_TOKENS, UNSCOPED, block_hashes, cache_scope
 from services.prefill.prefix_cache import PrefixCache
 
 pytestmark = pytest.mark.unit
@@ -174,3 +174,40 @@ async def test_a_worker_with_an_open_breaker_is_skipped_while_another_is_closed(
     assert breaker.state is State.OPEN
     assert pick.pick([*PREAMBLE, 2]) != home
     await pick.channels.close()
+
+
+def test_a_cached_prompt_is_found_only_in_its_own_scope():
+    cache = PrefixCache(1 << 20)
+    acme, globex = cache_scope("acme", ""), cache_scope("globex", "")
+    salted = cache_scope("acme", "user-1")
+    prompt = [*PREAMBLE, 1, 2]
+    cache.insert(prompt, state(prompt), scope=acme)
+    assert cache.lookup(prompt, globex) is None
+    assert cache.lookup(prompt, salted) is None
+    assert cache.lookup(prompt) is None  # the unscoped (mesh-wide) cache, too
+    assert cache.lookup(prompt, acme).tokens == len(prompt) - 1
+    # The same tokens in two scopes are two entries, each its own tenant's.
+    cache.insert(prompt, state(prompt), scope=globex)
+    assert len(cache) == 2
+    assert cache.lookup(prompt, globex).entry is not cache.lookup(prompt, acme).entry
+
+
+def test_scopes_differ_by_client_and_salt_and_read_no_pair_as_another():
+    assert cache_scope("", "") == UNSCOPED
+    scopes = {
+        cache_scope(c, s) for c, s in [("a", ""), ("", "a"), ("a", "b"), ("ab", ""), ("a\0b", "")]
+    }
+    assert len(scopes) == 5
+    assert block_hashes(PREAMBLE, scope=cache_scope("a", "")) != block_hashes(PREAMBLE)
+
+
+def test_the_pick_remembers_a_prefix_within_its_scope_only():
+    picker = PrefillPicker(["a", "b"], ChannelPool(MeshSettings()))
+    acme, globex = cache_scope("acme", ""), cache_scope("globex", "")
+    first = picker.pick(PREAMBLE, acme)
+    picker.done(first)
+    assert picker.pick(PREAMBLE, acme) == first
+    picker.done(first)
+    worker = next(w for w in picker.workers if w.target == first)
+    assert worker.cached_blocks(block_hashes(PREAMBLE, scope=acme)) == 2
+    assert worker.cached_blocks(block_hashes(PREAMBLE, scope=globex)) == 0

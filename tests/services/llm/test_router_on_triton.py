@@ -21,7 +21,7 @@ from services.generation.settings import RouterOptions
 from services.generation.versions import Pool, Versions
 from services.llm.artifacts import load_tokenizer
 from services.llm.settings import LlmSettings
-from tests.services.llm.conftest import collected
+from tests.services.llm.conftest import collected, unlimited_meter
 
 pytestmark = pytest.mark.system
 
@@ -86,7 +86,9 @@ class FakeTokenizerService:
 async def _generate_on(
     triton: FakeTriton, tokenizer, registry: Path, **stopping
 ) -> tuple[str, list[int], object]:
-    router = GenerationRouter(LlmSettings(max_seq_len=512), CanaryRule(CanaryRuleSettings()))
+    router = GenerationRouter(
+        LlmSettings(max_seq_len=512), CanaryRule(CanaryRuleSettings()), unlimited_meter()
+    )
     own = Pool(
         "SmolLM2-135M-Instruct",
         "",

@@ -19,7 +19,7 @@ from services.generation.pipeline import Pipeline
 from services.generation.servicer import GenerationRouter
 from services.generation.versions import Pool, Versions
 from services.llm.settings import LlmSettings
-from tests.services.llm.conftest import MAX_BATCH, MAX_SEQ_LEN
+from tests.services.llm.conftest import MAX_BATCH, MAX_SEQ_LEN, unlimited_meter
 
 pytestmark = pytest.mark.unit
 
@@ -108,6 +108,7 @@ def router_of_no_work(registry: Path) -> GenerationRouter:
     router = GenerationRouter(
         LlmSettings(max_seq_len=MAX_SEQ_LEN, max_batch_size=MAX_BATCH),
         CanaryRule(CanaryRuleSettings()),
+        unlimited_meter(),
     )
     router.versions = Versions(
         store=FileStore(registry),

@@ -1,6 +1,7 @@
 """The periods a tenant's token budget renews over: UTC calendar days or months, or
-never. Every gateway replica derives the same period from its wall clock, so a budget
-spent through one replica is spent on all of them (the store keys it by period)."""
+never. Every process that meters (each gateway and router replica) derives the same
+period from its wall clock, so a budget spent through one is spent on all of them (the
+store keys it by period)."""
 
 from __future__ import annotations
 
