@@ -26,5 +26,7 @@ SPEC = ServiceSpec(
         "/v1/models",
         "/v1/models/",
         "/v1/rerank",
+        # The ledger: a tenant reads its own usage where it sends its requests.
+        "/v1/usage",
     ),
 )
