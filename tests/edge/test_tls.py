@@ -38,6 +38,7 @@ from mesh.edge.process import write_config
 from mesh.pki import ThrowawayCa
 from services.llm.artifacts import DEFAULT_NAME
 from tests.conftest import (
+    ROOT,
     VENV_BIN,
     free_port,
     running_mesh,
@@ -326,7 +327,8 @@ async def test_a_renewed_certificate_is_served_without_restarting_envoy(tls_edge
 async def test_up_with_tls_serves_the_edge_on_its_ca_and_says_where_it_is(tmp_path):
     """`aimesh up --edge --tls`: the listener's certificate comes from the throwaway CA
     (ca.pem in --tls-dir, which up names), for 127.0.0.1 and localhost; a gRPC client
-    trusting it gets through to the embedder (reached over mutual TLS); plaintext not."""
+    trusting it gets through to the embedder (reached over mutual TLS), and so does
+    grpcurl with -cacert (the demo's); plaintext not."""
     pki = tmp_path / "pki"
     edge_port, embedder_port = free_port(), free_port()
     env = subprocess_env(
@@ -354,6 +356,17 @@ async def test_up_with_tls_serves_the_edge_on_its_ca_and_says_where_it_is(tmp_pa
                 EMBED, metadata=AUTH, timeout=60
             )
         assert embedded.embeddings[0].values
+        grpcurl = await asyncio.create_subprocess_exec(
+            str(VENV_BIN / "grpcurl"), "-cacert", str(ca_file),
+            "-H", f"authorization: Bearer {API_KEY}",
+            "-import-path", str(ROOT / "protos"),
+            "-import-path", str(ROOT / "third_party" / "googleapis"),
+            "-proto", "aimesh/retrieval/v1/embedder.proto", "-d", '{"inputs": ["hi"]}',
+            target, "aimesh.retrieval.v1.EmbedderService/Embed",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        output, _ = await asyncio.wait_for(grpcurl.communicate(), timeout=60)
+        assert grpcurl.returncode == 0 and b'"values"' in output, output.decode()
         async with grpc.aio.insecure_channel(target) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await embedder_pb2_grpc.EmbedderServiceStub(channel).Embed(
