@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 from pydantic import SecretStr
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from aimesh.mesh.v1.info_pb2 import GetInfoResponse
@@ -25,7 +26,7 @@ from mesh.edge.authorizer import AuthorizerServer
 from mesh.health import probe
 from mesh.info import get_info, summary
 from mesh.metrics import serve_metrics
-from mesh.pki import throwaway_pki
+from mesh.pki import ThrowawayCa
 from mesh.registry import ServiceSpec, discover, options_problems
 from mesh.server import MeshServer
 from mesh.tls import terminates_here, tls_environment
@@ -35,6 +36,8 @@ edge_app = typer.Typer(help="The Envoy edge in front of the mesh.", no_args_is_h
 app.add_typer(edge_app, name="edge")
 console = Console()
 log = logging.getLogger("aimesh")
+# `up --tls --edge`: the listener's certificate and key in --tls-dir, as NAME.pem, NAME.key.
+EDGE_LISTENER = "edge-listener"
 
 
 def _spec(name: str) -> ServiceSpec:
@@ -97,7 +100,8 @@ def up(
             "--tls",
             help="mutual TLS between every process: a throwaway CA and a certificate per "
             "service (in --tls-dir), made anew; with --edge, Envoy reaches the services "
-            "over it as `edge`",
+            "over it as `edge`, and serves clients TLS with a certificate of that CA for "
+            "127.0.0.1 and localhost (unless [edge.tls] names one)",
         ),
     ] = False,
     tls_dir: Annotated[
@@ -123,13 +127,16 @@ def up(
         raise typer.BadParameter("--caller-tokens signs with --tls's certificates: add --tls")
     if tls:
         names = [*(s.name for s in specs), EDGE, OPERATOR]
-        made = throwaway_pki(tls_dir or settings.cache_dir / "tls", names)
+        ca = ThrowawayCa(tls_dir or settings.cache_dir / "tls")
         pki = {
-            name: made[name].model_copy(update={"caller_tokens": caller_tokens}) for name in names
+            name: ca.identity(name).model_copy(update={"caller_tokens": caller_tokens})
+            for name in names
         }
         settings = settings.model_copy(update={"tls": pki[OPERATOR]})
         environments = {spec.name: tls_environment(pki[spec.name]) for spec in specs}
         edge_settings = settings.model_copy(update={"tls": pki[EDGE]})
+        if edge and edge_settings.edge.tls is None:
+            edge_settings = _with_listener_certificate(edge_settings, ca)
         exports = " ".join(
             f"{key}={value}" for key, value in tls_environment(pki[OPERATOR]).items()
         )
@@ -142,6 +149,12 @@ def up(
         )
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
+    # Written before any service starts: a config Envoy could not take (a plaintext
+    # listener beyond loopback, say) stops `up` at once, not after minutes of loading.
+    edge_config = None
+    if edge:
+        run_dir = log_dir or settings.cache_dir / "edge"
+        edge_config = _edge_config_or_exit(specs, edge_settings, run_dir / "envoy.json")
 
     async def run() -> int:
         # A SIGTERM while the services start (minutes, with models to load) must stop the
@@ -168,11 +181,11 @@ def up(
             if not_ready:
                 console.print(f"[red]not ready: {', '.join(not_ready)}[/red]")
                 return 1
-            if edge:
+            if edge_config is not None:
                 _ensure_a_key(edge_settings)
                 checker = AuthorizerServer(edge_settings)
                 await checker.start()
-                proxy = await _start_edge(specs, edge_settings, log_dir, ready_timeout)
+                proxy = await _start_edge(specs, edge_settings, edge_config, log_dir, ready_timeout)
                 if proxy is None:
                     return 1
             console.print("[green]mesh is up[/green]; Ctrl-C drains and stops it")
@@ -218,29 +231,55 @@ def _ensure_a_key(settings: MeshSettings) -> None:
         console.print(f"edge API key for this run (set AIMESH_EDGE__API_KEYS to fix one): {key}")
 
 
+def _with_listener_certificate(settings: MeshSettings, ca: ThrowawayCa) -> MeshSettings:
+    """`up --tls --edge`: the edge listener on a certificate of the throwaway CA for the
+    addresses a client here dials (127.0.0.1, localhost, edge.host if another), and where
+    clients find the CA to trust it."""
+    hosts = ["127.0.0.1", "localhost"]
+    if settings.edge.host not in ("0.0.0.0", "::", *hosts):
+        hosts.append(settings.edge.host)
+    listener = ca.listener(EDGE_LISTENER, hosts)
+    console.print(
+        f"edge: TLS for clients with {listener.cert_file} ({', '.join(hosts)}); "
+        f"clients trust the CA {ca.ca_file} (curl --cacert, grpcurl -cacert, grpc "
+        "root_certificates, httpx verify)",
+        soft_wrap=True,
+    )
+    return settings.model_copy(update={"edge": settings.edge.model_copy(update={"tls": listener})})
+
+
 def _write_edge_config(specs: list[ServiceSpec], settings: MeshSettings, path: Path) -> Path:
     """The same Envoy config for `up --edge` and `edge render` (spans go where ours do),
-    with its SDS files under [tls] (beside it unless edge.sds_dir says where)."""
-    tls = settings.tls if settings.tls is not None and terminates_here(settings.tls) else None
-    if tls is not None and settings.edge.sds_dir is None:
+    with its SDS files under [tls] or [edge.tls] (beside it unless edge.sds_dir says where)."""
+    mesh_tls = settings.tls is not None and terminates_here(settings.tls)
+    if (mesh_tls or settings.edge.tls is not None) and settings.edge.sds_dir is None:
         settings.edge.sds_dir = path.parent
     config = envoy.bootstrap(
         envoy.upstreams_for(specs, settings), settings, otlp_endpoint=tracing.otlp_endpoint()
     )
-    secrets = None
-    if tls is not None and settings.edge.sds_dir is not None:
-        secrets = envoy.secret_documents(tls, settings.edge.sds_dir)
-    return edge_process.write_config(config, path, secrets)
+    return edge_process.write_config(config, path, envoy.sds_documents(settings))
+
+
+def _edge_config_or_exit(specs: list[ServiceSpec], settings: MeshSettings, path: Path) -> Path:
+    """_write_edge_config, or the settings' problem said and exit status 2."""
+    try:
+        return _write_edge_config(specs, settings, path)
+    except ValueError as problem:
+        console.print(f"[red]{escape(str(problem))}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
 
 
 async def _start_edge(
-    specs: list[ServiceSpec], settings: MeshSettings, log_dir: Path | None, timeout_s: float
+    specs: list[ServiceSpec],
+    settings: MeshSettings,
+    config: Path,
+    log_dir: Path | None,
+    timeout_s: float,
 ) -> asyncio.subprocess.Process | None:
-    """Envoy on the running services, its authorizer already listening."""
-    run_dir = log_dir or settings.cache_dir / "edge"
-    path = _write_edge_config(specs, settings, run_dir / "envoy.json")
+    """Envoy on its `config` in front of the running services, its authorizer
+    already listening."""
     proxy = await edge_process.start(
-        settings.edge.envoy_binary, path, log_dir and log_dir / "envoy.log"
+        settings.edge.envoy_binary, config, log_dir and log_dir / "envoy.log"
     )
     try:
         ready = await edge_process.wait_ready(proxy, settings.edge.admin_port, timeout_s)
@@ -248,14 +287,15 @@ async def _start_edge(
         await edge_process.stop(proxy)
         raise
     if not ready:
-        console.print(f"[red]envoy did not become ready; its config is {path}[/red]")
+        console.print(f"[red]envoy did not become ready; its config is {config}[/red]")
         await edge_process.stop(proxy)
         return None
     edge = settings.edge
     http = [path for spec in specs for path in spec.edge_http_paths]
     also = f", and {', '.join(http)} as they are" if http else ""
+    scheme = "http" if edge.tls is None else "https"
     console.print(
-        f"[green]edge[/green] gRPC, gRPC-Web and JSON{also} on http://{edge.host}:{edge.port}; "
+        f"[green]edge[/green] gRPC, gRPC-Web and JSON{also} on {scheme}://{edge.host}:{edge.port}; "
         f"admin http://127.0.0.1:{edge.admin_port}"
     )
     return proxy
@@ -335,7 +375,7 @@ def edge_render(
     """Write Envoy's config for the configured mesh: routes from the protos, upstreams from
     the service table, tracing from OTEL_*. It holds no key: `aimesh edge authorize` does."""
     settings = MeshSettings()
-    _write_edge_config(_specs(only), settings, out)
+    _edge_config_or_exit(_specs(only), settings, out)
     console.print(f"wrote {out}")
 
 

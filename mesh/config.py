@@ -163,6 +163,16 @@ class TransportSettings(BaseModel):
     max_connection_age_grace_s: float = Field(default=30.0, ge=0)
 
 
+class EdgeTlsSettings(BaseModel, extra="forbid"):
+    """[edge.tls]: the certificate Envoy's listener serves to clients outside the mesh.
+    Envoy reads both files through file-based SDS watching the certificate's directory, so
+    a renewed pair moved in there (a Kubernetes Secret's swap, an os.replace) is served
+    without a restart; keep the key in the same directory."""
+
+    cert_file: Path = Field(description="the listener's certificate chain, PEM")
+    key_file: Path = Field(description="its private key, PEM")
+
+
 class EdgeSettings(BaseModel):
     """Envoy at the edge: what it listens on and what it lets through.
 
@@ -173,6 +183,17 @@ class EdgeSettings(BaseModel):
 
     host: str = LOOPBACK
     port: int = Field(default=8080, ge=1, le=65535)
+    tls: EdgeTlsSettings | None = Field(
+        default=None,
+        description="TLS on the listener (ALPN h2 and http/1.1); None: plaintext, which "
+        "the edge serves on a loopback host only, unless tls_ends_in_front",
+    )
+    tls_ends_in_front: bool = Field(
+        default=False,
+        description="clients reach the edge through a proxy that ends their TLS (an "
+        "ingress, a cloud load balancer): a plaintext listener on a non-loopback host is "
+        "then the operator's choice, not a mistake",
+    )
     admin_port: int = Field(default=9901, ge=1, le=65535, description="Envoy admin, loopback only")
     metrics_host: str = Field(
         default=LOOPBACK, description="where /stats/prometheus listens (0.0.0.0 in a pod)"
@@ -195,9 +216,9 @@ class EdgeSettings(BaseModel):
     )
     sds_dir: Path | None = Field(
         default=None,
-        description="with [tls]: where the files naming Envoy's certificate and CA are "
-        "written (file-based SDS, so renewed certificates are read again); `aimesh up` and "
-        "`aimesh edge render` put them beside Envoy's config unless set",
+        description="with [tls] or [edge.tls]: where the files naming Envoy's certificates "
+        "and CA are written (file-based SDS, so renewed certificates are read again); "
+        "`aimesh up` and `aimesh edge render` put them beside Envoy's config unless set",
     )
     cors_allow_origins: list[str] = Field(
         default_factory=list,

@@ -9,15 +9,23 @@ mkdir -p "$LOGS"
 # The edge (Envoy on :8080) takes this key; any client outside the mesh must present one.
 export AIMESH_EDGE__API_KEYS='["demo-key"]'
 # DEMO_TLS=1 (`make demo-tls`): mutual TLS between every process, Envoy included, from a
-# throwaway CA; the aimesh commands and grpcurl below present the operator's certificate.
+# throwaway CA; the aimesh commands and grpcurl below present the operator's certificate,
+# and clients of the edge reach it over TLS, trusting that CA (curl --cacert, grpcurl
+# -cacert, the openai SDK's httpx client).
 UP_TLS=()
 DIRECT=(-plaintext)
+export EDGE=http://127.0.0.1:8080 EDGE_CA=
+EDGE_CURL=()
+EDGE_GRPCURL=(-plaintext)
 if [ "${DEMO_TLS:-0}" = 1 ]; then
   PKI=var/demo-tls
   UP_TLS=(--tls --tls-dir "$PKI")
   export AIMESH_TLS__CERT_FILE=$PKI/aimesh-cli.pem AIMESH_TLS__KEY_FILE=$PKI/aimesh-cli.key \
     AIMESH_TLS__CA_FILE=$PKI/ca.pem
   DIRECT=(-cacert "$PKI/ca.pem" -cert "$PKI/aimesh-cli.pem" -key "$PKI/aimesh-cli.key")
+  export EDGE=https://127.0.0.1:8080 EDGE_CA=$PKI/ca.pem
+  EDGE_CURL=(--cacert "$EDGE_CA")
+  EDGE_GRPCURL=(-cacert "$EDGE_CA")
 fi
 aimesh up --edge "${UP_TLS[@]}" --log-dir "$LOGS" &
 UP=$!
@@ -31,7 +39,7 @@ for _ in $(seq 1 600); do
 done
 aimesh health
 for _ in $(seq 1 120); do
-  curl -sf 127.0.0.1:8080/healthz >/dev/null && break
+  curl -sf "${EDGE_CURL[@]}" "$EDGE/healthz" >/dev/null && break
   kill -0 $UP 2>/dev/null || { echo "aimesh up exited; logs in $LOGS"; exit 1; }
   sleep 0.5
 done
@@ -51,25 +59,31 @@ echo; echo "== bad input: INVALID_ARGUMENT with field violations"
 grpcurl "${DIRECT[@]}" -d '{"prompt": "", "sampling": {"temperature": -1}}' \
   127.0.0.1:50060 aimesh.llm.v1.GenerationService/Generate || true
 
-echo; echo "== through Envoy (:8080): JSON with curl, a server stream arrives as a JSON array"
-curl -sS -H 'authorization: Bearer demo-key' -d '{"prompt": "The capital of France is",
-  "sampling": {"temperature": 0}, "stopping": {"maxNewTokens": 6}}' 127.0.0.1:8080/v1/generate
+echo; echo "== through Envoy ($EDGE): JSON with curl, a server stream arrives as a JSON array"
+curl -sS "${EDGE_CURL[@]}" -H 'authorization: Bearer demo-key' -d '{"prompt": "The capital of France is",
+  "sampling": {"temperature": 0}, "stopping": {"maxNewTokens": 6}}' "$EDGE/v1/generate"
 echo
 echo "== through Envoy: gRPC with grpcurl (no reflection at the edge, so the protos are named)"
-grpcurl -plaintext -H 'authorization: Bearer demo-key' -max-time 60 \
+grpcurl "${EDGE_GRPCURL[@]}" -H 'authorization: Bearer demo-key' -max-time 60 \
   -import-path protos -import-path third_party/googleapis -proto aimesh/llm/v1/generation.proto \
   -d '{"prompt": "Two plus two is", "stopping": {"max_new_tokens": 4}}' \
   127.0.0.1:8080 aimesh.llm.v1.GenerationService/Generate | grep '"text"' || true
 echo "== through Envoy without a key: refused at the edge"
-curl -sS -o /dev/null -w 'HTTP %{http_code}\n' -d '{"inputs": ["hi"]}' 127.0.0.1:8080/v1/embed
+curl -sS "${EDGE_CURL[@]}" -o /dev/null -w 'HTTP %{http_code}\n' -d '{"inputs": ["hi"]}' "$EDGE/v1/embed"
 
 echo; echo "== the openai SDK, unmodified, through Envoy to the gateway: models, a streamed chat, embeddings, an image"
 python - <<'PY'
 import base64
+import os
+import ssl
 
+import httpx
 from openai import OpenAI
 
-client = OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="demo-key")
+# Over TLS (DEMO_TLS=1) the SDK's httpx client trusts the edge's CA.
+ca = os.environ["EDGE_CA"]
+http_client = httpx.Client(verify=ssl.create_default_context(cafile=ca)) if ca else None
+client = OpenAI(base_url=f"{os.environ['EDGE']}/v1", api_key="demo-key", http_client=http_client)
 print("models:", [model.id for model in client.models.list()])
 stream = client.chat.completions.create(
     model="SmolLM2-135M-Instruct",
@@ -92,7 +106,7 @@ print(f"image: a {len(png)}-byte PNG" if png.startswith(b"\x89PNG") else "image:
 PY
 
 echo; echo "== /v1/rerank in Cohere's and Jina's shape, through Envoy to the gateway"
-curl -sS 127.0.0.1:8080/v1/rerank -H 'authorization: Bearer demo-key' \
+curl -sS "${EDGE_CURL[@]}" "$EDGE/v1/rerank" -H 'authorization: Bearer demo-key' \
   -H 'content-type: application/json' -d '{"model": "minilm-late-interaction",
   "query": "how do I delete a directory tree?", "top_n": 2, "documents": [
   "json.loads parses a JSON document", "shutil.rmtree deletes a directory tree",

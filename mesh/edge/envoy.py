@@ -16,11 +16,17 @@ as plain HTTP/1.1, with the transcoder off, nothing buffered (server-sent events
 they come) and a timeout as long as the service's own request budget. Where it checks
 API keys itself (its `api_keys_file`), the edge's key check is off on those routes too
 and `authorization` reaches it untouched.
+
+Clients outside reach the listener over TLS when `[edge.tls]` names a certificate and key
+(read by file-based SDS, so a renewed pair is served without a restart), with ALPN
+offering h2 and http/1.1; plaintext only on a loopback host, or where the operator says a
+proxy in front ends the clients' TLS (`edge.tls_ends_in_front`).
 """
 
 from __future__ import annotations
 
 import base64
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +37,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from mesh import targets
 from mesh.authz import identity_uri
-from mesh.config import HttpServiceOptions, MeshSettings, TlsSettings
+from mesh.config import EdgeTlsSettings, HttpServiceOptions, MeshSettings, TlsSettings
 from mesh.edge import api, authorizer
 from mesh.registry import ServiceSpec
 from mesh.tls import terminates_here
@@ -370,41 +376,62 @@ def _cluster(
     return config
 
 
-# The SDS resources naming the edge's certificate and the mesh CA: files Envoy watches.
+# The SDS resources naming the edge's certificate and the mesh CA (upstream mutual TLS)
+# and the listener's certificate (what clients outside see): files Envoy watches.
 CERTIFICATE_SECRET = "edge_certificate"
 CA_SECRET = "mesh_ca"
+LISTENER_SECRET = "edge_listener"
 SECRET = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
+# What the listener offers by ALPN: HTTP/2 for gRPC (and any client that speaks it),
+# HTTP/1.1 for the JSON routes, gRPC-Web and the HTTP APIs' clients that speak only that.
+LISTENER_ALPN = ("h2", "http/1.1")
+
+
+def _secret_file(sds_dir: Path, name: str, **resource: Any) -> dict[Path, dict[str, Any]]:
+    """The SDS file for the secret `name`: its path and the document Envoy reads there."""
+    return {sds_dir / f"{name}.json": {"resources": [{"@type": SECRET, "name": name, **resource}]}}
+
+
+def _key_pair(cert_file: Path, key_file: Path) -> dict[str, Any]:
+    return {
+        "certificate_chain": {"filename": str(cert_file)},
+        "private_key": {"filename": str(key_file)},
+    }
 
 
 def secret_documents(tls: TlsSettings, sds_dir: Path) -> dict[Path, dict[str, Any]]:
-    """Path -> the SDS document Envoy reads there. Certificates
+    """Path -> the SDS document Envoy reads there, for the mesh's mutual TLS. Certificates
     given inline in the config are read once; given by file-based SDS they are read again
     whenever a file moves into their directory, which is how the kubelet swaps a renewed
     Secret in (cert-manager renews long before expiry) and how `aimesh up --tls` may rotate."""
-    certificate = {
-        "certificate_chain": {"filename": str(tls.cert_file)},
-        "private_key": {"filename": str(tls.key_file)},
-    }
+    trusted = {"trusted_ca": {"filename": str(tls.ca_file)}}
     return {
-        sds_dir / f"{CERTIFICATE_SECRET}.json": {
-            "resources": [
-                {"@type": SECRET, "name": CERTIFICATE_SECRET, "tls_certificate": certificate}
-            ]
-        },
-        sds_dir / f"{CA_SECRET}.json": {
-            "resources": [
-                {
-                    "@type": SECRET,
-                    "name": CA_SECRET,
-                    "validation_context": {"trusted_ca": {"filename": str(tls.ca_file)}},
-                }
-            ]
-        },
+        **_secret_file(
+            sds_dir, CERTIFICATE_SECRET, tls_certificate=_key_pair(tls.cert_file, tls.key_file)
+        ),
+        **_secret_file(sds_dir, CA_SECRET, validation_context=trusted),
     }
 
 
-def _sds(name: str, tls: TlsSettings, sds_dir: Path) -> dict[str, Any]:
-    watched = tls.cert_file.parent if name == CERTIFICATE_SECRET else tls.ca_file.parent
+def sds_documents(settings: MeshSettings) -> dict[Path, dict[str, Any]]:
+    """Every SDS file bootstrap(settings) names, by path (none without TLS): the mesh's
+    mutual TLS (secret_documents) and the listener's certificate, each read again as
+    secret_documents says."""
+    documents: dict[Path, dict[str, Any]] = {}
+    sds_dir = settings.edge.sds_dir
+    if sds_dir is None:
+        return documents
+    if settings.tls is not None and terminates_here(settings.tls):
+        documents.update(secret_documents(settings.tls, sds_dir))
+    if settings.edge.tls is not None:
+        pair = _key_pair(settings.edge.tls.cert_file, settings.edge.tls.key_file)
+        documents.update(_secret_file(sds_dir, LISTENER_SECRET, tls_certificate=pair))
+    return documents
+
+
+def _sds(name: str, sds_dir: Path, watched: Path) -> dict[str, Any]:
+    """A secret read from the SDS file `name` in sds_dir, and again when a file moves into
+    `watched` (the directory of the files it names)."""
     return {
         "name": name,
         "sds_config": {
@@ -414,6 +441,26 @@ def _sds(name: str, tls: TlsSettings, sds_dir: Path) -> dict[str, Any]:
             },
             "resource_api_version": "V3",
         },
+    }
+
+
+def listener_tls(tls: EdgeTlsSettings, sds_dir: Path) -> dict[str, Any]:
+    """The listener's TLS for clients outside: the certificate by SDS (renewed files are
+    served without a restart), ALPN h2 and http/1.1 (the connection manager's AUTO codec
+    follows what was negotiated), TLS 1.2 at least. No client certificate is asked for:
+    clients outside prove themselves by API key, which TLS keeps off the wire."""
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": _typed(
+            "envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+            common_tls_context={
+                "tls_params": {"tls_minimum_protocol_version": "TLSv1_2"},
+                "tls_certificate_sds_secret_configs": [
+                    _sds(LISTENER_SECRET, sds_dir, tls.cert_file.parent)
+                ],
+                "alpn_protocols": list(LISTENER_ALPN),
+            },
+        ),
     }
 
 
@@ -428,14 +475,18 @@ def upstream_tls(tls: TlsSettings, sds_dir: Path, service: str, alpn: str) -> di
         "typed_config": _typed(
             "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
             common_tls_context={
-                "tls_certificate_sds_secret_configs": [_sds(CERTIFICATE_SECRET, tls, sds_dir)],
+                "tls_certificate_sds_secret_configs": [
+                    _sds(CERTIFICATE_SECRET, sds_dir, tls.cert_file.parent)
+                ],
                 "combined_validation_context": {
                     "default_validation_context": {
                         "match_typed_subject_alt_names": [
                             {"san_type": "URI", "matcher": {"exact": identity_uri(service)}}
                         ],
                     },
-                    "validation_context_sds_secret_config": _sds(CA_SECRET, tls, sds_dir),
+                    "validation_context_sds_secret_config": _sds(
+                        CA_SECRET, sds_dir, tls.ca_file.parent
+                    ),
                 },
                 "alpn_protocols": [alpn],
             },
@@ -509,6 +560,10 @@ def _access_log() -> list[dict[str, Any]]:
         # Who Envoy believes sent the request: the socket's peer, x-forwarded-for only as
         # far as edge.trusted_hops allow.
         "remote": "%DOWNSTREAM_REMOTE_ADDRESS_WITHOUT_PORT%",
+        # HTTP/2 or HTTP/1.1 (what ALPN settled on over TLS), and the TLS version: none
+        # for a plaintext listener.
+        "protocol": "%PROTOCOL%",
+        "tls": "%DOWNSTREAM_TLS_VERSION%",
         "request_id": "%REQ(X-REQUEST-ID)%",
         "trace_id": "%TRACE_ID%",
     }
@@ -677,22 +732,49 @@ def _tracing(endpoint: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return tracing, collector
 
 
-def _listener(name: str, host: str, port: int, manager: dict[str, Any]) -> dict[str, Any]:
-    """One plain-text listener whose only filter is the given HTTP connection manager."""
-    return {
-        "name": name,
-        "address": _address(host, port),
-        "filter_chains": [
-            {
-                "filters": [
-                    {
-                        "name": "envoy.filters.network.http_connection_manager",
-                        "typed_config": manager,
-                    }
-                ]
-            }
-        ],
+def _listener(
+    name: str,
+    host: str,
+    port: int,
+    manager: dict[str, Any],
+    transport_socket: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One listener whose only filter is the given HTTP connection manager, over
+    `transport_socket` (TLS) if given, else in plaintext."""
+    chain: dict[str, Any] = {
+        "filters": [
+            {"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}
+        ]
     }
+    if transport_socket is not None:
+        chain["transport_socket"] = transport_socket
+    return {"name": name, "address": _address(host, port), "filter_chains": [chain]}
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def client_transport(settings: MeshSettings) -> dict[str, Any] | None:
+    """The edge listener's TLS ([edge.tls]), or None for plaintext: on a loopback host, or
+    where the operator says a proxy in front ends the clients' TLS (edge.tls_ends_in_front).
+    Anywhere else a plaintext listener would carry API keys across a network in clear
+    text, so it is refused."""
+    edge = settings.edge
+    if edge.tls is None:
+        if not (_is_loopback(edge.host) or edge.tls_ends_in_front):
+            raise ValueError(
+                f"edge.host {edge.host} is beyond loopback and the listener would be "
+                "plaintext: set [edge.tls] cert_file and key_file, or edge.tls_ends_in_front "
+                "= true if a proxy in front ends the clients' TLS"
+            )
+        return None
+    if edge.sds_dir is None:
+        raise ValueError("the edge listener's TLS needs edge.sds_dir (for its SDS file)")
+    return listener_tls(edge.tls, edge.sds_dir)
 
 
 def _metrics_listener(host: str, port: int) -> dict[str, Any]:
@@ -821,7 +903,7 @@ def bootstrap(
     if otlp_endpoint:
         manager["tracing"], collector = _tracing(otlp_endpoint)
         clusters.append(collector)
-    listener = _listener("edge", edge.host, edge.port, manager)
+    listener = _listener("edge", edge.host, edge.port, manager, client_transport(settings))
     listener["per_connection_buffer_limit_bytes"] = BUFFER_LIMIT_BYTES
     listeners = [listener]
     if edge.metrics_port:

@@ -27,7 +27,7 @@ def write_config(
     config: dict[str, Any], path: Path, secrets: Mapping[Path, dict[str, Any]] | None = None
 ) -> Path:
     """Readable by its owner only: the config maps the whole mesh and its SDS files
-    (`secrets`, by path: mesh/edge/envoy.py secret_documents) name the edge's TLS key file
+    (`secrets`, by path: mesh/edge/envoy.py sds_documents) name the edge's TLS key files
     (neither holds an API key: mesh/edge/authorizer.py checks those). JSON is YAML too, so
     the file works under either extension."""
     for secret_path, document in (secrets or {}).items():

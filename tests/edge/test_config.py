@@ -346,6 +346,7 @@ def test_the_kubernetes_edge_config_validates(tmp_path):
         env=subprocess_env(
             AIMESH_CONFIG=str(ROOT / "k8s" / "base" / "aimesh.toml"),
             AIMESH_EDGE__HOST="0.0.0.0",
+            AIMESH_EDGE__TLS_ENDS_IN_FRONT="true",  # k8s/base/edge.yaml's choice
             AIMESH_EDGE__API_KEYS='["a-key"]',
             OTEL_TRACES_EXPORTER="otlp",
             OTEL_EXPORTER_OTLP_ENDPOINT="http://otel-collector.aimesh.svc.cluster.local:4317",

@@ -71,11 +71,17 @@ def test_envoy_reads_the_config_the_init_container_renders(overlay):
 
 
 def test_envoy_serves_clients_and_prometheus_and_is_probed_over_http(overlay):
-    deployment, _, envoy = edge(overlay)
+    """Probed over HTTPS where the listener serves TLS (the mtls component's), else HTTP."""
+    deployment, render, envoy = edge(overlay)
     ports = {p["name"]: p["containerPort"] for p in envoy["ports"]}
     assert ports == {"http": 8080, "metrics": 9902}
+    tls = "AIMESH_EDGE__TLS__CERT_FILE" in env_of(render)
     for probe in ("readinessProbe", "livenessProbe"):
-        assert envoy[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
+        assert envoy[probe]["httpGet"] == {
+            "path": "/healthz",
+            "port": "http",
+            **({"scheme": "HTTPS"} if tls else {}),
+        }
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == "9902"
     assert annotations["prometheus.io/path"] == "/stats/prometheus"

@@ -1,8 +1,9 @@
 """Mutual TLS in a cluster (k8s/components/mtls, the cpu-mtls overlay): every pod of the
 mesh runs on a cert-manager certificate that names its identity, its settings read it the
 way mesh/tls.py and mesh/authz.py need, the kubelet's probes reach a plaintext health port,
-and the edge's Envoy reads its certificate through SDS files it can watch. cert-manager is
-not here: its CA issuer is played by `issue` below, from the Certificate resources."""
+and the edge's Envoy reads its certificates (its mesh identity, and the one its listener
+serves clients) through SDS files it can watch. cert-manager is not here: its CA issuer is
+played by `issue` below, from the Certificate resources."""
 
 from __future__ import annotations
 
@@ -33,9 +34,11 @@ OVERLAY = "cpu-mtls"
 # The fields of cert-manager.io/v1 Certificate and Issuer specs these manifests may use
 # (cert-manager's API reference); kubernetes-validate has no schema for its kinds.
 CERTIFICATE_FIELDS = {
-    "secretName", "issuerRef", "commonName", "dnsNames", "uris", "usages", "privateKey",
-    "duration", "renewBefore", "isCA",
+    "secretName", "issuerRef", "commonName", "dnsNames", "ipAddresses", "uris", "usages",
+    "privateKey", "duration", "renewBefore", "isCA",
 }  # fmt: skip
+# The Secret of the certificate the edge's listener serves clients outside.
+LISTENER_SECRET = "aimesh-edge-listener"
 ISSUER_FIELDS = {"selfSigned", "ca"}
 
 
@@ -66,7 +69,9 @@ def test_certificates_come_from_the_mesh_ca_and_name_their_identity(docs):
     ca = issuers["aimesh-ca"]["spec"]["ca"]["secretName"]
     assert by_secret[ca]["spec"]["isCA"] is True
     assert "selfSigned" in issuers[by_secret[ca]["spec"]["issuerRef"]["name"]]["spec"]
-    leaves = [c for c in by_secret.values() if not c["spec"].get("isCA")]
+    leaves = [
+        c for name, c in by_secret.items() if not c["spec"].get("isCA") and name != LISTENER_SECRET
+    ]
     for leaf in leaves:
         assert leaf["spec"]["issuerRef"]["name"] == "aimesh-ca"
         (uri,) = leaf["spec"]["uris"]
@@ -129,6 +134,42 @@ def test_the_edge_presents_its_certificate_through_files_envoy_watches(docs, mon
     assert {str(path.parent) for path in secrets} == {mounts["envoy-config"]}
     # Envoy reads the 0600 files the render container writes: the same user.
     assert render["securityContext"]["runAsUser"] == proxy["securityContext"]["runAsUser"]
+
+
+def test_the_edge_serves_clients_tls_on_a_certificate_of_its_own(docs, monkeypatch, tmp_path):
+    """The listener's certificate names the edge Service and a port-forward's address, for
+    server authentication only (no mesh identity: clients outside prove themselves by
+    key); Envoy reads it by an SDS file watching its mount, serves TLS with it, and the
+    kubelet probes over HTTPS."""
+    deployment = of_kind(docs, "Deployment")["edge"]
+    (render,) = pod_spec(deployment)["initContainers"]
+    proxy = {c["name"]: c for c in pod_spec(deployment)["containers"]}["envoy"]
+    listener = certificates(docs)[LISTENER_SECRET]["spec"]
+    assert "uris" not in listener and "client auth" not in listener["usages"]
+    assert listener["issuerRef"]["name"] == "aimesh-ca"
+    assert "edge.aimesh.svc.cluster.local" in listener["dnsNames"]
+    assert listener["ipAddresses"] == ["127.0.0.1"]
+    settings = pod_settings(
+        docs, deployment, render, monkeypatch, tmp_path, AIMESH_EDGE__API_KEYS='["k"]'
+    )
+    assert settings.edge.tls is not None and not settings.edge.tls_ends_in_front
+    volumes = {v["name"]: v for v in pod_spec(deployment)["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in proxy["volumeMounts"]}
+    (volume,) = [
+        n for n, v in volumes.items() if v.get("secret", {}).get("secretName") == LISTENER_SECRET
+    ]
+    for path in (settings.edge.tls.cert_file, settings.edge.tls.key_file):
+        assert str(path.parent) == mounts[volume]
+    config = envoy.bootstrap(envoy.upstreams_for(list(SPECS.values()), settings), settings)
+    (chain,) = config["static_resources"]["listeners"][0]["filter_chains"]
+    context = chain["transport_socket"]["typed_config"]["common_tls_context"]
+    (secret,) = context["tls_certificate_sds_secret_configs"]
+    source = secret["sds_config"]["path_config_source"]
+    assert source["watched_directory"]["path"] == mounts[volume]
+    assert str(PurePosixPath(source["path"]).parent) == mounts["envoy-config"]
+    assert Path(source["path"]) in envoy.sds_documents(settings)
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert proxy[probe]["httpGet"] == {"path": "/healthz", "port": "http", "scheme": "HTTPS"}
 
 
 class CaIssuer:

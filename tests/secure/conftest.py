@@ -1,14 +1,17 @@
 """The whole mesh under `aimesh up --tls --edge`: every process on certificates of a
 throwaway CA, each checking its callers' identities against its allow-lists, and Envoy
 reaching the services over mutual TLS as `edge`; clients outside come in through Envoy
-with an API key, or directly with a certificate of the CA."""
+over TLS (trusting that CA) with an API key, or directly with a certificate of the CA."""
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+import httpx
 import pytest_asyncio
 
 from mesh.authz import OPERATOR
@@ -48,6 +51,21 @@ class SecureMesh:
 
     def as_(self, identity: str) -> MeshSettings:
         return MeshSettings(tls=self.tls(identity))
+
+    @property
+    def ca_file(self) -> Path:
+        """What `aimesh up --tls` tells clients outside to trust the edge by."""
+        return self.pki / "ca.pem"
+
+    def edge_channel(self) -> grpc.aio.Channel:
+        """A client outside: TLS to the edge, trusting the CA, no certificate of its own."""
+        credentials = grpc.ssl_channel_credentials(root_certificates=self.ca_file.read_bytes())
+        return grpc.aio.secure_channel(self.edge, credentials)
+
+    def edge_http(self, **options) -> httpx.AsyncClient:
+        """An HTTP client outside, as edge_channel: https, trusting the CA."""
+        verify = ssl.create_default_context(cafile=str(self.ca_file))
+        return httpx.AsyncClient(verify=verify, **options)
 
 
 @pytest_asyncio.fixture(scope="package", loop_scope="package")

@@ -74,20 +74,27 @@ async def mesh(tmp_path_factory) -> AsyncIterator[TokenMesh]:
 
 async def search(target: str, settings: MeshSettings, metadata=()) -> retrieval_pb2.SearchResponse:
     async with create_channel(target, settings) as channel:
-        stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
-        return await stub.Search(SEARCH, timeout=60, metadata=metadata)
+        return await search_on(channel, metadata)
+
+
+async def search_on(channel: grpc.aio.Channel, metadata=()) -> retrieval_pb2.SearchResponse:
+    stub = retrieval_pb2_grpc.RetrievalServiceStub(channel)
+    return await stub.Search(SEARCH, timeout=60, metadata=metadata)
 
 
 async def test_through_the_edge_every_hop_proves_its_caller(mesh: TokenMesh):
-    """A client with an API key through Envoy (plaintext upstream, the authorizer's token
-    naming `edge`) to retrieval, which calls the embedder with its own token. A token the
-    client sends of its own is replaced by the authorizer's."""
+    """A client with an API key over TLS to Envoy (trusting the CA up made; plaintext
+    upstream, the authorizer's token naming `edge`) to retrieval, which calls the embedder
+    with its own token. A token the client sends of its own is replaced by the
+    authorizer's."""
     edge = f"127.0.0.1:{mesh.edge_port}"
     key = ("authorization", f"Bearer {API_KEY}")
-    found = await search(edge, MeshSettings(), (key,))
-    assert found.hits and found.hits[0].id
-    forged = ("x-aimesh-caller-token", "forged")
-    assert (await search(edge, MeshSettings(), (key, forged))).hits
+    credentials = grpc.ssl_channel_credentials((mesh.pki / "ca.pem").read_bytes())
+    async with grpc.aio.secure_channel(edge, credentials) as channel:
+        found = await search_on(channel, (key,))
+        assert found.hits and found.hits[0].id
+        forged = ("x-aimesh-caller-token", "forged")
+        assert (await search_on(channel, (key, forged))).hits
 
 
 async def test_direct_callers_need_a_token_of_an_allowed_identity(mesh: TokenMesh):

@@ -53,13 +53,19 @@ async def generated_text(channel: grpc.aio.Channel, metadata=()) -> str:
 
 
 async def test_the_edge_reaches_the_mesh_over_mutual_tls(secure: SecureMesh):
-    """A plaintext client with an API key, as the demo's: gRPC through Envoy to the
-    router (and on to tokenizer, prefill, decode), and the openai SDK to the gateway's
-    HTTP API (and on to generation and diffusion), every hop behind Envoy on mTLS."""
-    async with grpc.aio.insecure_channel(secure.edge) as channel:
+    """A client with an API key, as the demo's, over TLS to Envoy (trusting the CA up
+    printed): gRPC through Envoy to the router (and on to tokenizer, prefill, decode), and
+    the openai SDK to the gateway's HTTP API (and on to generation and diffusion), every hop
+    behind Envoy on mTLS. The same key in plaintext gets no answer."""
+    async with secure.edge_channel() as channel:
         text = await generated_text(channel, (("authorization", f"Bearer {API_KEY}"),))
     assert text.strip()
-    client = openai.AsyncOpenAI(base_url=f"http://{secure.edge}/v1", api_key=API_KEY)
+    async with grpc.aio.insecure_channel(secure.edge) as channel:
+        refused = await refusal(generated_text(channel, (("authorization", f"Bearer {API_KEY}"),)))
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE
+    client = openai.AsyncOpenAI(
+        base_url=f"https://{secure.edge}/v1", api_key=API_KEY, http_client=secure.edge_http()
+    )
     async with client:
         chat = await client.chat.completions.create(
             model=DEFAULT_NAME,
