@@ -7,7 +7,7 @@ INSTALLED := $(VENV)/.installed
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
 	-DGGML_F16C=ON -DLLAVA_BUILD=OFF
 
-.PHONY: install test test-fast lint protos demo demo-tls bench bench-llm bench-retrieval bench-diffusion bench-agent bench-versions bench-edge bench-gateway bench-triton bench-llm-peers llama-server fuzz chaos clean
+.PHONY: install test test-fast lint protos demo demo-tls bench bench-llm bench-retrieval bench-diffusion bench-agent bench-versions bench-tenancy bench-edge bench-gateway bench-triton bench-llm-peers llama-server fuzz chaos clean
 
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -104,6 +104,10 @@ bench-agent: install
 
 bench-versions: install
 	$(PY) -m loadtest.model_versions --rounds 3 --out docs/benchmarks.md
+
+# The prefix-cache hit rate scoping by tenant costs, and the meter's cost per generation.
+bench-tenancy: install
+	$(PY) -m loadtest.tenancy --out docs/benchmarks.md
 
 bench-edge: install
 	$(PY) -m loadtest.edge --seconds 5 --rounds 2 --out docs/benchmarks.md

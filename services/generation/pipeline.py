@@ -29,6 +29,8 @@ from services.llm.requests import Stopping
 
 PREFILL = prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"]
 DECODE = decode_pb2.DESCRIPTOR.services_by_name["DecodeService"]
+# Ends of a prefill call after which its prompt may have been computed all the same.
+_MAY_HAVE_RUN = frozenset({grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 @dataclass
@@ -47,8 +49,8 @@ class Outcome:
     stage_tokens: dict[str, int] = field(default_factory=dict)
     # Prompt tokens whose KV came from prefill's prefix cache.
     cached_tokens: int = 0
-    # The prompt went to the engine: its tokens are being computed (and are paid for)
-    # however the request ends from here on.
+    # The prompt went to the engine, which computed it or may have: its tokens are paid
+    # for however the request ends.
     prompt_sent: bool = False
 
 
@@ -98,7 +100,11 @@ class Pipeline:
             )
             outcome.prompt_sent = True
             prefill = await stub.Prefill(request)
-        except BaseException:
+        except BaseException as error:
+            # A prefill that answered with a refusal or was never reached computed nothing;
+            # one the caller left (or ran out of time) while it ran may have computed it all.
+            if isinstance(error, grpc.aio.AioRpcError) and error.code() not in _MAY_HAVE_RUN:
+                outcome.prompt_sent = False
             self.releaser.release_later(prefill_target, release_token=release_token)
             raise
         finally:
