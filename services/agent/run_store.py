@@ -127,6 +127,19 @@ class Turn:
     state: int
     created_at: float
 
+    @property
+    def key(self) -> TurnKey:
+        return TurnKey(self.created_at, self.run_id)
+
+
+@dataclass(frozen=True, order=True)
+class TurnKey:
+    """Where a turn stands in its session's order (when its run started, then its id):
+    where a page of turns ends and the next begins."""
+
+    created_at: float
+    run_id: str
+
 
 @dataclass(frozen=True)
 class RunRecord:
@@ -172,7 +185,13 @@ class RunStore(Protocol):
     def cancels_asked(self, run_ids: list[str]) -> list[str]: ...
     def request_cancel(self, run_id: str) -> None: ...
     def get(self, run_id: str, client: str) -> RunRecord | None: ...
-    def turns(self, client: str, session_id: str) -> list[Turn]: ...
+    def turns(
+        self,
+        client: str,
+        session_id: str,
+        after: TurnKey | None = None,
+        limit: int | None = None,
+    ) -> list[Turn]: ...
     def delete_session(self, client: str, session_id: str) -> int: ...
     def events(
         self, run_id: str, after_seq: int, limit: int = 256
@@ -369,13 +388,31 @@ class SqliteRunStore:
             ).fetchone()
         return None if row is None else RunRecord(*row[:5], bool(row[5]), *row[6:])
 
-    def turns(self, client: str, session_id: str) -> list[Turn]:
-        """The session's answered (or partly answered) runs, oldest first."""
+    def turns(
+        self,
+        client: str,
+        session_id: str,
+        after: TurnKey | None = None,
+        limit: int | None = None,
+    ) -> list[Turn]:
+        """The session's answered (or partly answered) runs, oldest first: those after
+        `after` (all: None), at most `limit` (None: all)."""
+        start = after or TurnKey(float("-inf"), "")
         with self._lock:
             rows = self._db.execute(
                 "SELECT run_id, question, answer, state, created_at FROM runs"
-                " WHERE client = ? AND session_id = ? AND state IN (?, ?) ORDER BY created_at",
-                (client, session_id, *ANSWERED_STATES),
+                " WHERE client = ? AND session_id = ? AND state IN (?, ?)"
+                " AND (created_at > ? OR (created_at = ? AND run_id > ?))"
+                " ORDER BY created_at, run_id LIMIT ?",
+                (
+                    client,
+                    session_id,
+                    *ANSWERED_STATES,
+                    start.created_at,
+                    start.created_at,
+                    start.run_id,
+                    -1 if limit is None else limit,
+                ),
             ).fetchall()
         return [Turn(*row) for row in rows]
 

@@ -30,6 +30,7 @@ from services.agent.run_store import (
     Orphan,
     RunRecord,
     Turn,
+    TurnKey,
 )
 
 PREFIX = "aimesh:agent:"
@@ -255,22 +256,52 @@ class RedisRunStore:
             float(updated),
         )
 
-    def turns(self, client: str, session_id: str) -> list[Turn]:
+    def turns(
+        self,
+        client: str,
+        session_id: str,
+        after: TurnKey | None = None,
+        limit: int | None = None,
+    ) -> list[Turn]:
+        """The session's answered runs after `after`, oldest first (by start, then id:
+        the sorted set's own order), at most `limit`; read a chunk of the set at a time."""
         session = _session(client, session_id)
-        run_ids = [raw.decode() for raw in self._redis.zrange(session, 0, -1)]
+        low = "-inf" if after is None else repr(after.created_at)
+        turns: list[Turn] = []
+        gone: list[str] = []
+        offset = 0
+        chunk = max(64, 2 * (limit or 0))
+        while limit is None or len(turns) < limit:
+            members = self._redis.zrangebyscore(
+                session, low, "+inf", start=offset, num=chunk, withscores=True
+            )
+            offset += len(members)
+            run_ids = [
+                raw.decode()
+                for raw, score in members
+                if after is None or TurnKey(score, raw.decode()) > after
+            ]
+            turns += self._answered(run_ids, gone)
+            if len(members) < chunk:
+                break
+        if gone:
+            self._redis.zrem(session, *gone)
+        return turns if limit is None else turns[:limit]
+
+    def _answered(self, run_ids: list[str], gone: list[str]) -> list[Turn]:
+        """These runs' turns, those answered; the ids of runs expired with their
+        retention window go to `gone`, to leave the session."""
         pipe = self._redis.pipeline()
         for run_id in run_ids:
             pipe.hmget(_run(run_id), "question", "answer", "state", "created_at")
-        turns, gone = [], []
+        turns = []
         for run_id, (question, answer, state, created) in zip(run_ids, pipe.execute(), strict=True):
             if question is None:
-                gone.append(run_id)  # expired with its retention window
+                gone.append(run_id)
             elif int(state) in ANSWERED_STATES:
                 turns.append(
                     Turn(run_id, question.decode(), answer.decode(), int(state), float(created))
                 )
-        if gone:
-            self._redis.zrem(session, *gone)
         return turns
 
     def delete_session(self, client: str, session_id: str) -> int:

@@ -28,7 +28,7 @@ from mesh.server import MeshServer
 from mesh.store_health import StoreHealth
 from mesh.timing import stage
 from mesh.validation import Violations
-from services.agent import checkpoint, loop, metrics
+from services.agent import checkpoint, loop, metrics, session_pages
 from services.agent.planner import Observation, Tool, ToolStep
 from services.agent.run_store import Orphan, Turn, open_run_store
 from services.agent.runs import LiveRun, Runs
@@ -406,20 +406,19 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     async def GetSession(
         self, request: agent_pb2.GetSessionRequest, context: grpc.aio.ServicerContext | None
     ) -> agent_pb2.GetSessionResponse:
-        check_session_id(request.session_id)
-        turns = await asyncio.to_thread(self.runs.store.turns, caller.current(), request.session_id)
-        return agent_pb2.GetSessionResponse(
-            turns=[
-                agent_pb2.Turn(
-                    run_id=t.run_id,
-                    question=t.question,
-                    answer=t.answer,
-                    state=t.state,
-                    created_at=t.created_at,
-                )
-                for t in turns
-            ]
+        """A page of the session's turns (services/agent/session_pages.py)."""
+        violations = Violations()
+        violations.check(
+            SESSION_ID.fullmatch(request.session_id) is not None, "session_id", SESSION_RULE
         )
+        size, after = session_pages.checked(request, violations)
+        violations.raise_if_any()
+        store = self.runs.store
+        # One more than the page holds: whether another page follows.
+        turns = await self.runs.stored(
+            store.turns, caller.current(), request.session_id, after, size + 1
+        )
+        return session_pages.page(turns, size)
 
     async def DeleteSession(
         self, request: agent_pb2.DeleteSessionRequest, context: grpc.aio.ServicerContext | None

@@ -200,6 +200,24 @@ def test_an_append_tried_again_is_stored_once(store_at):
     assert [t.answer for t in store.turns("", "s")] == ["once"]
 
 
+def test_a_sessions_turns_are_read_a_page_after_another(store_at, clock):
+    store = store_at()
+    for n in range(9):
+        clock[0] += 0 if n == 4 else 1  # r3 and r4 start together: by run id, then
+        store.create(agent_pb2.RunRequest(question=f"q{n}", session_id="s"), f"r{n}", "a", LEASE)
+        if n != 6:  # r6 still runs: no turn yet
+            store.append(agent_pb2.RunResponse(run_id=f"r{n}", seq=1), ANSWERED, owner=OWNER)
+    every = store.turns("a", "s")
+    assert [t.run_id for t in every] == [f"r{n}" for n in range(9) if n != 6]
+    paged, after = [], None
+    while page := store.turns("a", "s", after, 2):
+        assert len(page) <= 2
+        paged += page
+        after = page[-1].key
+    assert paged == every
+    assert store.turns("a", "s", every[-1].key, 2) == []
+
+
 def test_sessions_cancels_and_the_handoff_queue_in_each_store(store_at):
     store = store_at()
     for n, question in enumerate(("first?", "second?", "running?")):
