@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sqlite3
-import threading
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -28,7 +26,7 @@ import pytest_asyncio
 from aimesh.agent.v1 import agent_pb2, agent_pb2_grpc
 from aimesh.llm.v1 import generation_pb2_grpc
 from aimesh.tools.v1 import tools_pb2_grpc
-from loadtest.chaos_mesh import RedisProcess
+from loadtest.chaos_mesh import RedisProcess, sqlite_write_lock
 from mesh.client import create_channel
 from mesh.config import MeshSettings
 from mesh.health import probe
@@ -81,32 +79,6 @@ def redis_down(redis: RedisProcess) -> Iterator[None]:
         yield
     finally:
         redis.start()
-
-
-@contextlib.contextmanager
-def sqlite_write_lock(path: Path) -> Iterator[None]:
-    """Another process's write transaction on the file, held until the block ends: the
-    agents' writes fail (SQLITE_BUSY after their busy_timeout), their reads go on."""
-    holding, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        db = sqlite3.connect(path, isolation_level=None)
-        try:
-            db.execute("BEGIN IMMEDIATE")
-            holding.set()
-            release.wait(60)
-            db.execute("ROLLBACK")
-        finally:
-            db.close()
-
-    holder = threading.Thread(target=hold, daemon=True)
-    holder.start()
-    assert holding.wait(10), "the write lock was not taken"
-    try:
-        yield
-    finally:
-        release.set()
-        holder.join(10)
 
 
 @pytest_asyncio.fixture
