@@ -30,7 +30,13 @@ import grpc
 from aimesh.llm.v1 import models_pb2, models_pb2_grpc
 from mesh import caller, deployments
 from mesh.authz import peer_identity
-from mesh.deployments import Deployment, Event, RegistryState
+from mesh.deployments import (
+    Deployment,
+    Event,
+    RegistryInvalid,
+    RegistryState,
+    RegistryUnreachable,
+)
 from mesh.failures import Conflict, NotFound, NotReady
 from mesh.rpc import incoming
 from mesh.validation import Violations
@@ -130,10 +136,22 @@ class ModelServicer(models_pb2_grpc.ModelServiceServicer):
             found.insert(0, models_pb2.Model(name=self.versions.own.model))
         return found
 
+    async def _registry(self, paths: bool) -> RegistryState:
+        """The registry now. Why it cannot be read names where it is kept: said only to
+        whoever may see paths; others hear that it cannot be read."""
+        try:
+            return await self.versions.load()
+        except (RegistryInvalid, RegistryUnreachable) as failure:
+            if paths:
+                raise
+            said = "the model registry cannot be read now; the router serves its last valid table"
+            raise type(failure)(said) from None
+
     async def ListModels(
         self, request: models_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> models_pb2.ListModelsResponse:
-        models = self._models(await self.versions.load(), may_see_paths(context))
+        paths = may_see_paths(context)
+        models = self._models(await self._registry(paths), paths)
         return models_pb2.ListModelsResponse(models=models)
 
     async def GetModel(
@@ -142,7 +160,8 @@ class ModelServicer(models_pb2_grpc.ModelServiceServicer):
         violations = Violations()
         _name(violations, request.model, "model")
         violations.raise_if_any()
-        for model in self._models(await self.versions.load(), may_see_paths(context)):
+        paths = may_see_paths(context)
+        for model in self._models(await self._registry(paths), paths):
             if model.name == request.model:
                 return models_pb2.GetModelResponse(model=model)
         raise NotFound(

@@ -24,6 +24,7 @@ from mesh.deployments import (
     Artifact,
     FileStore,
     RedisStore,
+    RegistryInvalid,
     Version,
     activate,
     register,
@@ -227,3 +228,16 @@ async def test_artifact_paths_are_shown_to_operators_and_admin_keys_only(tmp_pat
         (version,) = model.versions
         assert version.artifact_sha256 == Artifact.of(weights).sha256  # always
         assert version.artifact_path == (str(weights.resolve()) if shown else "")
+
+
+async def test_a_registry_that_cannot_be_read_is_said_without_its_path_to_a_read_key(tmp_path):
+    store = FileStore(tmp_path / "deployments.json")
+    _register(store, "v1")
+    models = ModelServicer()
+    models.versions = _following(store)
+    store.path.write_text("{")
+    reader = _context((SCOPES_METADATA_KEY, "read"))
+    for context, names_the_file in ((reader, False), (_context(), True)):
+        with pytest.raises(RegistryInvalid) as refused:  # FAILED_PRECONDITION
+            await models.ListModels(models_pb2.ListModelsRequest(), context)
+        assert (str(store.path) in str(refused.value)) is names_the_file
