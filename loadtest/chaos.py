@@ -798,7 +798,7 @@ async def run_store_write_fails(mesh: Mesh, traffic: Traffic) -> Row:
     by another process), under load."""
     health = HealthSamples(mesh["agent"].target, "agent.run_store")
     async with traffic.loading({"agent": 2}) as outcomes, health.sampling():
-        await asyncio.sleep(BASELINE_S)
+        await asyncio.sleep(BASELINE_S + 5)  # a run takes seconds: some end before the fault
         pid = mesh["agent"].service_pid()
         locked_at = time.monotonic()
         with sqlite_write_lock(mesh.run_store):

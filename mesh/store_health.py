@@ -55,7 +55,7 @@ class StoreHealth:
         health: HealthServicer | None = None,
         service: str = "",
         base_s: float = 0.5,
-        max_s: float = 5.0,
+        max_s: float = 2.0,
     ) -> None:
         self.store = store
         self.health_name = f"{service}.{store}" if service else store

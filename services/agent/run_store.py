@@ -287,9 +287,10 @@ class SqliteRunStore:
         return bool(row and row[0])
 
     def renew(self, lease: Lease, run_ids: list[str]) -> list[str]:
-        """Extends the lease on those of these runs that `lease.owner` still holds and
-        that still run; which those are. Records the replica's renewal either way (a
-        write, also with no runs). Replicas gone past the retention window go."""
+        """Extends the lease on those of these runs that `lease.owner` still holds;
+        which those are (its runs that ended too: a run whose last event was just stored
+        is not another replica's). Records the replica's renewal either way (a write,
+        also with no runs). Replicas gone past the retention window go."""
         now = time.time()
         marks = ", ".join("?" * len(run_ids))
         with self._lock, self._db:
@@ -301,9 +302,9 @@ class SqliteRunStore:
             )
             self._db.execute("DELETE FROM replicas WHERE seen_at < ?", (now - self.retention_s,))
             rows = self._db.execute(
-                f"UPDATE runs SET lease_until = ? WHERE owner = ? AND state = ?"
-                f" AND run_id IN ({marks}) RETURNING run_id",
-                (now + lease.seconds, lease.owner, RUNNING, *run_ids),
+                f"UPDATE runs SET lease_until = ? WHERE owner = ? AND run_id IN ({marks})"
+                " RETURNING run_id",
+                (now + lease.seconds, lease.owner, *run_ids),
             ).fetchall()
         return [run_id for (run_id,) in rows]
 

@@ -60,14 +60,15 @@ end
 return tonumber(redis.call('HGET', KEYS[1], 'cancel') or '0')
 """
 # KEYS: run, leases. ARGV: owner, new expiry, now, run id, claim (1) or renew (0).
-# Claim: takes the run if its lease ran out; renew: extends it if `owner` holds it.
+# Claim: takes the run if its lease ran out; renew: extends it if `owner` holds it (1
+# also for a run of its own that ended: nothing to extend, still its own).
 _LEASE = """
 local score = redis.call('ZSCORE', KEYS[2], ARGV[4])
-if not score then return 0 end
 if ARGV[5] == '1' then
-  if tonumber(score) >= tonumber(ARGV[3]) then return 0 end
-elseif redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then
-  return 0
+  if not score or tonumber(score) >= tonumber(ARGV[3]) then return 0 end
+else
+  if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+  if not score then return 1 end
 end
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[4])
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'lease_until', ARGV[2])
@@ -155,8 +156,8 @@ class RedisRunStore:
 
     def renew(self, lease: Lease, run_ids: list[str]) -> list[str]:
         """Extends the lease on those of these runs `lease.owner` still holds; which
-        those are. Records the replica's renewal either way (a write, also with no runs:
-        an idle replica sees a store it cannot write)."""
+        those are (its runs that ended too). Records the replica's renewal either way
+        (a write, also with no runs: an idle replica sees a store it cannot write)."""
         now = time.time()
         pipe = self._redis.pipeline(transaction=False)
         pipe.set(f"{PREFIX}replica:{lease.owner}", now, ex=max(60, int(10 * lease.seconds)))

@@ -148,7 +148,10 @@ class Runs:
         run.task = asyncio.create_task(execute(run), name="agent-run")
 
         def ended(_: asyncio.Task[None]) -> None:
-            self.live.pop(run.run_id, None)
+            # Not a later run of the same id: one that lost its lease here may be claimed
+            # back by this replica before its old task has ended.
+            if self.live.get(run.run_id) is run:
+                del self.live[run.run_id]
             run.wake()  # a run that lost its lease ends without a last event
 
         run.task.add_done_callback(ended)
@@ -332,7 +335,8 @@ class Runs:
             )
 
     async def _keep_up(self, resume: Resume, renewing: bool) -> None:
-        here = list(self.live)
+        # A run stopped for its lease is not renewed: whoever claims it next must not wait.
+        here = [run_id for run_id, run in self.live.items() if not run.lost]
         for run_id in await asyncio.to_thread(self.store.cancels_asked, here):
             run = self.live.get(run_id)
             if run is not None and run.task is not None and run.running:

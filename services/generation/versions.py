@@ -204,7 +204,7 @@ class Versions:
         if state.revision != self.state.revision:
             try:
                 self._said_refused(await self.apply(state))
-            except Exception:
+            except Exception:  # a fault of ours: said; the next look tries again
                 log.exception("registry change not applied", extra={"revision": state.revision})
         return True
 
@@ -240,6 +240,10 @@ class Versions:
                         await self._prepared(deployment, version)
                 except (Conflict, NotReady) as refusal:
                     refused.append(f"{name}: {refusal}")
+                    continue
+                except Exception as error:  # its warm-up failed: the model stays where it is
+                    said = str(error).splitlines()[0] if str(error) else ""
+                    refused.append(f"{name}: {type(error).__name__}: {said[:300]}")
                     continue
                 self.serving[name] = deployment
             self._drain_unused()

@@ -198,6 +198,9 @@ def test_an_append_tried_again_is_stored_once(store_at):
     store.append(agent_pb2.RunResponse(run_id="r1", seq=2), ANSWERED, owner=OWNER)
     assert [e.seq for e in store.events("r1", 0)] == [1, 2]
     assert [t.answer for t in store.turns("", "s")] == ["once"]
+    # Ended, it is still its replica's: a renewal racing its last event must not read
+    # it as taken over.
+    assert store.renew(LEASE, ["r1"]) == ["r1"]
 
 
 def test_a_sessions_turns_are_read_a_page_after_another(store_at, clock):
