@@ -407,10 +407,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         self, request: agent_pb2.GetSessionRequest, context: grpc.aio.ServicerContext | None
     ) -> agent_pb2.GetSessionResponse:
         """A page of the session's turns (services/agent/session_pages.py)."""
+        check_session_id(request.session_id)
         violations = Violations()
-        violations.check(
-            SESSION_ID.fullmatch(request.session_id) is not None, "session_id", SESSION_RULE
-        )
         size, after = session_pages.checked(request, violations)
         violations.raise_if_any()
         store = self.runs.store
