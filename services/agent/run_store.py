@@ -13,7 +13,16 @@ client's runs under one session id: its turns are their questions and answers. E
 runs are pruned after `retention_s` (and with them old turns), so the file is bounded by
 traffic over that window.
 
-Calls are blocking (sqlite3); the servicer runs them in a worker thread.
+Only the replica that holds a run's lease writes its events: `append` names the holder
+and is refused (LeaseLost) once another replica has claimed the run, so a replica that
+lost its lease while the store did not answer cannot add to a run that goes on
+elsewhere. An append is idempotent by its seq (one tried again after a failure that may
+have come after the write is not stored twice).
+
+Calls are blocking (sqlite3); the servicer runs them in a worker thread. What they raise
+when the store itself fails (locked past busy_timeout, disk full, I/O error: sqlite3's
+OperationalError; the Redis store's connection errors) is each store's `FAILURES`: a
+fault of the store, worth trying again, not of the request.
 """
 
 from __future__ import annotations
@@ -62,6 +71,12 @@ CREATE TABLE IF NOT EXISTS handoffs (
     notes TEXT NOT NULL,
     created_at REAL NOT NULL
 );
+-- Each replica's last renewal: written every renewal, runs or not, so that a replica
+-- with nothing running still finds out that the store cannot be written.
+CREATE TABLE IF NOT EXISTS replicas (
+    owner TEXT PRIMARY KEY,
+    seen_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS events (
     run_id TEXT NOT NULL,
     seq INTEGER NOT NULL,
@@ -69,6 +84,10 @@ CREATE TABLE IF NOT EXISTS events (
     PRIMARY KEY (run_id, seq)
 );
 """
+
+
+class LeaseLost(Exception):
+    """The run is held by another replica now (its lease ran out here and was claimed)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +127,19 @@ class Turn:
     state: int
     created_at: float
 
+    @property
+    def key(self) -> TurnKey:
+        return TurnKey(self.created_at, self.run_id)
+
+
+@dataclass(frozen=True, order=True)
+class TurnKey:
+    """Where a turn stands in its session's order (when its run started, then its id):
+    where a page of turns ends and the next begins."""
+
+    created_at: float
+    run_id: str
+
 
 @dataclass(frozen=True)
 class RunRecord:
@@ -129,13 +161,21 @@ class RunStore(Protocol):
     """Where runs live: SqliteRunStore on one machine, RedisRunStore
     (services/agent/run_store_redis.py) for replicas on several. Blocking calls."""
 
+    # What its calls raise when the store fails (not the request): worth trying again.
+    FAILURES: tuple[type[Exception], ...]
+
     def create(
         self, request: agent_pb2.RunRequest, run_id: str, client: str, lease: Lease
     ) -> None: ...
     def append(
-        self, event: agent_pb2.RunResponse, state: int = RUNNING, checkpoint: bytes | None = None
+        self,
+        event: agent_pb2.RunResponse,
+        state: int = RUNNING,
+        checkpoint: bytes | None = None,
+        *,
+        owner: str,
     ) -> bool: ...
-    def renew(self, lease: Lease, run_ids: list[str]) -> None: ...
+    def renew(self, lease: Lease, run_ids: list[str]) -> list[str]: ...
     def claim_orphans(self, lease: Lease, limit: int) -> list[Orphan]: ...
     def hand_off(
         self, run_id: str, client: str, request: agent_pb2.RunRequest, notes: list[str]
@@ -145,7 +185,13 @@ class RunStore(Protocol):
     def cancels_asked(self, run_ids: list[str]) -> list[str]: ...
     def request_cancel(self, run_id: str) -> None: ...
     def get(self, run_id: str, client: str) -> RunRecord | None: ...
-    def turns(self, client: str, session_id: str) -> list[Turn]: ...
+    def turns(
+        self,
+        client: str,
+        session_id: str,
+        after: TurnKey | None = None,
+        limit: int | None = None,
+    ) -> list[Turn]: ...
     def delete_session(self, client: str, session_id: str) -> int: ...
     def events(
         self, run_id: str, after_seq: int, limit: int = 256
@@ -155,6 +201,8 @@ class RunStore(Protocol):
 
 class SqliteRunStore:
     """The embedded store: one SQLite file, for one machine's replicas."""
+
+    FAILURES = (sqlite3.OperationalError,)
 
     def __init__(self, path: Path, retention_s: float = 86_400.0) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -204,15 +252,29 @@ class SqliteRunStore:
             )
 
     def append(
-        self, event: agent_pb2.RunResponse, state: int = RUNNING, checkpoint: bytes | None = None
+        self,
+        event: agent_pb2.RunResponse,
+        state: int = RUNNING,
+        checkpoint: bytes | None = None,
+        *,
+        owner: str,
     ) -> bool:
         """Stores the event (its run_id and seq set), the loop's state after it when
-        given, and with a terminal `state` ends the run. True when a Cancel has asked
-        the run to stop."""
+        given, and with a terminal `state` ends the run, if `owner` holds the run
+        (LeaseLost if not); an event of that seq stored already is not stored again.
+        True when a Cancel has asked the run to stop."""
         body = zlib.compress(event.SerializeToString())
         text = event.answer_delta.text if event.HasField("answer_delta") else ""
         with self._lock, self._db:
             self._db.execute("BEGIN IMMEDIATE")
+            held = self._db.execute(
+                "SELECT owner, events, cancel_requested FROM runs WHERE run_id = ?",
+                (event.run_id,),
+            ).fetchone()
+            if held is None or held[0] != owner:
+                raise LeaseLost(f"run {event.run_id} is not held by {owner}")
+            if held[1] >= event.seq:
+                return bool(held[2])
             self._db.execute(
                 "INSERT INTO events (run_id, seq, body) VALUES (?, ?, ?)",
                 (event.run_id, event.seq, body),
@@ -224,16 +286,27 @@ class SqliteRunStore:
             ).fetchone()
         return bool(row and row[0])
 
-    def renew(self, lease: Lease, run_ids: list[str]) -> None:
-        """Extends the lease on these runs, as long as `lease.owner` still holds them."""
-        if not run_ids:
-            return
+    def renew(self, lease: Lease, run_ids: list[str]) -> list[str]:
+        """Extends the lease on those of these runs that `lease.owner` still holds;
+        which those are (its runs that ended too: a run whose last event was just stored
+        is not another replica's). Records the replica's renewal either way (a write,
+        also with no runs). Replicas gone past the retention window go."""
+        now = time.time()
         marks = ", ".join("?" * len(run_ids))
         with self._lock, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
             self._db.execute(
-                f"UPDATE runs SET lease_until = ? WHERE owner = ? AND run_id IN ({marks})",
-                (time.time() + lease.seconds, lease.owner, *run_ids),
+                "INSERT INTO replicas (owner, seen_at) VALUES (?, ?)"
+                " ON CONFLICT (owner) DO UPDATE SET seen_at = excluded.seen_at",
+                (lease.owner, now),
             )
+            self._db.execute("DELETE FROM replicas WHERE seen_at < ?", (now - self.retention_s,))
+            rows = self._db.execute(
+                f"UPDATE runs SET lease_until = ? WHERE owner = ? AND run_id IN ({marks})"
+                " RETURNING run_id",
+                (now + lease.seconds, lease.owner, *run_ids),
+            ).fetchall()
+        return [run_id for (run_id,) in rows]
 
     def claim_orphans(self, lease: Lease, limit: int) -> list[Orphan]:
         """Takes over running runs whose holder stopped renewing (a replica that died):
@@ -316,13 +389,31 @@ class SqliteRunStore:
             ).fetchone()
         return None if row is None else RunRecord(*row[:5], bool(row[5]), *row[6:])
 
-    def turns(self, client: str, session_id: str) -> list[Turn]:
-        """The session's answered (or partly answered) runs, oldest first."""
+    def turns(
+        self,
+        client: str,
+        session_id: str,
+        after: TurnKey | None = None,
+        limit: int | None = None,
+    ) -> list[Turn]:
+        """The session's answered (or partly answered) runs, oldest first: those after
+        `after` (all: None), at most `limit` (None: all)."""
+        start = after or TurnKey(float("-inf"), "")
         with self._lock:
             rows = self._db.execute(
                 "SELECT run_id, question, answer, state, created_at FROM runs"
-                " WHERE client = ? AND session_id = ? AND state IN (?, ?) ORDER BY created_at",
-                (client, session_id, *ANSWERED_STATES),
+                " WHERE client = ? AND session_id = ? AND state IN (?, ?)"
+                " AND (created_at > ? OR (created_at = ? AND run_id > ?))"
+                " ORDER BY created_at, run_id LIMIT ?",
+                (
+                    client,
+                    session_id,
+                    *ANSWERED_STATES,
+                    start.created_at,
+                    start.created_at,
+                    start.run_id,
+                    -1 if limit is None else limit,
+                ),
             ).fetchall()
         return [Turn(*row) for row in rows]
 

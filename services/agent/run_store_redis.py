@@ -6,7 +6,8 @@ and handoff queue as the SQLite store (services/agent/run_store.py), under
 Keys: `run:<id>` a hash (the record, the request, the checkpoint), `run:<id>:events` a
 list of compressed events (seq n at index n - 1), `leases` a sorted set of running runs
 by lease expiry, `session:<client>:<id>` a sorted set of run ids by start, `handoffs` a
-sorted set and `handoff:<id>` hashes. A run that ends expires after the retention window
+sorted set and `handoff:<id>` hashes, `replica:<owner>` each replica's last renewal
+(expiring). A run that ends expires after the retention window
 (its session's entry is dropped when found gone). Steps that must not interleave (an
 event and its record, a lease taken over) are Lua scripts, atomic in Redis.
 """
@@ -25,9 +26,11 @@ from services.agent.run_store import (
     RUNNING,
     Handoff,
     Lease,
+    LeaseLost,
     Orphan,
     RunRecord,
     Turn,
+    TurnKey,
 )
 
 PREFIX = "aimesh:agent:"
@@ -35,8 +38,15 @@ LEASES = PREFIX + "leases"
 HANDOFFS = PREFIX + "handoffs"
 
 # KEYS: run, events, leases. ARGV: body, seq, state, now, answer text, checkpoint,
-# has checkpoint, RUNNING, retention seconds, run id. Returns the cancel flag.
+# has checkpoint, RUNNING, retention seconds, run id, owner. Returns -1 if `owner` does
+# not hold the run, else the cancel flag (an event of that seq stored already is not
+# stored again: an append tried again after a lost reply).
 _APPEND = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[11] then return -1 end
+local stored = tonumber(redis.call('HGET', KEYS[1], 'events') or '0')
+if stored >= tonumber(ARGV[2]) then
+  return tonumber(redis.call('HGET', KEYS[1], 'cancel') or '0')
+end
 redis.call('RPUSH', KEYS[2], ARGV[1])
 local answer = redis.call('HGET', KEYS[1], 'answer') or ''
 redis.call('HSET', KEYS[1], 'events', ARGV[2], 'state', ARGV[3], 'updated_at', ARGV[4],
@@ -47,17 +57,18 @@ if ARGV[3] ~= ARGV[8] then
   redis.call('EXPIRE', KEYS[1], ARGV[9])
   redis.call('EXPIRE', KEYS[2], ARGV[9])
 end
-return redis.call('HGET', KEYS[1], 'cancel')
+return tonumber(redis.call('HGET', KEYS[1], 'cancel') or '0')
 """
 # KEYS: run, leases. ARGV: owner, new expiry, now, run id, claim (1) or renew (0).
-# Claim: takes the run if its lease ran out; renew: extends it if `owner` holds it.
+# Claim: takes the run if its lease ran out; renew: extends it if `owner` holds it (1
+# also for a run of its own that ended: nothing to extend, still its own).
 _LEASE = """
 local score = redis.call('ZSCORE', KEYS[2], ARGV[4])
-if not score then return 0 end
 if ARGV[5] == '1' then
-  if tonumber(score) >= tonumber(ARGV[3]) then return 0 end
-elseif redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then
-  return 0
+  if not score or tonumber(score) >= tonumber(ARGV[3]) then return 0 end
+else
+  if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+  if not score then return 1 end
 end
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[4])
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'lease_until', ARGV[2])
@@ -74,6 +85,10 @@ def _session(client: str, session_id: str) -> str:
 
 
 class RedisRunStore:
+    # Connection refused or reset, a timeout, a server still loading its data after a
+    # restart, a replica that cannot be written: the store's faults, not the request's.
+    FAILURES = (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError)
+
     def __init__(self, url: str, retention_s: float = 86_400.0) -> None:
         self.retention_s = retention_s
         self._redis = redis.Redis.from_url(url, socket_timeout=5)
@@ -109,7 +124,12 @@ class RedisRunStore:
         pipe.execute()
 
     def append(
-        self, event: agent_pb2.RunResponse, state: int = RUNNING, checkpoint: bytes | None = None
+        self,
+        event: agent_pb2.RunResponse,
+        state: int = RUNNING,
+        checkpoint: bytes | None = None,
+        *,
+        owner: str,
     ) -> bool:
         body = zlib.compress(event.SerializeToString())
         text = event.answer_delta.text if event.HasField("answer_delta") else ""
@@ -127,14 +147,28 @@ class RedisRunStore:
                 RUNNING,
                 int(self.retention_s),
                 event.run_id,
+                owner,
             ],
         )
-        return cancel == b"1"
+        if cancel == -1:
+            raise LeaseLost(f"run {event.run_id} is not held by {owner}")
+        return cancel == 1
 
-    def renew(self, lease: Lease, run_ids: list[str]) -> None:
-        until = time.time() + lease.seconds
+    def renew(self, lease: Lease, run_ids: list[str]) -> list[str]:
+        """Extends the lease on those of these runs `lease.owner` still holds; which
+        those are (its runs that ended too). Records the replica's renewal either way
+        (a write, also with no runs: an idle replica sees a store it cannot write)."""
+        now = time.time()
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.set(f"{PREFIX}replica:{lease.owner}", now, ex=max(60, int(10 * lease.seconds)))
         for run_id in run_ids:
-            self._lease(keys=[_run(run_id), LEASES], args=[lease.owner, until, 0, run_id, 0])
+            self._lease(
+                keys=[_run(run_id), LEASES],
+                args=[lease.owner, now + lease.seconds, 0, run_id, 0],
+                client=pipe,
+            )
+        _, *renewed = pipe.execute()
+        return [run_id for run_id, held in zip(run_ids, renewed, strict=True) if held == 1]
 
     def claim_orphans(self, lease: Lease, limit: int) -> list[Orphan]:
         now = time.time()
@@ -223,22 +257,52 @@ class RedisRunStore:
             float(updated),
         )
 
-    def turns(self, client: str, session_id: str) -> list[Turn]:
+    def turns(
+        self,
+        client: str,
+        session_id: str,
+        after: TurnKey | None = None,
+        limit: int | None = None,
+    ) -> list[Turn]:
+        """The session's answered runs after `after`, oldest first (by start, then id:
+        the sorted set's own order), at most `limit`; read a chunk of the set at a time."""
         session = _session(client, session_id)
-        run_ids = [raw.decode() for raw in self._redis.zrange(session, 0, -1)]
+        low = "-inf" if after is None else repr(after.created_at)
+        turns: list[Turn] = []
+        gone: list[str] = []
+        offset = 0
+        chunk = max(64, 2 * (limit or 0))
+        while limit is None or len(turns) < limit:
+            members = self._redis.zrangebyscore(
+                session, low, "+inf", start=offset, num=chunk, withscores=True
+            )
+            offset += len(members)
+            run_ids = [
+                raw.decode()
+                for raw, score in members
+                if after is None or TurnKey(score, raw.decode()) > after
+            ]
+            turns += self._answered(run_ids, gone)
+            if len(members) < chunk:
+                break
+        if gone:
+            self._redis.zrem(session, *gone)
+        return turns if limit is None else turns[:limit]
+
+    def _answered(self, run_ids: list[str], gone: list[str]) -> list[Turn]:
+        """These runs' turns, those answered; the ids of runs expired with their
+        retention window go to `gone`, to leave the session."""
         pipe = self._redis.pipeline()
         for run_id in run_ids:
             pipe.hmget(_run(run_id), "question", "answer", "state", "created_at")
-        turns, gone = [], []
+        turns = []
         for run_id, (question, answer, state, created) in zip(run_ids, pipe.execute(), strict=True):
             if question is None:
-                gone.append(run_id)  # expired with its retention window
+                gone.append(run_id)
             elif int(state) in ANSWERED_STATES:
                 turns.append(
                     Turn(run_id, question.decode(), answer.decode(), int(state), float(created))
                 )
-        if gone:
-            self._redis.zrem(session, *gone)
         return turns
 
     def delete_session(self, client: str, session_id: str) -> int:

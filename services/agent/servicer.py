@@ -25,9 +25,10 @@ from aimesh.tools.v1 import tools_pb2, tools_pb2_grpc
 from mesh import caller, deadline, request_id, tracing
 from mesh.failures import InvalidInput
 from mesh.server import MeshServer
+from mesh.store_health import StoreHealth
 from mesh.timing import stage
 from mesh.validation import Violations
-from services.agent import checkpoint, loop, metrics
+from services.agent import checkpoint, loop, metrics, session_pages
 from services.agent.planner import Observation, Tool, ToolStep
 from services.agent.run_store import Orphan, Turn, open_run_store
 from services.agent.runs import LiveRun, Runs
@@ -405,20 +406,17 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     async def GetSession(
         self, request: agent_pb2.GetSessionRequest, context: grpc.aio.ServicerContext | None
     ) -> agent_pb2.GetSessionResponse:
+        """A page of the session's turns (services/agent/session_pages.py)."""
         check_session_id(request.session_id)
-        turns = await asyncio.to_thread(self.runs.store.turns, caller.current(), request.session_id)
-        return agent_pb2.GetSessionResponse(
-            turns=[
-                agent_pb2.Turn(
-                    run_id=t.run_id,
-                    question=t.question,
-                    answer=t.answer,
-                    state=t.state,
-                    created_at=t.created_at,
-                )
-                for t in turns
-            ]
+        violations = Violations()
+        size, after = session_pages.checked(request, violations)
+        violations.raise_if_any()
+        store = self.runs.store
+        # One more than the page holds: whether another page follows.
+        turns = await self.runs.stored(
+            store.turns, caller.current(), request.session_id, after, size + 1
         )
+        return session_pages.page(turns, size)
 
     async def DeleteSession(
         self, request: agent_pb2.DeleteSessionRequest, context: grpc.aio.ServicerContext | None
@@ -450,7 +448,8 @@ def serve_agent(server: MeshServer, settings: AgentSettings) -> AgentServicer:
     leases, taking over a dead replica's runs) running once the server starts, and every
     run here stopped when it shuts down."""
     store = open_run_store(settings.run_store, server.settings.cache_dir, settings.run_retention_s)
-    runs = Runs(store, settings.max_live_runs, settings.attach_poll_s, settings.lease_s)
+    health = StoreHealth("run_store", health=server.health, service=server.name)
+    runs = Runs(store, settings.max_live_runs, settings.attach_poll_s, settings.lease_s, health)
     servicer = AgentServicer(server, settings, runs)
 
     async def keep_up() -> None:

@@ -6,6 +6,15 @@ registry (an audited event naming the caller), and routes by it; other router re
 see the new revision at their next look and warm it themselves before they route by it.
 The rule that rolls a failing canary back by itself lives here too (`guard_canaries`):
 it is the registry's other writer.
+
+Where a version's artifact lies on the servers is for operators: ListModels and GetModel
+name it (ModelVersion.artifact_path) to a caller from inside the mesh (`aimesh models`
+against the router; the mesh's own authorization admits only the edge and operators to
+ModelService) and, through the edge, to a key with the admin scope. A key that may only
+read gets every other field, the artifact's sha256 included, and an empty path. The
+edge's authorizer says which scopes a key holds (`x-aimesh-scopes`, which Envoy sets on
+every request it forwards, over whatever the client sent); a call without it did not
+come through the edge.
 """
 
 from __future__ import annotations
@@ -21,8 +30,15 @@ import grpc
 from aimesh.llm.v1 import models_pb2, models_pb2_grpc
 from mesh import caller, deployments
 from mesh.authz import peer_identity
-from mesh.deployments import Deployment, Event, RegistryState
-from mesh.failures import Conflict, NotFound
+from mesh.deployments import (
+    Deployment,
+    Event,
+    RegistryInvalid,
+    RegistryState,
+    RegistryUnreachable,
+)
+from mesh.failures import Conflict, NotFound, NotReady
+from mesh.rpc import incoming
 from mesh.validation import Violations
 from services.generation.canary_rule import CanaryRule
 from services.generation.versions import Versions
@@ -33,6 +49,12 @@ log = logging.getLogger(__name__)
 MODELS = models_pb2.DESCRIPTOR.services_by_name["ModelService"]
 MAX_REASON_BYTES = 1024
 RULE_ACTOR = "aimesh-router (canary rule)"
+# What the edge's authorizer sends upstream (mesh/edge/authorizer.py SCOPES_HEADER; not
+# imported: the router does not load the edge's web server) and the scope that may see
+# where artifacts lie.
+SCOPES_METADATA_KEY = "x-aimesh-scopes"
+MAX_SCOPES_LENGTH = 256
+PATHS_SCOPE = "admin"
 
 
 def _name(violations: Violations, value: str, field: str) -> None:
@@ -43,14 +65,23 @@ def _name(violations: Violations, value: str, field: str) -> None:
     )
 
 
-def _version_message(deployment: Deployment, name: str, state: str) -> models_pb2.ModelVersion:
+def may_see_paths(context: grpc.aio.ServicerContext) -> bool:
+    """Whether the caller may see where artifacts lie: from inside the mesh (no scopes
+    from the edge), or through the edge with the admin scope."""
+    scopes = incoming(context, SCOPES_METADATA_KEY, MAX_SCOPES_LENGTH)
+    return scopes is None or PATHS_SCOPE in scopes.split(",")
+
+
+def _version_message(
+    deployment: Deployment, name: str, state: str, paths: bool
+) -> models_pb2.ModelVersion:
     version = deployment.versions[name]
     artifact = version.artifact
     return models_pb2.ModelVersion(
         name=name,
         engine=version.engine,
         artifact_sha256=artifact.sha256 if artifact else "",
-        artifact_path=str(artifact.path) if artifact else "",
+        artifact_path=str(artifact.path) if artifact and paths else "",
         capabilities={key: str(value) for key, value in version.capabilities.items()},
         workers={kind: models_pb2.Workers(targets=t) for kind, t in version.workers.items()},
         state=state,
@@ -76,7 +107,7 @@ class ModelServicer(models_pb2_grpc.ModelServiceServicer):
     # NOT_READY until it has run).
     versions: Versions
 
-    def _model_message(self, deployment: Deployment) -> models_pb2.Model:
+    def _model_message(self, deployment: Deployment, paths: bool) -> models_pb2.Model:
         def state(version: str) -> str:
             pool = self.versions.pools.get((deployment.model, version))
             if pool is None:
@@ -86,7 +117,9 @@ class ModelServicer(models_pb2_grpc.ModelServiceServicer):
         return models_pb2.Model(
             name=deployment.model,
             active=deployment.active or "",
-            versions=[_version_message(deployment, v, state(v)) for v in deployment.versions],
+            versions=[
+                _version_message(deployment, v, state(v), paths) for v in deployment.versions
+            ],
             canary=(
                 models_pb2.Canary(
                     version=deployment.canary.version, percent=deployment.canary.percent
@@ -97,16 +130,29 @@ class ModelServicer(models_pb2_grpc.ModelServiceServicer):
             previous=deployment.previous,
         )
 
-    def _models(self, state: RegistryState) -> list[models_pb2.Model]:
-        found = [self._model_message(d) for d in state.deployments.values()]
+    def _models(self, state: RegistryState, paths: bool) -> list[models_pb2.Model]:
+        found = [self._model_message(d, paths) for d in state.deployments.values()]
         if self.versions.own.model not in state.deployments:
             found.insert(0, models_pb2.Model(name=self.versions.own.model))
         return found
 
+    async def _registry(self, paths: bool) -> RegistryState:
+        """The registry now. Why it cannot be read names where it is kept: said only to
+        whoever may see paths; others hear that it cannot be read."""
+        try:
+            return await self.versions.load()
+        except (RegistryInvalid, RegistryUnreachable) as failure:
+            if paths:
+                raise
+            said = "the model registry cannot be read now; the router serves its last valid table"
+            raise type(failure)(said) from None
+
     async def ListModels(
         self, request: models_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> models_pb2.ListModelsResponse:
-        return models_pb2.ListModelsResponse(models=self._models(await self.versions.load()))
+        paths = may_see_paths(context)
+        models = self._models(await self._registry(paths), paths)
+        return models_pb2.ListModelsResponse(models=models)
 
     async def GetModel(
         self, request: models_pb2.GetModelRequest, context: grpc.aio.ServicerContext
@@ -114,7 +160,8 @@ class ModelServicer(models_pb2_grpc.ModelServiceServicer):
         violations = Violations()
         _name(violations, request.model, "model")
         violations.raise_if_any()
-        for model in self._models(await self.versions.load()):
+        paths = may_see_paths(context)
+        for model in self._models(await self._registry(paths), paths):
             if model.name == request.model:
                 return models_pb2.GetModelResponse(model=model)
         raise NotFound(
@@ -138,7 +185,7 @@ class ModelServicer(models_pb2_grpc.ModelServiceServicer):
             await self.versions.prepare(deployment, target)
         actor = _actor(context)
         event = await asyncio.to_thread(self.versions.store.update, lambda s: change(s, actor))
-        await self.versions.apply(await self.versions.load())
+        await self.versions.look()
         log.info(
             "model registry changed",
             extra={"model": model, "action": event.action, "actor": actor, "after": event.after},
@@ -243,12 +290,14 @@ async def guard_canaries(versions: Versions, rule: CanaryRule, interval_s: float
                         s, m, v, RULE_ACTOR, why
                     ),
                 )
-            except Conflict:
-                continue  # another replica (or a person) changed it first
+            except (Conflict, NotReady):
+                # Another replica (or a person) changed it first; or the registry cannot
+                # be written now (the follower says so): judged again at the next look.
+                continue
             metrics.CANARY_ROLLBACKS.labels(model, canary.version, verdict.signal).inc()
             rule.forget(model, canary.version)
             log.warning(
                 "canary rolled back by the rule",
                 extra={"model": model, "version": canary.version, "reason": verdict.reason},
             )
-            await versions.apply(await versions.load())
+            await versions.look()

@@ -63,6 +63,16 @@ def _store() -> deployments.FileStore | deployments.RedisStore:
     return deployments.open_store(settings.deployments, settings.cache_dir)
 
 
+def _registry() -> RegistryState:
+    """The registry as its store holds it; exits 1 saying why when it cannot be read (a
+    store down, a document that is not a registry)."""
+    try:
+        return _store().load()
+    except Failure as failure:
+        typer.echo(f"error: {failure}", err=True)
+        raise typer.Exit(1) from None
+
+
 def _change(change, actor: str | None) -> Event:
     """Applies one change and prints its event; a refused change exits 1 with the reason."""
     who = actor or getpass.getuser()
@@ -107,7 +117,7 @@ def list_models(
     """Every model: its versions, the active one and the canary."""
     table = Table("model", "active", "canary", "versions", "previous")
     if offline:
-        for name, deployment in sorted(_store().load().deployments.items()):
+        for name, deployment in sorted(_registry().deployments.items()):
             canary = deployment.canary
             table.add_row(
                 name,
@@ -300,7 +310,7 @@ def events(
     last: Annotated[int, typer.Option(min=1, help="how many")] = 20,
 ) -> None:
     """The audit trail: who changed what, when, from what to what."""
-    state: RegistryState = _store().load()
+    state = _registry()
     table = Table("#", "at (UTC)", "actor", "model", "action", "from", "to", "reason")
     chosen = [e for e in state.events if model is None or e.model == model][-last:]
     for event in chosen:

@@ -26,6 +26,7 @@ from mesh.info import ModelInfo
 from mesh.metering import Meter, MeterUnavailable
 from mesh.rpc import incoming
 from mesh.server import MeshServer
+from mesh.store_health import StoreHealth
 from mesh.timing import stage
 from mesh.triton import TritonModel
 from mesh.validation import Violations
@@ -455,11 +456,14 @@ async def setup(server: MeshServer) -> None:
             unwatch=server.unwatch,
             tokenizers={vocabulary: text_tokenizer},
             on_applied=describe_models,
+            health=StoreHealth("registry", health=server.health, service=server.name),
         )
         router.versions = models.versions = versions
         server.add_shutdown(versions.close)
-        for refusal in await versions.apply(await versions.load()):
-            log.warning("registry change not applied yet: %s", refusal)
+        # A registry that cannot be read or is invalid does not stop the start: the
+        # router serves its own model, reports the registry (health, metrics, one log
+        # line) and the follower applies it once it can be read.
+        await versions.look()
         describe_models()
         server.watch(asyncio.create_task(versions.follow(), name="registry-follow"))
         server.watch(

@@ -33,10 +33,18 @@ from tokenizers import Tokenizer
 from aimesh.llm.v1 import sampling_pb2
 from mesh.artifacts import sha256_of
 from mesh.client import ChannelPool
-from mesh.deployments import Deployment, RegistryState, Store, Version
+from mesh.deployments import (
+    Deployment,
+    RegistryInvalid,
+    RegistryState,
+    RegistryUnreachable,
+    Store,
+    Version,
+)
 from mesh.failures import Conflict, NotReady
 from mesh.health import probe
 from mesh.info import get_info
+from mesh.store_health import StoreHealth
 from mesh.tls import TlsSettings
 from services.generation.pipeline import Outcome, Pipeline
 from services.generation.tokenize import TOKENIZER, TokenizerClient
@@ -48,6 +56,10 @@ from services.llm.requests import Stopping
 log = logging.getLogger(__name__)
 
 WARM_PROMPT = "Hello"
+
+
+class RegistryMissing(RegistryInvalid):
+    """The registry's store answers with no document after it held one."""
 
 
 @dataclass(eq=False)
@@ -107,6 +119,7 @@ class Versions:
         unwatch: Callable[[asyncio.Task[None]], None],
         tokenizers: dict[str, Tokenizer] | None = None,
         on_applied: Callable[[], None] = lambda: None,
+        health: StoreHealth | None = None,
     ) -> None:
         self.store = store
         self.own = own
@@ -118,6 +131,8 @@ class Versions:
         self._watch = watch
         self._unwatch = unwatch
         self._on_applied = on_applied
+        self.health = health or StoreHealth("registry")
+        self._refused: set[str] = set()
         # Loaded tokenizers by the sha256 of their tokenizer.json: a version whose
         # vocabulary the router already holds does not load it again.
         self.tokenizers = dict(tokenizers or {})
@@ -158,21 +173,56 @@ class Versions:
     # Following the registry
 
     async def load(self) -> RegistryState:
+        """The registry now; RegistryUnreachable or RegistryInvalid when it cannot be had."""
         return await asyncio.to_thread(self.store.load)
 
-    async def follow(self) -> None:
-        """Applies every new revision of the registry (a background task; the server
-        watches it). A version that cannot be warmed keeps its model on what it serves,
-        logged, and is tried again at the next look."""
-        while True:
+    async def look(self) -> bool:
+        """One look at the registry: a new valid revision is applied; a store that does
+        not answer, or answers with a document that is not a registry, leaves the table
+        served as it is (the last valid one, as Envoy keeps its last good config when an
+        update fails validation), reported by `health`. True when the registry was read.
+        Never raises: nothing the registry holds may end the router."""
+        try:
+            state = await self.load()
+            if state.revision == 0 and self.state.revision > 0:
+                raise RegistryMissing(
+                    f"the registry holds no document any more (it held revision "
+                    f"{self.state.revision}): its store lost it or was replaced; serving "
+                    "that revision until one is written"
+                )
+        except RegistryUnreachable as error:
+            await self.health.failed("unreachable", error)
+            return False
+        except (RegistryInvalid, RegistryMissing) as error:
+            await self.health.failed("invalid", error)
+            return False
+        except Exception as error:  # a fault of ours: said, and the table kept all the same
+            log.exception("registry look failed")
+            await self.health.failed("error", error)
+            return False
+        await self.health.succeeded()
+        if state.revision != self.state.revision:
             try:
-                state = await self.load()
-                if state.revision != self.state.revision:
-                    for refusal in await self.apply(state):
-                        log.warning("registry change not applied yet: %s", refusal)
-            except OSError as error:  # the store unreachable: keep serving what we have
-                log.warning("registry unreadable: %s", error)
-            await asyncio.sleep(self.poll_interval_s)
+                self._said_refused(await self.apply(state))
+            except Exception:  # a fault of ours: said; the next look tries again
+                log.exception("registry change not applied", extra={"revision": state.revision})
+        return True
+
+    async def follow(self) -> None:
+        """Looks at the registry every poll_interval_s, and after a failed look again
+        after the health's backoff (a background task; the server watches it, and it
+        never ends on its own)."""
+        while True:
+            read = await self.look()
+            await asyncio.sleep(self.poll_interval_s if read else self.health.retry_in())
+
+    def _said_refused(self, refused: list[str]) -> None:
+        """Logs why models stay where they are, once per distinct reason (the change is
+        tried again at every look until it can be made)."""
+        for refusal in refused:
+            if refusal not in self._refused:
+                log.warning("registry change not applied yet: %s", refusal)
+        self._refused = set(refused)
 
     async def apply(self, state: RegistryState) -> list[str]:
         """Routes by `state`, model by model, once each version it names is warm; says
@@ -190,6 +240,10 @@ class Versions:
                         await self._prepared(deployment, version)
                 except (Conflict, NotReady) as refusal:
                     refused.append(f"{name}: {refusal}")
+                    continue
+                except Exception as error:  # its warm-up failed: the model stays where it is
+                    said = str(error).splitlines()[0] if str(error) else ""
+                    refused.append(f"{name}: {type(error).__name__}: {said[:300]}")
                     continue
                 self.serving[name] = deployment
             self._drain_unused()
@@ -263,8 +317,12 @@ class Versions:
         return self.tokenizers[digest]
 
     async def _check(self, pool: Pool, version: Version) -> None:
-        """Ready to take traffic: every worker answers SERVING and serves the version's
-        artifact, and one generation ran through the pool."""
+        """Ready to take traffic: the version's artifact is what was registered (its
+        size and sha256 now: a file changed or deleted since is refused, whoever serves
+        it), every worker of its own answers SERVING and serves that artifact, and one
+        generation ran through the pool."""
+        if version.artifact is not None:
+            await asyncio.to_thread(version.artifact.verify)
         targets = [t for kind in ("prefill", "decode") for t in version.workers.get(kind, [])]
         for target in targets:
             # A remote process: no local event to wait on.

@@ -1,6 +1,7 @@
 """The model registry through the edge: `aimesh models` with an admin key changes what the
-router serves, a read key lists but cannot change, and an OpenAI client's `user` picks
-its canary bucket (the response's system_fingerprint names the version that served it)."""
+router serves, a read key lists but cannot change and sees no artifact paths, and an
+OpenAI client's `user` picks its canary bucket (the response's system_fingerprint names
+the version that served it)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import subprocess
 import sys
 import time
 
+import grpc
 import pytest
 
-from mesh.deployments import FileStore, Version, bucket, register
+from aimesh.llm.v1 import models_pb2, models_pb2_grpc
+from mesh.deployments import Artifact, FileStore, Version, bucket, register
 from tests.conftest import subprocess_env
 from tests.edge.conftest import Edge
 from tests.edge.test_openai import QUESTION, sdk
@@ -75,3 +78,25 @@ async def test_an_admin_key_changes_the_registry_through_the_edge(edge):
         ("tenant:ops", "canary"),
         ("tenant:ops", "rollback"),
     ]
+
+
+async def test_artifact_paths_go_to_admin_keys_only(edge, tmp_path):
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(b"w" * 64)
+    version = Version(name="v1", artifact=Artifact.of(weights), engine="torch")
+    FileStore(edge.deployments).update(lambda s: register(s, "paths", version, "test"))
+    seen = {}
+    async with grpc.aio.insecure_channel(edge.target) as channel:
+        stub = models_pb2_grpc.ModelServiceStub(channel)
+        for key in ("sk-reader", "sk-admin"):
+            metadata = (("authorization", f"Bearer {key}"),)
+            listed = await stub.ListModels(
+                models_pb2.ListModelsRequest(), metadata=metadata, timeout=30
+            )
+            got = await stub.GetModel(
+                models_pb2.GetModelRequest(model="paths"), metadata=metadata, timeout=30
+            )
+            (from_list,) = [m for m in listed.models if m.name == "paths"]
+            seen[key] = {v.artifact_path for m in (from_list, got.model) for v in m.versions}
+            assert {v.artifact_sha256 for v in got.model.versions} == {version.artifact.sha256}
+    assert seen == {"sk-reader": {""}, "sk-admin": {str(weights.resolve())}}

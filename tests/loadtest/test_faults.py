@@ -1,15 +1,19 @@
-"""The chaos suite's fault proxy against a TCP echo server: each mode does to a byte stream
-what the network fault it stands for does, and traffic flows again when the fault ends."""
+"""The chaos suite's faults: the fault proxy against a TCP echo server (each mode does to a
+byte stream what the network fault it stands for does, and traffic flows again when the
+fault ends); the store faults (a SQLite file that refuses writes while its lock is held
+elsewhere; a redis-server killed -9 and started again keeps what it acknowledged)."""
 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import pytest
 
+from loadtest.chaos_mesh import RedisProcess, sqlite_write_lock
 from loadtest.faults import FaultProxy
 
 pytestmark = pytest.mark.unit
@@ -112,3 +116,37 @@ async def test_blackhole_swallows_bytes_then_resets_what_it_cut(edge: Edge) -> N
         with pytest.raises(BROKEN):
             await round_trip(connection, b"resumed?")
     assert await round_trip(await edge.connect(), b"healed") == b"healed"
+
+
+def test_a_held_sqlite_write_lock_fails_writes_and_lets_reads_through(tmp_path) -> None:
+    path = tmp_path / "store.sqlite3"
+    db = sqlite3.connect(path, isolation_level=None, timeout=0.2)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("CREATE TABLE t (n INTEGER)")
+    db.execute("INSERT INTO t VALUES (1)")
+    with sqlite_write_lock(path):
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            db.execute("INSERT INTO t VALUES (2)")
+        assert db.execute("SELECT count(*) FROM t").fetchone() == (1,)
+    db.execute("INSERT INTO t VALUES (3)")
+    assert db.execute("SELECT n FROM t ORDER BY n").fetchall() == [(1,), (3,)]
+    db.close()
+
+
+@pytest.mark.service  # a real redis-server
+def test_a_redis_killed_and_started_again_keeps_what_it_acknowledged(tmp_path) -> None:
+    import redis
+
+    server = RedisProcess(tmp_path / "redis")
+    server.start()
+    try:
+        client = redis.Redis.from_url(server.url, socket_timeout=1)
+        client.set("acknowledged", "yes")
+        server.kill()
+        with pytest.raises(redis.ConnectionError):
+            client.get("acknowledged")
+        server.start()
+        assert client.get("acknowledged") == b"yes"
+        client.close()
+    finally:
+        server.kill()

@@ -20,7 +20,9 @@ from mesh.deployments import (
     Artifact,
     FileStore,
     RedisStore,
+    RegistryInvalid,
     RegistryState,
+    RegistryUnreachable,
     Version,
     activate,
     end_canary,
@@ -261,3 +263,64 @@ def test_ending_a_canary_by_rule_ends_only_the_canary_it_judged():
         end_canary(state, "m", "b", "rule", "old look")
     deployment = state.deployment("m")
     assert deployment.active == "a" and deployment.canary.version == "c"
+
+
+def _hand_edited(path: Path, edit) -> bytes:
+    """The registry file as `edit` leaves its JSON text; returns what it then holds."""
+    path.write_text(edit(path.read_text()))
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        # A field this version does not know (a newer writer's, a typo).
+        lambda text: text.replace('"revision"', '"colour": "red", "revision"', 1),
+        # Cut short: a copy that stopped half way.
+        lambda text: text[: len(text) // 2],
+        # Names a version it does not hold.
+        lambda text: text.replace('"active": "torch"', '"active": "gone"'),
+        lambda text: "",
+    ],
+    ids=["unknown-field", "cut-short", "unknown-version", "empty"],
+)
+def test_a_file_that_is_no_registry_is_refused_and_never_written_over(tmp_path, edit):
+    store = FileStore(tmp_path / "deployments.json")
+    two_versions(store)
+    held = _hand_edited(store.path, edit)
+    with pytest.raises(RegistryInvalid) as refused:
+        store.load()
+    assert str(store.path) in str(refused.value)
+    assert isinstance(refused.value, Conflict)  # FAILED_PRECONDITION, not INTERNAL
+    with pytest.raises(RegistryInvalid):
+        store.update(lambda s: activate(s, "smollm2", "gguf", "ops"))
+    assert store.path.read_bytes() == held
+
+
+def test_an_unreadable_registry_file_is_unreachable_not_invalid(tmp_path):
+    store = FileStore(tmp_path / "deployments.json")
+    store.path.mkdir()  # reading a directory fails with an OSError, as an I/O error would
+    with pytest.raises(RegistryUnreachable):
+        store.load()
+
+
+@pytest.mark.service  # a real redis-server, stopped
+def test_a_redis_registry_that_does_not_answer_is_unreachable(redis_server):
+    store = RedisStore(redis_server.url, timeout_s=0.5)
+    two_versions(store)
+    redis_server.process.kill()
+    redis_server.process.wait(timeout=10)
+    with pytest.raises(RegistryUnreachable):
+        store.load()
+    with pytest.raises(RegistryUnreachable):
+        store.update(lambda s: activate(s, "smollm2", "gguf", "ops"))
+    store.close()
+
+
+@pytest.mark.service  # a real redis-server
+def test_a_redis_registry_holding_no_registry_is_invalid(redis_url):
+    store = RedisStore(redis_url)
+    store.client.set(RedisStore.KEY, b'{"revision": 3, "deployments": {}, "extra": 1}')
+    with pytest.raises(RegistryInvalid):
+        store.load()
+    store.close()

@@ -23,6 +23,7 @@ from services.agent.planner import Observation, ToolStep
 from services.agent.run_store import (
     SCHEMA_VERSION,
     Lease,
+    LeaseLost,
     RunStore,
     SqliteRunStore,
     open_run_store,
@@ -69,6 +70,7 @@ async def attach(agent, run_id: str, after_seq: int = 0) -> list:
 
 
 LEASE = Lease("replica-a", 10.0)
+OWNER = LEASE.owner
 
 
 def create(store: RunStore, run_id: str, question: str = "q", client: str = "") -> None:
@@ -115,7 +117,8 @@ def test_events_are_stored_and_read_back_by_their_client_only(store_at):
         start=1,
     ):
         event.run_id, event.seq = "r1", seq
-        assert not store.append(event, ANSWERED if seq == 2 else agent_pb2.RUN_STATE_RUNNING)
+        state = ANSWERED if seq == 2 else agent_pb2.RUN_STATE_RUNNING
+        assert not store.append(event, state, owner=OWNER)
     assert store.get("r1", "bob") is None
     record = store.get("r1", "alice")
     assert (record.state, record.events, record.question) == (ANSWERED, 2, "why?")
@@ -127,7 +130,7 @@ def test_events_are_stored_and_read_back_by_their_client_only(store_at):
 async def test_an_ended_run_expires_from_redis_after_the_retention_window(redis_url, tmp_path):
     store = open_run_store(redis_url, tmp_path, retention_s=1)
     create(store, "ended")
-    store.append(agent_pb2.RunResponse(run_id="ended", seq=1), CANCELLED)
+    store.append(agent_pb2.RunResponse(run_id="ended", seq=1), CANCELLED, owner=OWNER)
     create(store, "running")
     assert store.get("ended", "") is not None
     await eventually(lambda: store.get("ended", "") is None, timeout_s=10, interval_s=0.2)
@@ -142,7 +145,7 @@ def test_events_are_stored_compressed(tmp_path):
     event = agent_pb2.RunResponse(
         run_id="r1", seq=1, answer_delta=agent_pb2.AnswerDelta(text=answer)
     )
-    store.append(event)
+    store.append(event, owner=OWNER)
     store.close()
     with sqlite3.connect(tmp_path / "runs.sqlite3") as db:
         ((stored,),) = db.execute("SELECT length(body) FROM events WHERE seq = 1")
@@ -155,7 +158,7 @@ def test_ended_runs_past_retention_are_pruned_and_running_ones_kept(tmp_path, mo
     monkeypatch.setattr("services.agent.run_store.time.time", lambda: clock[0])
     create(store, "ended")
     ended = agent_pb2.RunResponse(run_id="ended", seq=1, final=agent_pb2.Final(state=CANCELLED))
-    store.append(ended, CANCELLED)
+    store.append(ended, CANCELLED, owner=OWNER)
     create(store, "running")
     clock[0] += 61
     create(store, "new")
@@ -170,15 +173,52 @@ def test_a_run_whose_holder_stops_renewing_is_claimed_once(store_at, clock):
     store.create(request, "kept", "alice", LEASE)
     store.create(request, "orphan", "alice", LEASE)
     clock[0] += 8
-    store.renew(LEASE, ["kept"])  # replica-a renews what it still runs
+    assert store.renew(LEASE, ["kept"]) == ["kept"]  # replica-a renews what it still runs
     clock[0] += 5  # past the orphan's lease, within the renewed one
     other = Lease("replica-b", 10.0)
     (claimed,) = store.claim_orphans(other, limit=10)
     assert (claimed.run_id, claimed.client, claimed.request) == ("orphan", "alice", request)
     assert store.claim_orphans(Lease("replica-c", 10.0), limit=10) == []  # b holds it now
-    store.renew(LEASE, ["orphan"])  # the old holder, come back, no longer holds it
+    assert store.renew(LEASE, ["orphan"]) == []  # the old holder, come back, holds it no more
+    with pytest.raises(LeaseLost):  # nor may it write the run's events any more
+        store.append(agent_pb2.RunResponse(run_id="orphan", seq=1), owner=OWNER)
+    store.append(agent_pb2.RunResponse(run_id="orphan", seq=1), owner=other.owner)
     clock[0] += 11
     assert {o.run_id for o in store.claim_orphans(other, limit=10)} == {"kept", "orphan"}
+
+
+def test_an_append_tried_again_is_stored_once(store_at):
+    """A write whose reply was lost (the store went down after it) is tried again."""
+    store = store_at()
+    store.create(agent_pb2.RunRequest(question="q", session_id="s"), "r1", "", LEASE)
+    delta = agent_pb2.RunResponse(run_id="r1", seq=1)
+    delta.answer_delta.text = "once"
+    for _ in range(2):
+        store.append(delta, owner=OWNER)
+    store.append(agent_pb2.RunResponse(run_id="r1", seq=2), ANSWERED, owner=OWNER)
+    assert [e.seq for e in store.events("r1", 0)] == [1, 2]
+    assert [t.answer for t in store.turns("", "s")] == ["once"]
+    # Ended, it is still its replica's: a renewal racing its last event must not read
+    # it as taken over.
+    assert store.renew(LEASE, ["r1"]) == ["r1"]
+
+
+def test_a_sessions_turns_are_read_a_page_after_another(store_at, clock):
+    store = store_at()
+    for n in range(9):
+        clock[0] += 0 if n == 4 else 1  # r3 and r4 start together: by run id, then
+        store.create(agent_pb2.RunRequest(question=f"q{n}", session_id="s"), f"r{n}", "a", LEASE)
+        if n != 6:  # r6 still runs: no turn yet
+            store.append(agent_pb2.RunResponse(run_id=f"r{n}", seq=1), ANSWERED, owner=OWNER)
+    every = store.turns("a", "s")
+    assert [t.run_id for t in every] == [f"r{n}" for n in range(9) if n != 6]
+    paged, after = [], None
+    while page := store.turns("a", "s", after, 2):
+        assert len(page) <= 2
+        paged += page
+        after = page[-1].key
+    assert paged == every
+    assert store.turns("a", "s", every[-1].key, 2) == []
 
 
 def test_sessions_cancels_and_the_handoff_queue_in_each_store(store_at):
@@ -190,8 +230,8 @@ def test_sessions_cancels_and_the_handoff_queue_in_each_store(store_at):
     for n in (0, 1):
         delta = agent_pb2.RunResponse(run_id=f"r{n}", seq=1)
         delta.answer_delta.text = f"answer {n}"
-        store.append(delta)
-        store.append(agent_pb2.RunResponse(run_id=f"r{n}", seq=2), ANSWERED)
+        store.append(delta, owner=OWNER)
+        store.append(agent_pb2.RunResponse(run_id=f"r{n}", seq=2), ANSWERED, owner=OWNER)
     assert [(t.question, t.answer) for t in store.turns("alice", "s")] == [
         ("first?", "answer 0"),
         ("second?", "answer 1"),
@@ -199,7 +239,7 @@ def test_sessions_cancels_and_the_handoff_queue_in_each_store(store_at):
     assert store.turns("bob", "s") == []
     store.request_cancel("r2")
     assert store.cancels_asked(["r0", "r1", "r2"]) == ["r2"]
-    assert store.append(agent_pb2.RunResponse(run_id="r2", seq=1))  # the run hears it
+    assert store.append(agent_pb2.RunResponse(run_id="r2", seq=1), owner=OWNER)  # heard
     assert store.delete_session("alice", "s") == 2  # the running one stays
     assert store.get("r2", "alice") is not None and store.turns("alice", "s") == []
     store.hand_off("r2", "alice", agent_pb2.RunRequest(question="running?"), ["why"])

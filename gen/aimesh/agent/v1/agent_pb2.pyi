@@ -192,30 +192,38 @@ class Final(_message.Message):
     def __init__(self, usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., iterations: _Optional[int] = ..., trace_id: _Optional[str] = ..., planner: _Optional[_Union[Planner, str]] = ..., notes: _Optional[_Iterable[str]] = ..., state: _Optional[_Union[RunState, str]] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "page_size", "page_token")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, session_id: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class Turn(_message.Message):
-    __slots__ = ("run_id", "question", "answer", "state", "created_at")
+    __slots__ = ("run_id", "question", "answer", "state", "created_at", "answer_truncated")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     question: str
     answer: str
     state: RunState
     created_at: float
-    def __init__(self, run_id: _Optional[str] = ..., question: _Optional[str] = ..., answer: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., created_at: _Optional[float] = ...) -> None: ...
+    answer_truncated: bool
+    def __init__(self, run_id: _Optional[str] = ..., question: _Optional[str] = ..., answer: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., created_at: _Optional[float] = ..., answer_truncated: _Optional[bool] = ...) -> None: ...
 
 class GetSessionResponse(_message.Message):
-    __slots__ = ("turns",)
+    __slots__ = ("turns", "next_page_token")
     TURNS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     turns: _containers.RepeatedCompositeFieldContainer[Turn]
-    def __init__(self, turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class DeleteSessionRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -113,7 +113,9 @@ class AgentServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetSession(self, request, context):
-        """GetSession lists a session's turns, oldest first: what its next run remembers.
+        """GetSession lists a session's turns, oldest first: what its next run remembers. A page
+        at a time: at most page_size turns and at most 1 MiB, so a long session never meets
+        a client's receive limit (gRPC's default is 4 MiB); next_page_token asks for the next.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
