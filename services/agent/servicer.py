@@ -280,7 +280,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     async def _history(self, client: str, session_id: str) -> tuple[list[tuple[str, str]], int]:
         if not session_id:
             return [], 0
-        turns = await asyncio.to_thread(self.runs.store.turns, client, session_id)
+        turns = await self.runs.stored(self.runs.store.turns, client, session_id)
         return fit_history(turns, self.settings.history_chars)
 
     async def Run(
@@ -370,8 +370,13 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 )
             ended, reason = _ended(state)
             if state.handed_off:
-                await asyncio.to_thread(
-                    self.runs.store.hand_off, run.run_id, run.client, request, state.notes
+                await self.runs.stored(
+                    self.runs.store.hand_off,
+                    run.run_id,
+                    run.client,
+                    request,
+                    state.notes,
+                    write=True,
                 )
         except asyncio.CancelledError:
             state.notes.append("cancelled")
@@ -422,8 +427,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         self, request: agent_pb2.DeleteSessionRequest, context: grpc.aio.ServicerContext | None
     ) -> agent_pb2.DeleteSessionResponse:
         check_session_id(request.session_id)
-        deleted = await asyncio.to_thread(
-            self.runs.store.delete_session, caller.current(), request.session_id
+        deleted = await self.runs.stored(
+            self.runs.store.delete_session, caller.current(), request.session_id, write=True
         )
         return agent_pb2.DeleteSessionResponse(deleted_runs=deleted)
 
