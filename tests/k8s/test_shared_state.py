@@ -112,11 +112,13 @@ def test_every_metering_pod_reads_the_tenants_file_from_one_mounted_secret(
     assert secrets == {RENDER.TENANTS_SECRET}
 
 
-def test_limits_written_in_the_secret_reach_every_meter(tmp_path, monkeypatch):
-    """docs/deploy.md's own overlay, replacing the key Secret with a tenant's limits:
-    every metering pod's meter limits that tenant."""
+def test_an_own_overlays_secrets_reach_every_meter(tmp_path, monkeypatch):
+    """docs/deploy.md's own overlay, replacing the key Secret (with a tenant's limits) and
+    the Redis password: every metering pod's meter limits that tenant, in the Redis that
+    password opens."""
     keys = {"keys": [], "tenants": {"acme": {"requests_per_minute": 60, "token_budget": 1000}}}
     (tmp_path / "gateway-keys.json").write_text(json.dumps(keys))
+    (tmp_path / "redis-password.txt").write_text("an-own-password")
     base = os.path.relpath(K8S / "overlays" / "cpu", tmp_path)
     (tmp_path / "kustomization.yaml").write_text(
         f"""
@@ -130,11 +132,19 @@ secretGenerator:
       - keys.json=gateway-keys.json
     options:
       disableNameSuffixHash: true
+  - name: aimesh-redis
+    namespace: aimesh
+    behavior: replace
+    files:
+      - password=redis-password.txt
+    options:
+      disableNameSuffixHash: true
 """
     )
     docs = documents(kustomize(tmp_path))
     for name, (workload, container) in metering(docs).items():
         settings = pod_settings(docs, workload, container, monkeypatch, tmp_path)
+        assert urlsplit(settings.limits.store).password == "an-own-password", name
         _, text = secret_mount(docs, workload, container, settings.limits.tenants_file)
         (tmp_path / name).write_text(text)
         limits = TenantsFile(tmp_path / name).limits("acme")
