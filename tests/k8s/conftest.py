@@ -3,9 +3,11 @@ helpers to find things in them."""
 
 from __future__ import annotations
 
+import base64
 import importlib
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -46,6 +48,8 @@ METRIC_MODULES = (
 )
 
 Doc = dict[str, Any]
+# A $(VAR) reference in an env value, command or args, which the kubelet expands.
+KUBELET_REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
 def kustomize(directory: Path) -> str:
@@ -168,24 +172,46 @@ def otlp_receiver(docs: list[Doc], url: str) -> tuple[str, Doc]:
     return protocol, protocols[protocol]
 
 
+def secret_value(docs: list[Doc], ref: Doc) -> str:
+    """The value of a secretKeyRef, from the overlay's Secret."""
+    secret = of_kind(docs, "Secret")[ref["name"]]
+    return base64.b64decode(secret["data"][ref["key"]]).decode()
+
+
+def pod_environment(docs: list[Doc], container: Doc, **given: str) -> dict[str, str]:
+    """The environment Kubernetes gives `container`: each variable in order, literal or
+    from a Secret of the overlay (`given` overrides, e.g. for what a fieldRef reads), each
+    $(VAR) of a variable defined before it expanded as the kubelet does (others are left)."""
+    environment: dict[str, str] = {}
+    for entry in container.get("env", []):
+        name = entry["name"]
+        if name in given:
+            environment[name] = given[name]
+        elif "value" in entry:
+            environment[name] = KUBELET_REFERENCE.sub(
+                lambda found: environment.get(found[1], found[0]), entry["value"]
+            )
+        elif "secretKeyRef" in entry["valueFrom"]:
+            environment[name] = secret_value(docs, entry["valueFrom"]["secretKeyRef"])
+    return environment
+
+
 def pod_settings(
     docs: list[Doc], workload: Doc, container: Doc, monkeypatch, directory: Path, **env: str
 ) -> MeshSettings:
     """The mesh settings `container` of `workload` reads in its pod: the overlay's ConfigMap
-    mounted where its AIMESH_CONFIG points, then its literal AIMESH_* environment, then
-    `env` (for values a pod takes from elsewhere, such as a Secret)."""
-    variables = env_of(container)
-    path = variables["AIMESH_CONFIG"]["value"]
+    mounted where its AIMESH_CONFIG points, then its AIMESH_* environment (pod_environment:
+    Secrets' values, $(VAR) expanded), then `env` (for values the test stands in for)."""
+    path = env_of(container)["AIMESH_CONFIG"]["value"]
     config = directory / path.rsplit("/", 1)[1]
     config.write_text(mounted_file(docs, workload, container, path))
 
     for name in list(os.environ):
         if name.startswith("AIMESH_"):
             monkeypatch.delenv(name)
-    literal = {
-        n: e["value"] for n, e in variables.items() if n.startswith("AIMESH_") and "value" in e
-    }
-    for name, value in {**literal, **env, "AIMESH_CONFIG": str(config)}.items():
+    variables = {**pod_environment(docs, container, **env), **env}
+    aimesh = {n: v for n, v in variables.items() if n.startswith("AIMESH_")}
+    for name, value in {**aimesh, "AIMESH_CONFIG": str(config)}.items():
         assert "$(" not in value, f"{name}: Kubernetes expands $(VAR) there, this does not"
         monkeypatch.setenv(name, value)
     return MeshSettings()

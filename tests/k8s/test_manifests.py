@@ -4,10 +4,13 @@ autoscaled and reachable the way mesh/ and services/ say; GPUs exactly where the
 from __future__ import annotations
 
 import base64
+import json
 import math
 import os
 import re
 import subprocess
+import tomllib
+from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import pytest
@@ -383,3 +386,51 @@ def test_the_production_config_turns_reflection_off():
     protos instead); the config the pods mount says so, and the settings read it."""
     assert config_toml()["reflection"] is False
     assert MeshSettings.model_validate(config_toml()).reflection is False
+
+
+def secret_strings(value: str) -> list[str]:
+    """A Secret value's credentials: each string of a JSON one (a key list), else itself."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        return [value.strip()]
+
+    def leaves(node) -> Iterator[str]:
+        if isinstance(node, str):
+            yield node
+        elif isinstance(node, dict | list):
+            for child in node.values() if isinstance(node, dict) else node:
+                yield from leaves(child)
+
+    return list(leaves(parsed))
+
+
+def settings_strings(node, path: str = "") -> Iterator[tuple[str, str]]:
+    """(dotted key, value) for every string setting of a parsed config."""
+    if isinstance(node, str):
+        yield path, node
+    elif isinstance(node, dict):
+        for key, child in node.items():
+            yield from settings_strings(child, f"{path}.{key}".lstrip("."))
+    elif isinstance(node, list):
+        for child in node:
+            yield from settings_strings(child, path)
+
+
+def test_no_configmap_holds_a_secret(overlay):
+    """Credentials reach pods from Secrets only: no Secret's value is in any ConfigMap, the
+    mesh config has no credential setting and no URL with a password in it (the Redis
+    URL's is spliced in from Secret aimesh-redis), and Redis's config has no password."""
+    config_maps = of_kind(overlay, "ConfigMap")
+    texts = [text for c in config_maps.values() for text in c.get("data", {}).values()]
+    for name, secret in of_kind(overlay, "Secret").items():
+        for value in secret.get("data", {}).values():
+            for credential in secret_strings(base64.b64decode(value).decode()):
+                assert not any(credential in text for text in texts), name
+    (mesh_config,) = (c for n, c in config_maps.items() if n.startswith("aimesh-config"))
+    for key, value in settings_strings(tomllib.loads(mesh_config["data"]["aimesh.toml"])):
+        assert not re.search(r"(^|[._])(api_keys?|password|secret|token)$", key), key
+        assert urlsplit(value).password is None, key
+    (redis_config,) = (c for n, c in config_maps.items() if n.startswith("aimesh-redis-config"))
+    lines = redis_config["data"]["redis.conf"].splitlines()
+    assert not {line.split()[0] for line in lines if line.strip()} & {"requirepass", "user"}

@@ -8,7 +8,7 @@ import pytest
 
 from mesh.authz import EDGE
 from mesh.registry import discover
-from tests.k8s.conftest import Doc, of_kind, pod_spec, workloads
+from tests.k8s.conftest import Doc, containers, of_kind, pod_spec, workloads
 
 pytestmark = pytest.mark.system
 
@@ -106,3 +106,19 @@ def test_the_outside_reaches_only_the_edge_and_qdrant_only_retrieval(overlay):
             )
         }
         assert callers == pointed - {"triton"}
+
+
+def test_redis_is_reachable_only_from_the_pods_given_its_password(overlay):
+    """The shared state's Redis: from the edge, the gateway, the generation router and the
+    agent (the pods that keep state there: the ones its Secret's password is given to),
+    from nobody else, on no other port."""
+    password = {"secretKeyRef": {"name": "aimesh-redis", "key": "password"}}
+    given = {
+        name
+        for name, workload in workloads(overlay).items()
+        if name != "redis"
+        for container in containers(workload)
+        if any(entry.get("valueFrom") == password for entry in container.get("env", []))
+    }
+    assert given == {"edge", "gateway", "generation", "agent"}
+    assert {(s, p) for s, t, p in allowed(overlay) if t == "redis"} == {(s, "redis") for s in given}

@@ -54,3 +54,44 @@ def test_drain_periods_come_from_the_config_file_alone(tmp_path, monkeypatch):
     assert settings.service("decode").grace_s == 15  # ServiceSettings' default
     pre_stop, margin = render.PRE_STOP_S, render.EXIT_MARGIN_S
     assert render.termination_grace_s(settings.service("prefill")) == pre_stop + 96 + margin
+
+
+def secret_directories(render, settings, name: str) -> dict[str, str]:
+    """Where the rendered Deployment of `name` mounts a Secret: path -> Secret name."""
+    deployment = render.deployment(discover()[name], settings, render.SIZING[name])
+    pod = deployment["spec"]["template"]["spec"]
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    (container,) = pod["containers"]
+    mounts = container["volumeMounts"]
+    return {m["mountPath"]: secrets[m["name"]] for m in mounts if m["name"] in secrets}
+
+
+def test_the_tenants_file_is_mounted_wherever_it_is_set_in_exactly_the_metering_services(
+    tmp_path,
+):
+    """[limits] tenants_file's directory, from the tenants Secret, in each service that
+    meters and no other; none where it is unset; one mount where the gateway's own key
+    file lies in the same Secret directory."""
+    render = load_render()
+    config = tmp_path / "aimesh.toml"
+    config.write_text('[limits]\ntenants_file = "/etc/tenants/limits.json"\n')
+    settings = render.load_settings(config)
+    for name in discover():
+        mounts = secret_directories(render, settings, name)
+        expected = {"/etc/tenants": render.TENANTS_SECRET} if name in render.METERED else {}
+        assert mounts == expected, name
+    config.write_text("[limits]\nwindow_s = 1\n")
+    settings = render.load_settings(config)
+    assert not any(secret_directories(render, settings, name) for name in discover())
+    settings = render.load_settings()  # the committed config: the gateway's key file
+    keys = str(settings.limits.tenants_file.parent)
+    assert secret_directories(render, settings, "gateway") == {keys: "aimesh-gateway-keys"}
+    assert secret_directories(render, settings, "generation") == {keys: "aimesh-gateway-keys"}
+
+
+def test_a_tenants_file_where_another_secret_is_mounted_fails_the_render(monkeypatch):
+    render = load_render()
+    monkeypatch.setattr(render, "TENANTS_SECRET", "aimesh-tenants")
+    settings = render.load_settings()  # tenants_file beside the gateway's keys
+    with pytest.raises(SystemExit, match="aimesh-gateway-keys"):
+        render.deployment(discover()["gateway"], settings, render.SIZING["gateway"])
