@@ -69,8 +69,13 @@ REDIS_URL = f"redis://:$({REDIS_PASSWORD})@redis.{NAMESPACE}.svc.cluster.local:6
 METERED = frozenset({"gateway", "generation"})
 LIMITS_STORE = "AIMESH_LIMITS__STORE"
 # Other settings that name the shared Redis, by service: the agent's runs, so its replicas
-# attach to and take over each other's.
-REDIS_SETTINGS = {"agent": "AIMESH_SERVICES__AGENT__RUN_STORE"}
+# attach to and take over each other's; the model registry, so every router pod serves the
+# versions `aimesh models` set through any of them (each keeps its last good table while
+# Redis is away).
+REDIS_SETTINGS = {
+    "agent": "AIMESH_SERVICES__AGENT__RUN_STORE",
+    "generation": "AIMESH_DEPLOYMENTS",
+}
 # The Secret holding [limits] tenants_file: the gateway's key file, whose keys name the
 # tenants its [tenants] tables limit (docs/deploy.md says why one file).
 TENANTS_SECRET = "aimesh-gateway-keys"

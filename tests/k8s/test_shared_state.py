@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 import pytest
 import redis
 
+from mesh.deployments import RedisStore as RedisRegistry
+from mesh.deployments import open_store as open_registry
 from mesh.ledger import PREFIX, Limit, RedisStore, open_store
 from mesh.metering import TenantsFile
 from services.agent.run_store import open_run_store
@@ -154,9 +156,10 @@ secretGenerator:
 def test_every_pod_that_keeps_shared_state_gets_one_redis_url_from_the_secret(
     overlay, monkeypatch, tmp_path
 ):
-    """The meter's store of every metering process and the agent's run store are the one
-    Redis of the overlay, reached with its Secret's password, which no pod spec spells: it
-    is spliced in from a Secret variable defined before the URL."""
+    """The meter's store of every metering process, the agent's run store and the routers'
+    model registry are the one Redis of the overlay, reached with its Secret's password,
+    which no pod spec spells: it is spliced in from a Secret variable defined before the
+    URL."""
     url = redis_url(overlay)
     agent = of_kind(overlay, "Deployment")["agent"]
     keepers = {**metering(overlay), "agent": (agent, next(containers(agent)))}
@@ -164,7 +167,11 @@ def test_every_pod_that_keeps_shared_state_gets_one_redis_url_from_the_secret(
         env = env_of(container)
         assert env["REDIS_PASSWORD"]["valueFrom"] == PASSWORD, name
         names = list(env)
-        for setting in ("AIMESH_LIMITS__STORE", "AIMESH_SERVICES__AGENT__RUN_STORE"):
+        for setting in (
+            "AIMESH_LIMITS__STORE",
+            "AIMESH_SERVICES__AGENT__RUN_STORE",
+            "AIMESH_DEPLOYMENTS",
+        ):
             if setting in env:
                 assert "$(REDIS_PASSWORD)" in env[setting]["value"], (name, setting)
                 assert names.index("REDIS_PASSWORD") < names.index(setting), (name, setting)
@@ -176,6 +183,9 @@ def test_every_pod_that_keeps_shared_state_gets_one_redis_url_from_the_secret(
         else:
             assert settings.limits.store == url, name
             assert isinstance(open_store(settings.limits.store, tmp_path), RedisStore), name
+        if name == "generation":
+            assert settings.deployments == url
+            assert isinstance(open_registry(settings.deployments, tmp_path), RedisRegistry)
     # Only they (and Redis) hold the password.
     holders = {
         name
