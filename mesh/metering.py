@@ -161,7 +161,7 @@ def _store_down() -> MeterUnavailable:
 
 @dataclass
 class Reservation:
-    """What one admitted generation holds against its tenant's token limits."""
+    """What one admitted request holds against its tenant's token limits."""
 
     tenant: str
     limits: TenantLimits
@@ -220,7 +220,9 @@ class Meter:
             charged.append(Limit("token_budget", key, limits.token_budget, 0.0, tokens, ttl_s))
         return charged
 
-    async def _take(self, tenant: str, limits: list[Limit], refusal) -> None:
+    async def _take(
+        self, tenant: str, limits: list[Limit], refusal: Callable[[Refusal], QuotaExceeded]
+    ) -> None:
         if not limits:
             return
         try:
