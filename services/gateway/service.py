@@ -27,6 +27,7 @@ from services.gateway.http_server import HttpServer
 from services.gateway.images import DIFFUSION, Images
 from services.gateway.keys import KeyStore, OpenAccess
 from services.gateway.limits import Limiter
+from services.gateway.request_body import BodyLimits
 from services.gateway.rerank import RERANK, Rerank
 from services.gateway.settings import GatewayOptions
 from services.gateway.shared import Shared
@@ -71,6 +72,7 @@ async def setup(server: MeshServer) -> HttpServer:
             keys=keys,
             limiter=limiter,
             budget_s=options.request_timeout_s,
+            body=BodyLimits(options.max_body_bytes, options.body_read_timeout_s),
             ready=lambda: catalog.ready and not http.draining,
         ),
         service.host,
