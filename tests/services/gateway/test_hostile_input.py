@@ -16,6 +16,8 @@ import pytest
 import pytest_asyncio
 from prometheus_client import REGISTRY
 
+from loadtest.fuzz_gateway import fuzz
+from loadtest.fuzz_http import Models
 from services.gateway.catalog import Catalog
 from tests.conftest import eventually
 from tests.services.gateway.conftest import KEY, Gateway, start_gateway
@@ -355,3 +357,16 @@ async def test_a_bug_is_a_500_in_openais_shape_naming_the_request_id(gateway, mo
     assert error["type"] == "server_error"
     assert "bug-1" in error["message"] and "a bug" not in error["message"]
     assert answered("/v1/models", 500) == before + 1
+
+
+async def test_a_short_fuzz_run_finds_nothing(gateway):
+    """The HTTP fuzzer's short run (`make fuzz` runs the long one against a whole mesh):
+    generated, garbage, oversize and hostile requests on every route."""
+    models = Models(chat=LLM, embedding=EMBEDDING_MODEL, image=IMAGE_MODEL, rerank="none")
+    report = await fuzz(
+        gateway.url, models, requests=300, seconds=60, seed=43, key=KEY,
+        max_body_bytes=MAX_BODY_BYTES,
+    )  # fmt: skip
+    assert report.made >= 100, report.statuses
+    assert not report.findings, "\n".join(finding.describe() for finding in report.findings)
+    assert not report.health_after, report.health_after
