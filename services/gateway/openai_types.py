@@ -27,6 +27,9 @@ MAX_STOP_SEQUENCES = 4
 # int32; SamplingParameters.seed and diffusion's seed are uint64.
 INT32_MAX = 2**31 - 1
 MAX_SEED = 2**64 - 1
+# OpenAI's bound on one embeddings request: each 32 is one call to the embedder, all at
+# once, so a longer list would be a burst of calls from one request.
+MAX_EMBEDDING_INPUTS = 2048
 # vLLM's bound on cache_salt is none; this one keeps it a label, not a payload.
 MAX_CACHE_SALT = 256
 
@@ -257,6 +260,8 @@ class EmbeddingRequest(_Request):
             return [self.input]
         if not self.input:
             raise invalid("input", "must not be empty")
+        if len(self.input) > MAX_EMBEDDING_INPUTS:
+            raise invalid("input", f"at most {MAX_EMBEDDING_INPUTS} inputs, got {len(self.input)}")
         if not all(isinstance(item, str) for item in self.input):
             raise invalid("input", "token ids are not supported; send text")
         return list(self.input)  # type: ignore[arg-type]

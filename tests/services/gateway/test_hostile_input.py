@@ -180,6 +180,18 @@ async def test_numbers_past_the_proto_field_are_a_400_naming_it(gateway, path, b
     assert mesh_calls(gateway) == before
 
 
+async def test_an_embeddings_request_holds_at_most_openais_2048_inputs(gateway):
+    before = mesh_calls(gateway)
+    body = {"model": EMBEDDING_MODEL, "input": ["a"] * 2049}
+    status, answer = await post_json(gateway, "/v1/embeddings", body)
+    assert status == 400, answer
+    assert_openai_error(answer, "input")
+    assert mesh_calls(gateway) == before
+    status, answer = await post_json(gateway, "/v1/embeddings", {**body, "input": ["a"] * 2048})
+    assert status == 200, answer
+    assert len(answer["data"]) == 2048
+
+
 async def test_the_largest_int32_is_still_served(gateway):
     status, answer = await post_json(gateway, CHAT, chat(max_tokens=2**31 - 1))
     assert status == 200, answer
