@@ -1,10 +1,10 @@
 """The HTTP API: FastAPI routes over the completions, embeddings, images, rerank and
 catalog handlers, behind the Front layer (request id, span, budget, key, body limits,
 metrics), with every error in OpenAI's shape: refusals, validation, unknown routes and
-methods (404, 405), a body that is not JSON (415 for another content type), and, last,
-the gateway's own failures (500). FastAPI/Starlette on uvicorn (httptools) is what vLLM, SGLang and
-Triton's OpenAI frontend run: pydantic request models, and an ASGI server whose
-disconnects reach the app."""
+methods (404, 405), a body sent as anything but JSON (415), and, last, the gateway's own
+failures (500). FastAPI/Starlette on uvicorn (httptools) is what vLLM, SGLang and Triton's
+OpenAI frontend run: pydantic request models, and an ASGI server whose disconnects reach
+the app."""
 
 from __future__ import annotations
 
