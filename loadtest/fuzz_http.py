@@ -53,8 +53,9 @@ class Models:
 
 @dataclass(frozen=True)
 class HttpCase:
-    """One request. `oversize`: the body is padded with JSON whitespace past the cap
-    when sent; `chunked`: sent with Transfer-Encoding: chunked."""
+    """One request. `kind`: what its body is (KINDS, or "none"); `oversize`: the body is
+    padded with JSON whitespace past the cap when sent; `chunked`: sent with
+    Transfer-Encoding: chunked; `route`: the route it was drawn for (a report's row)."""
 
     kind: str
     method: str
@@ -132,13 +133,16 @@ def _nested(depth: int) -> Raw:
     return Raw("[" * depth + "]" * depth)
 
 
+def _containers(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.lists(inner, max_size=4) | st.dictionaries(HOSTILE_TEXT, inner, max_size=4)
+
+
 HOSTILE = st.one_of(
     SCALARS,
-    st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
-                 | st.dictionaries(HOSTILE_TEXT, inner, max_size=4), max_leaves=12),
+    st.recursive(SCALARS, _containers, max_leaves=12),
     st.sampled_from([[], {}, [None] * 5000, {"type": "text"}]),
     st.integers(100, 990).map(_nested),
-)  # fmt: skip
+)
 
 
 def bases(models: Models) -> dict[str, dict[str, Any]]:
