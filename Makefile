@@ -118,10 +118,12 @@ bench-gateway: install
 bench-triton: install
 	$(PY) -m loadtest.triton --seconds 4 --rounds 2 --out docs/benchmarks.md
 
-# Generated and garbage requests on every RPC of a whole `aimesh up`; fails on any
-# INTERNAL/UNKNOWN, crash or failed health check (findings in var/fuzz/<time>/).
+# Generated and garbage requests on every RPC of a whole `aimesh up`, then on every route
+# of the gateway's HTTP API; fails on any INTERNAL/UNKNOWN, 5xx other than 503/504, error
+# not in OpenAI's shape, crash or failed health check (findings in var/fuzz*/<time>/).
 fuzz: install
 	$(PY) -m loadtest.fuzz --calls 3000 --seconds 600 --out docs/benchmarks.md
+	$(PY) -m loadtest.fuzz_gateway --requests 2000 --seconds 300 --out docs/benchmarks.md
 
 # The fault suite: kill -9, SIGSTOP, partitions, a lost decode replica, a slow reader and
 # acknowledged writes against a whole mesh (~10 min); fails on a hang or a lost write.

@@ -535,9 +535,12 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def started_mesh(log_dir: Path, ready_timeout_s: float = 300) -> AsyncIterator[dict]:
-    """`aimesh up` with every service on a free port and a knowledge store of its own;
-    stopped (SIGTERM, its process group killed after the grace period) on the way out."""
+async def started_mesh(
+    log_dir: Path, ready_timeout_s: float = 300, http_port: int = 0
+) -> AsyncIterator[dict]:
+    """`aimesh up` with every service on a free port and a knowledge store of its own
+    (the gateway's HTTP API on `http_port`; 0: any free one); stopped (SIGTERM, its
+    process group killed after the grace period) on the way out."""
     names = list(discover())
     ports = {name: free_port() for name in names}
     store = Path(tempfile.mkdtemp(prefix="aimesh-fuzz-store-"))
@@ -546,8 +549,8 @@ async def started_mesh(log_dir: Path, ready_timeout_s: float = 300) -> AsyncIter
         "GRPC_VERBOSITY": "ERROR",
         "AIMESH_SERVICES__RETRIEVAL__PATH": str(store),
         "AIMESH_SERVICES__DIFFUSION__MODELS": "digits",
-        # Its HTTP API would take the fixed 8000 otherwise; 0: any free port.
-        "AIMESH_SERVICES__GATEWAY__HTTP_PORT": "0",
+        # Its HTTP API would take the fixed 8000 otherwise.
+        "AIMESH_SERVICES__GATEWAY__HTTP_PORT": str(http_port),
         **{f"AIMESH_SERVICES__{name.upper()}__PORT": str(port) for name, port in ports.items()},
         **{f"AIMESH_SERVICES__{name.upper()}__METRICS_PORT": "0" for name in names},
     }

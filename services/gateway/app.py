@@ -1,14 +1,16 @@
 """The HTTP API: FastAPI routes over the completions, embeddings, images, rerank and
-catalog handlers, behind the Front layer (request id, span, budget, key, metrics), with
-every error in OpenAI's shape. FastAPI/Starlette on uvicorn (httptools) is what vLLM, SGLang and
-Triton's OpenAI frontend run: pydantic request models, and an ASGI server whose
-disconnects reach the app."""
+catalog handlers, behind the Front layer (request id, span, budget, key, body limits,
+metrics), with every error in OpenAI's shape: refusals, validation, unknown routes and
+methods (404, 405), a body sent as anything but JSON (415), and, last, the gateway's own
+failures (500). FastAPI/Starlette on uvicorn (httptools) is what vLLM, SGLang and Triton's
+OpenAI frontend run: pydantic request models, and an ASGI server whose disconnects reach
+the app."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
@@ -20,7 +22,7 @@ from mesh.metering import Meter
 from services.gateway.catalog import Catalog
 from services.gateway.completions import Completions
 from services.gateway.embeddings import Embeddings
-from services.gateway.errors import ApiError, from_validation, model_not_found
+from services.gateway.errors import ApiError, from_validation, internal, model_not_found
 from services.gateway.front import PRINCIPAL, Front
 from services.gateway.images import Images
 from services.gateway.keys import KeyStore, OpenAccess, Principal
@@ -31,6 +33,7 @@ from services.gateway.openai_types import (
     ImageRequest,
     RerankRequest,
 )
+from services.gateway.request_body import BodyLimits
 from services.gateway.rerank import Rerank
 from services.gateway.shared import refusal
 
@@ -39,6 +42,20 @@ _HTTP_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_f
 
 def _principal(request: Request) -> Principal:
     return request.scope[PRINCIPAL]
+
+
+def json_body(request: Request) -> None:
+    """415 for a body sent as anything but JSON (curl -d sends a form), as vLLM answers;
+    FastAPI would otherwise read it as bytes and fail the model's validation."""
+    content_type = request.headers.get("content-type", "")
+    media = content_type.partition(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise ApiError(
+            415,
+            f"the body must be JSON (content-type: application/json), not {media or 'untyped'}",
+            type="invalid_request_error",
+            code="unsupported_media_type",
+        )
 
 
 def build_app(
@@ -51,6 +68,7 @@ def build_app(
     keys: KeyStore | OpenAccess,
     meter: Meter,
     budget_s: float,
+    body: BodyLimits,
     ready: Callable[[], bool],
 ) -> ASGIApp:
     """The whole ASGI app; `ready()` says whether the gateway can serve now."""
@@ -75,25 +93,34 @@ def build_app(
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
         kind = _HTTP_TYPES.get(error.status_code, "invalid_request_error")
-        return ApiError(error.status_code, str(error.detail), type=kind).response()
+        return ApiError(
+            error.status_code, str(error.detail), type=kind, headers=error.headers
+        ).response()
 
-    @app.post("/v1/chat/completions")
+    @app.exception_handler(Exception)
+    async def failure(request: Request, error: Exception) -> JSONResponse:
+        """Starlette answers with this, then raises the error on to Front, which logs it."""
+        return internal().response()
+
+    json_only = [Depends(json_body)]
+
+    @app.post("/v1/chat/completions", dependencies=json_only)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return completions.chat(body, _principal(request))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=json_only)
     async def text_completions(body: CompletionRequest, request: Request) -> Response:
         return completions.completion(body, _principal(request))
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", dependencies=json_only)
     async def embed(body: EmbeddingRequest, request: Request) -> Response:
         return embeddings.embed(body, _principal(request))
 
-    @app.post("/v1/images/generations")
+    @app.post("/v1/images/generations", dependencies=json_only)
     async def generate_images(body: ImageRequest, request: Request) -> Response:
         return images.generate(body, _principal(request))
 
-    @app.post("/v1/rerank")
+    @app.post("/v1/rerank", dependencies=json_only)
     async def rerank_documents(body: RerankRequest, request: Request) -> Response:
         return rerank.rerank(body, _principal(request))
 
@@ -141,4 +168,4 @@ def build_app(
     async def metrics() -> Response:
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
-    return Front(app, keys, budget_s)
+    return Front(app, keys, budget_s, body)

@@ -3,8 +3,8 @@
 Mapped once, here, from what the gateway can meet: the mesh's gRPC statuses (the code, and
 the rich details mesh.errors attaches: BadRequest field violations become `param`,
 RetryInfo becomes `Retry-After` and `retry-after-ms`, ErrorInfo's reason becomes `code`),
-the request models' validation errors, and the gateway's own refusals (keys, scopes,
-unknown models, unsupported parameters).
+the request models' validation errors, the gateway's own refusals (keys, scopes, unknown
+models, unsupported parameters, bodies too large or too slow) and, last, its own bugs.
 """
 
 from __future__ import annotations
@@ -22,6 +22,12 @@ from mesh.errors import error_info, field_violations, retry_delay_s
 from mesh.failures import FieldViolation
 
 
+def encodable(text: str) -> str:
+    """`text` with any lone surrogate written as its escape (`\\ud800`): an error may
+    quote what a client sent, and its JSON must still encode as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class ApiError(Exception):
     """A refusal as the HTTP API states it; `headers` travel with the response."""
 
@@ -37,9 +43,9 @@ class ApiError(Exception):
     ) -> None:
         super().__init__(message)
         self.status = status
-        self.message = message
+        self.message = encodable(message)
         self.type = type
-        self.param = param
+        self.param = None if param is None else encodable(param)
         self.code = code
         self.headers = dict(headers or {})
 
@@ -64,6 +70,17 @@ def invalid(param: str, message: str) -> ApiError:
 
 def unsupported(param: str, why: str = "is not supported by this server") -> ApiError:
     return invalid(param, why)
+
+
+def internal(code: str | None = None) -> ApiError:
+    """A failure of the gateway or of the mesh below it: 500, its cause withheld (it may
+    describe internals), the request id given so its log lines can be found."""
+    return ApiError(
+        500,
+        f"internal error (request id {request_id.current()})",
+        type="server_error",
+        code=code,
+    )
 
 
 def model_not_found(model: str, known: Sequence[str]) -> ApiError:
@@ -120,12 +137,7 @@ def from_rpc(error: grpc.aio.AioRpcError, params: Mapping[str, str]) -> ApiError
     info = error_info(error)
     reason = (info.reason if info is not None and info.reason else code.name).lower()
     if status == 500:
-        return ApiError(
-            500,
-            f"internal error (request id {request_id.current()})",
-            type=kind,
-            code=reason,
-        )
+        return internal(reason)
     violations = [
         FieldViolation(renamed(v.field, params), v.description) for v in field_violations(error)
     ]
@@ -163,12 +175,20 @@ def param_of(location: Sequence[int | str]) -> str | None:
     return path or None
 
 
+# Validation errors at the body itself: it was not a JSON object.
+_NOT_AN_OBJECT = frozenset({"model_attributes_type", "dict_type", "missing"})
+
+
 def from_validation(errors: Sequence[Mapping[str, Any]]) -> ApiError:
-    """FastAPI's RequestValidationError: the first problem names `param`."""
+    """FastAPI's RequestValidationError: the first problem names `param` (a validator
+    that sees the whole body names it in its error's context)."""
     first = errors[0]
     if first.get("type") == "json_invalid":
         return ApiError(400, "the body is not valid JSON", type="invalid_request_error")
-    param = param_of(first.get("loc", ()))
+    location = tuple(first.get("loc", ()))
+    if location == ("body",) and first.get("type") in _NOT_AN_OBJECT:
+        return ApiError(400, "the body must be a JSON object", type="invalid_request_error")
+    param = (first.get("ctx") or {}).get("param") or param_of(location)
     message = str(first.get("msg", "invalid value"))
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return ApiError(

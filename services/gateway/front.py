@@ -4,12 +4,18 @@ BaseHTTPMiddleware: it hides client disconnects, vLLM #10087):
 request id (`x-request-id`, taken when valid, else made, echoed on the response) -> an
 OpenTelemetry server span joining the caller's `traceparent`, so the mesh calls below are
 its children -> the request's deadline budget, shared by every hop -> the API key and its
-scope -> metrics by route and status. The key is read from the header, hashed and
-dropped; nothing here logs headers.
+scope -> the body, read whole within its size cap and deadline (request_body.py) ->
+metrics by route and status. The key is read from the header, hashed and dropped;
+nothing here logs headers.
+
+Whatever escapes the app is answered here, in OpenAI's shape (a 500 naming the request
+id) while no response has started; the client then always gets a JSON error, never
+Starlette's or uvicorn's plain-text one.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -21,8 +27,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from mesh import deadline, request_id
 from mesh.keys import bearer_key
 from services.gateway import metrics
-from services.gateway.errors import ApiError
+from services.gateway.errors import ApiError, internal
 from services.gateway.keys import KeyStore, OpenAccess
+from services.gateway.request_body import BodyLimits, BodyRefused, ClientGone, read_body
 
 # Answered without a key: probes and scrapers carry none (vLLM and llama.cpp alike).
 PUBLIC = frozenset({"/health", "/health/live", "/health/ready", "/metrics"})
@@ -35,7 +42,11 @@ SCOPES = {
     "/v1/images/generations": "images",
 }
 PRINCIPAL = "aimesh.principal"
+# The status counted for a request whose client left before its body was complete
+# (nginx's "client closed request").
+CLIENT_GONE = 499
 
+log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("aimesh.gateway")
 
 
@@ -74,10 +85,13 @@ def _route(scope: Scope, path: str) -> str:
 
 
 class Front:
-    def __init__(self, app: ASGIApp, keys: KeyStore | OpenAccess, budget_s: float) -> None:
+    def __init__(
+        self, app: ASGIApp, keys: KeyStore | OpenAccess, budget_s: float, body: BodyLimits
+    ) -> None:
         self.app = app
         self.keys = keys
         self.budget_s = budget_s
+        self.body = body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -87,16 +101,20 @@ class Front:
         given = headers.get(request_id.METADATA_KEY, "")
         rid = request_id.ensure(given if given and request_id.is_valid(given) else new_id())
         status = 500
+        responded = finished = False
         started = time.perf_counter()
 
         async def observed(message: Message) -> None:
-            nonlocal status
+            nonlocal status, responded, finished
             if message["type"] == "http.response.start":
                 status = message["status"]
+                responded = True
                 message["headers"] = [
                     *message.get("headers", []),
                     (request_id.METADATA_KEY.encode(), rid.encode()),
                 ]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                finished = True
             await send(message)
 
         path = scope["path"]
@@ -112,9 +130,22 @@ class Front:
             try:
                 if path not in PUBLIC:
                     scope[PRINCIPAL] = _authorize(self.keys, path, headers)
+                receive = await read_body(headers, receive, self.body)
                 await self.app(scope, receive, observed)
+            except ClientGone:
+                status = CLIENT_GONE
+            except BodyRefused as refused:
+                await refused.answer(receive, observed)
             except ApiError as refused:
+                if responded:
+                    raise
                 await refused.response()(scope, receive, observed)
+            except Exception:
+                log.exception("unhandled error answering %s %s", scope["method"], path)
+                if not responded:
+                    await internal().response()(scope, receive, observed)
+                elif not finished:
+                    raise  # the server cuts the connection: the client sees a broken answer
             finally:
                 route = _route(scope, path)
                 span.update_name(f"{scope['method']} {route}")

@@ -5,23 +5,107 @@ Unknown keys are accepted and ignored (clients send vendor extras; vLLM does the
 but every OpenAI parameter that would change the answer and is not implemented here is
 refused with a 400 naming it (`refuse_unsupported`): a client that asked for tools or
 log-probabilities must not get a plain answer that looks like success.
+
+Nothing a body can hold reaches a proto unchecked: a string anywhere in it (a known key or
+not, a key or a value) with a lone UTF-16 surrogate is refused, naming where it is, since
+no UTF-8 encoder (protobuf's, the JSON response's) takes one; every integer is bounded by
+the proto field it becomes (int32, uint64), every float is finite.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, FiniteFloat, model_validator
+from pydantic_core import PydanticCustomError
 
-from services.gateway.errors import invalid, unsupported
+from services.gateway.errors import encodable, invalid, unsupported
 
 MAX_STOP_SEQUENCES = 4
-# The largest seed the mesh's sampler takes (SamplingParameters.seed is a uint64).
+# The protos' integer ranges: max_new_tokens, top_n, steps, num_images and dimensions are
+# int32; SamplingParameters.seed and diffusion's seed are uint64.
+INT32_MAX = 2**31 - 1
 MAX_SEED = 2**64 - 1
+# OpenAI's bound on one embeddings request: each 32 is one call to the embedder, all at
+# once, so a longer list would be a burst of calls from one request.
+MAX_EMBEDDING_INPUTS = 2048
+# vLLM's bound on cache_salt is none; this one keeps it a label, not a payload.
+MAX_CACHE_SALT = 256
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _path(node: tuple[Any, str | int] | None) -> str:
+    """A parameter path (`messages[0].content`) from its linked (parent, key) nodes."""
+    parts: list[str] = []
+    while node is not None:
+        node, key = node
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{encodable(key)}")
+    return "".join(reversed(parts)).removeprefix(".")
+
+
+def _surrogate_in(text: str) -> re.Match[str] | None:
+    return None if text.isascii() else _SURROGATE.search(text)
+
+
+def lone_surrogate(body: dict[str, Any] | list[Any]) -> tuple[str, str, int] | None:
+    """A lone UTF-16 surrogate in a parsed JSON body: (the parameter path of the string
+    or key holding it, the surrogate, its index there); None when there is none. JSON's
+    `\\ud800` escapes let a client send one and Python's json keeps it. Walked without
+    recursion (a body may nest as deep as the JSON parser allows), strings checked where
+    they are met, so a long list of them costs no stack entries."""
+    stack: list[tuple[Any, tuple[Any, str | int] | None]] = [(body, None)]
+    while stack:
+        value, node = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            found = _surrogate_in(key) if isinstance(key, str) else None
+            if found is None and isinstance(item, str):
+                found = _surrogate_in(item)
+            if found is not None:
+                return _path((node, key)), found.group(), found.start()
+            if isinstance(item, dict | list):
+                stack.append((item, (node, key)))
+    return None
+
+
+def _printable(value: str) -> str:
+    if not value.isprintable():
+        raise PydanticCustomError(
+            "not_printable", "must be printable: no control characters or line breaks"
+        )
+    return value
+
+
+CacheSalt = Annotated[
+    str, Field(min_length=1, max_length=MAX_CACHE_SALT), AfterValidator(_printable)
+]
+Int32 = Annotated[int, Field(le=INT32_MAX)]
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class _Request(_Body):
+    """A whole request body: refused at once when any string in it is not valid Unicode,
+    before a field is read (refused, not repaired: a replaced character would change the
+    prompt, and the client could not know)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        found = lone_surrogate(data) if isinstance(data, dict) else None
+        if found is not None:
+            param, surrogate, at = found
+            raise PydanticCustomError(
+                "lone_surrogate",
+                "holds a lone UTF-16 surrogate (U+{code} at character {at}); text must be "
+                "valid Unicode, surrogates only in pairs",
+                {"param": param, "code": f"{ord(surrogate):04X}", "at": at},
+            )
+        return data
 
 
 class TextPart(_Body):
@@ -48,27 +132,28 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
-    """What chat and completions share: sampling, stopping and the stream."""
+class _Sampling(_Request):
+    """What chat and completions share: sampling, stopping, the stream, and vLLM's
+    `cache_salt` (prefix-cache isolation: requests share cached prefixes only with
+    requests of the same tenant and salt; GenerateRequest.cache_salt)."""
 
     model: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int32 | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    n: int | None = Field(default=None, ge=1)
+    n: Int32 | None = Field(default=None, ge=1)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, FiniteFloat] | None = None
     logprobs: Any = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     # The end user: the router's canary splits users by it (mesh.caller.USER_METADATA_KEY).
     user: str | None = Field(default=None, max_length=128)
-    # vLLM's: scopes the prefix cache further than the tenant (GenerateRequest.cache_salt).
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    cache_salt: CacheSalt | None = None
 
     def stop_sequences(self) -> list[str]:
         if self.stop is None:
@@ -113,7 +198,7 @@ def _refuse_set(body: _Body, names: tuple[str, ...]) -> None:
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int32 | None = Field(default=None, ge=1)
     response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
 
@@ -141,7 +226,7 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: Int32 | None = Field(default=None, ge=1)
     suffix: str | None = None
 
     def text(self) -> str:
@@ -163,11 +248,11 @@ class CompletionRequest(_Sampling):
             raise unsupported("suffix")
 
 
-class EmbeddingRequest(_Body):
+class EmbeddingRequest(_Request):
     model: str = Field(min_length=1)
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
+    dimensions: Int32 | None = Field(default=None, ge=1)
     user: str | None = None
 
     def texts(self) -> list[str]:
@@ -175,6 +260,8 @@ class EmbeddingRequest(_Body):
             return [self.input]
         if not self.input:
             raise invalid("input", "must not be empty")
+        if len(self.input) > MAX_EMBEDDING_INPUTS:
+            raise invalid("input", f"at most {MAX_EMBEDDING_INPUTS} inputs, got {len(self.input)}")
         if not all(isinstance(item, str) for item in self.input):
             raise invalid("input", "token ids are not supported; send text")
         return list(self.input)  # type: ignore[arg-type]
@@ -184,7 +271,7 @@ class RerankDocument(_Body):
     text: str
 
 
-class RerankRequest(_Body):
+class RerankRequest(_Request):
     """POST /v1/rerank, the shape Cohere, Jina and vLLM share: documents as strings or
     objects with a `text`. Long documents are truncated to the model's length, as theirs
     are."""
@@ -192,7 +279,7 @@ class RerankRequest(_Body):
     model: str = Field(min_length=1)
     query: str = Field(min_length=1)
     documents: list[str | RerankDocument] = Field(min_length=1, max_length=1000)
-    top_n: int | None = Field(default=None, ge=1)
+    top_n: Int32 | None = Field(default=None, ge=1)
     return_documents: bool = True
     user: str | None = None
 
@@ -203,7 +290,7 @@ class RerankRequest(_Body):
         _refuse_set(self, ("rank_fields", "max_chunks_per_doc"))
 
 
-class ImageRequest(_Body):
+class ImageRequest(_Request):
     """POST /v1/images/generations. `seed`, `steps` and `conditioning` are aimesh's
     extensions (the openai SDK sends them in `extra_body`)."""
 
@@ -216,8 +303,8 @@ class ImageRequest(_Body):
     quality: str | None = None
     user: str | None = None
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    steps: int | None = Field(default=None, ge=1)
-    conditioning: dict[str, float] | None = None
+    steps: Int32 | None = Field(default=None, ge=1)
+    conditioning: dict[str, FiniteFloat] | None = None
 
     def dimensions(self) -> tuple[int, int] | None:
         """(width, height) asked for; None for the model's own size."""

@@ -27,6 +27,7 @@ from services.gateway.embeddings import EMBEDDER, Embeddings
 from services.gateway.http_server import HttpServer
 from services.gateway.images import DIFFUSION, Images
 from services.gateway.keys import KeyStore, OpenAccess
+from services.gateway.request_body import BodyLimits
 from services.gateway.rerank import RERANK, Rerank
 from services.gateway.settings import GatewayOptions
 from services.gateway.shared import Shared
@@ -70,6 +71,7 @@ async def setup(server: MeshServer) -> HttpServer:
             keys=keys,
             meter=meter,
             budget_s=options.request_timeout_s,
+            body=BodyLimits(options.max_body_bytes, options.body_read_timeout_s),
             ready=lambda: catalog.ready and not http.draining,
         ),
         service.host,

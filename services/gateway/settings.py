@@ -19,3 +19,17 @@ class GatewayOptions(HttpServiceOptions):
     poll_interval_s: float = Field(
         default=1.0, gt=0, description="how often the dependencies' readiness and models are read"
     )
+    # The gateway's own bounds on a request body (Envoy has its own in front; the gateway
+    # may be reached without it): services/gateway/request_body.py.
+    max_body_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        ge=1024,
+        description="largest request body taken (413 past it): 4 times the 1 MiB of text the "
+        "generation router takes in one prompt, room for JSON's escapes",
+    )
+    body_read_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="time a request's whole body may take to arrive (408 past it): a full-size "
+        "body needs about 1.1 Mbit/s",
+    )
