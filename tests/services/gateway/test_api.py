@@ -15,7 +15,7 @@ import pytest
 
 from mesh.keys import digest
 from tests.conftest import eventually, metric
-from tests.services.gateway.conftest import KEYS, start_gateway, write_keys
+from tests.services.gateway.conftest import KEY, KEYS, start_gateway, write_keys
 from tests.services.gateway.fakes import EMBEDDING_MODEL, IMAGE_MODEL, LLM, vector
 
 pytestmark = pytest.mark.service
@@ -333,6 +333,21 @@ async def test_the_request_id_trace_and_tenant_travel_to_the_mesh(gateway, spans
         s.name for s in spans.get_finished_spans() if format(s.context.trace_id, "032x") == trace_id
     }
     assert "POST /v1/chat/completions" in names
+
+
+async def test_a_cache_salt_reaches_the_router_with_the_tenant(gateway):
+    """vLLM's parameter, as the openai SDK sends it (extra_body), on chat and completions:
+    the router scopes prefill's cache by the tenant it is sent for and this salt."""
+    client = gateway.sdk()
+    await client.chat.completions.create(
+        model=LLM, messages=USER, extra_body={"cache_salt": "user-17"}
+    )
+    assert gateway.generation.requests[-1].cache_salt == "user-17"
+    assert gateway.generation.metadata[-1]["x-aimesh-client"] == KEYS[KEY][0]
+    await client.completions.create(model=LLM, prompt="hi", extra_body={"cache_salt": "s2"})
+    assert gateway.generation.requests[-1].cache_salt == "s2"
+    await client.completions.create(model=LLM, prompt="hi")
+    assert gateway.generation.requests[-1].cache_salt == ""
 
 
 async def test_past_its_slots_the_gateway_answers_429_before_calling_the_mesh(tmp_path):
