@@ -265,8 +265,22 @@ class Meter:
         def refusal(refused: Refusal) -> QuotaExceeded:
             return self._token_refusal(tenant, limits, refused, tokens, span)
 
-        await self._take(tenant, self._token_limits(tenant, limits, tokens, span), refusal)
-        return Reservation(tenant, limits, tokens, span)
+        reservation = Reservation(tenant, limits, tokens, span)
+        charging = asyncio.ensure_future(
+            self._take(tenant, self._token_limits(tenant, limits, tokens, span), refusal)
+        )
+        try:
+            await asyncio.shield(charging)
+        except asyncio.CancelledError:
+            # The caller left while the store charged: once it has, the tokens go back
+            # (nobody will settle a reservation its caller never got).
+            charging.add_done_callback(
+                lambda done: (
+                    None if done.cancelled() or done.exception() else self.settle(reservation, "")
+                )
+            )
+            raise
+        return reservation
 
     def _token_refusal(
         self, tenant: str, limits: TenantLimits, refused: Refusal, tokens: int, span: Span

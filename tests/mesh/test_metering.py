@@ -179,3 +179,40 @@ def test_limits_left_in_a_key_file_no_meter_reads_are_reported(tmp_path, caplog)
         write_keys(tmp_path / "plain.json", {"k": ("t", ["generate"])})
         warn_unenforced(tmp_path / "plain.json", LimitsSettings())
     assert not caplog.text
+
+
+class HeldStore(MemoryStore):
+    """A stand-in for a store whose charge, once sent, happens whether or not its caller
+    waits for the answer (SQLite's in a worker thread, Redis's on the server), and is slow
+    to come: it lands when `go` is set, so a test can cancel the caller meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.charging = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def take(self, limits, *, force: bool = False):
+        if force:
+            return await super().take(limits, force=True)
+        self.charging.set()
+        return await asyncio.shield(self._when_go(limits))
+
+    async def _when_go(self, limits):
+        await self.go.wait()
+        return await super().take(limits)
+
+
+async def test_a_caller_that_leaves_while_its_reservation_is_charged_gets_it_back(tmp_path):
+    store = HeldStore()
+    meter = Meter(store, tenants_file(tmp_path, {"t": {"token_budget": 10}}))
+    waiting = asyncio.create_task(meter.reserve("t", 10))
+    await store.charging.wait()
+    waiting.cancel()
+    store.go.set()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    for _ in range(3):  # the charge lands, then its give-back is settled
+        await asyncio.sleep(0)
+    await meter.flush()
+    assert (await meter.reserve("t", 10)).tokens == 10  # the whole budget is there again
+    assert await meter.usage() == {}
