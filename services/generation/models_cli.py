@@ -53,6 +53,14 @@ Edge = Annotated[
 Key = Annotated[
     str | None, typer.Option(envvar="AIMESH_API_KEY", help="the edge's API key (admin scope)")
 ]
+EdgeCa = Annotated[
+    Path | None,
+    typer.Option(
+        envvar="AIMESH_EDGE_CA",
+        help="with --edge: the CA its listener's certificate is signed by (PEM), to reach it "
+        "over TLS; without it the edge is dialled in plaintext (a loopback edge)",
+    ),
+]
 Timeout = Annotated[
     float, typer.Option(help="seconds for the call: a change waits for the version to warm")
 ]
@@ -112,7 +120,11 @@ def _typed(value: str) -> str | int | float | bool:
 
 @models_app.command("list")
 def list_models(
-    offline: Offline = False, edge: Edge = None, key: Key = None, timeout: Timeout = 30.0
+    offline: Offline = False,
+    edge: Edge = None,
+    edge_ca: EdgeCa = None,
+    key: Key = None,
+    timeout: Timeout = 30.0,
 ) -> None:
     """Every model: its versions, the active one and the canary."""
     table = Table("model", "active", "canary", "versions", "previous")
@@ -134,6 +146,7 @@ def list_models(
             edge,
             key,
             timeout,
+            edge_ca,
         )
         for model in listed.models:
             serving = {v.name for v in model.versions if v.state == "serving"}
@@ -155,8 +168,16 @@ def _call(
     edge: str | None,
     key: str | None,
     timeout: float,
+    edge_ca: Path | None = None,
 ) -> Any:
-    """One ModelService call to the running mesh: the router, or the edge with a key."""
+    """One ModelService call to the running mesh: the router, or the edge with a key
+    (over TLS when its CA is given: a key crosses no network in clear text)."""
+
+    trusted = (
+        None
+        if edge_ca is None
+        else grpc.ssl_channel_credentials(root_certificates=edge_ca.read_bytes())
+    )
 
     async def work() -> Any:
         settings = MeshSettings()
@@ -169,7 +190,10 @@ def _call(
             if not key:
                 typer.echo("error: --edge needs --key (or AIMESH_API_KEY)", err=True)
                 raise typer.Exit(1)
-            channel = grpc.aio.insecure_channel(edge)
+            if trusted is None:
+                channel = grpc.aio.insecure_channel(edge)
+            else:
+                channel = grpc.aio.secure_channel(edge, trusted)
             metadata = (("authorization", f"Bearer {key}"),)
         async with channel:
             return await call(models_pb2_grpc.ModelServiceStub(channel), metadata)
@@ -242,6 +266,7 @@ def activate(
     reason: Annotated[str, typer.Option(help="said in the audit trail")] = "",
     offline: Offline = False,
     edge: Edge = None,
+    edge_ca: EdgeCa = None,
     key: Key = None,
     timeout: Timeout = 180.0,
     actor: Actor = None,
@@ -252,7 +277,11 @@ def activate(
         _change(lambda state, who: deployments.activate(state, model, version, who, reason), actor)
         return
     request = models_pb2.ActivateRequest(model=model, version=version, reason=reason)
-    _said(_call(lambda stub, md: stub.Activate(request, metadata=md), edge, key, timeout).event)
+    _said(
+        _call(
+            lambda stub, md: stub.Activate(request, metadata=md), edge, key, timeout, edge_ca
+        ).event
+    )
 
 
 @models_app.command()
@@ -263,6 +292,7 @@ def canary(
     reason: Annotated[str, typer.Option(help="said in the audit trail")] = "",
     offline: Offline = False,
     edge: Edge = None,
+    edge_ca: EdgeCa = None,
     key: Key = None,
     timeout: Timeout = 180.0,
     actor: Actor = None,
@@ -277,7 +307,11 @@ def canary(
     request = models_pb2.SetCanaryRequest(
         model=model, version=version, percent=percent, reason=reason
     )
-    _said(_call(lambda stub, md: stub.SetCanary(request, metadata=md), edge, key, timeout).event)
+    _said(
+        _call(
+            lambda stub, md: stub.SetCanary(request, metadata=md), edge, key, timeout, edge_ca
+        ).event
+    )
 
 
 @models_app.command()
@@ -286,6 +320,7 @@ def rollback(
     reason: Annotated[str, typer.Option(help="said in the audit trail")] = "",
     offline: Offline = False,
     edge: Edge = None,
+    edge_ca: EdgeCa = None,
     key: Key = None,
     timeout: Timeout = 180.0,
     actor: Actor = None,
@@ -301,7 +336,11 @@ def rollback(
         _change(lambda state, who: deployments.rollback(state, model, who, reason), actor)
         return
     request = models_pb2.RollbackRequest(model=model, reason=reason)
-    _said(_call(lambda stub, md: stub.Rollback(request, metadata=md), edge, key, timeout).event)
+    _said(
+        _call(
+            lambda stub, md: stub.Rollback(request, metadata=md), edge, key, timeout, edge_ca
+        ).event
+    )
 
 
 @models_app.command()

@@ -303,6 +303,28 @@ async def test_plaintext_gets_nothing_and_its_key_never_reaches_the_check(tls_ed
 
 
 @pytest.mark.system
+async def test_aimesh_models_reaches_a_tls_edge_trusting_its_ca(tls_edge: TlsEdge):
+    """An operator's `aimesh models --edge` over TLS with `--edge-ca`; without it, the
+    plaintext call gets nothing from the TLS listener (and its key is never read)."""
+
+    def models(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(VENV_BIN / "aimesh"), "models", "list", "--edge", tls_edge.target, *extra],
+            env=subprocess_env(AIMESH_API_KEY=API_KEY, OTEL_TRACES_EXPORTER="none"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    listed = await asyncio.to_thread(models, "--edge-ca", str(tls_edge.ca.ca_file))
+    assert listed.returncode == 0, listed.stderr
+    assert "model" in listed.stdout and "active" in listed.stdout
+    plain = await asyncio.to_thread(models, "--timeout", "10")
+    assert plain.returncode != 0
+    assert "UNAVAILABLE" in plain.stderr or "DEADLINE_EXCEEDED" in plain.stderr, plain.stderr
+
+
+@pytest.mark.system
 async def test_a_renewed_certificate_is_served_without_restarting_envoy(tls_edge: TlsEdge):
     """The listener's files rewritten (moved in, as a Secret's swap or os.replace does)
     with a new key and certificate of the same CA: Envoy, the same process, serves the new
