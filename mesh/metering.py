@@ -49,11 +49,14 @@ log = logging.getLogger(__name__)
 # A past period's budget stays this long, for settlements of requests that ran across
 # the period's end (they settle where they were charged).
 BUDGET_GRACE = timedelta(days=1)
-# A settlement the store refused is tried again this often, this many seconds apart at
-# most, before it is given up (and logged, and counted): a store back within a minute
-# loses no usage.
+# A settlement the store refused is tried again this often, twice as long apart each time
+# from 0.1 s (13 s of waiting in all, each try's own timeout besides), before it is given
+# up (and logged, and counted): a store back within that loses no usage.
 SETTLE_ATTEMPTS = 8
 SETTLE_MAX_BACKOFF_S = 10.0
+# At shutdown, settlements still waiting for the store get this long; the rest are lost
+# (counted), so a store that is down cannot hold a draining process past its grace.
+CLOSE_WAIT_S = 5.0
 
 # Label values are bounded: tenants are the key file's (the edge and the gateway send no
 # other), models the router's registry.
@@ -391,6 +394,16 @@ class Meter:
             await asyncio.gather(*self._settling, return_exceptions=True)
 
     async def close(self) -> None:
-        """Waits for the settlements under way, then closes the store."""
-        await self.flush()
+        """Waits for the settlements under way (CLOSE_WAIT_S at most), then closes the
+        store."""
+        if self._settling:
+            _, late = await asyncio.wait(self._settling, timeout=CLOSE_WAIT_S)
+            for task in late:
+                task.cancel()
+            if late:
+                LOST.inc(len(late))
+                log.error(
+                    "the limits store did not take %d settlements before shutdown; lost",
+                    len(late),
+                )
         await self.store.close()
