@@ -56,7 +56,7 @@ SETTLE_ATTEMPTS = 8
 SETTLE_MAX_BACKOFF_S = 10.0
 # At shutdown, settlements still waiting for the store get this long; the rest are lost
 # (counted), so a store that is down cannot hold a draining process past its grace.
-CLOSE_WAIT_S = 5.0
+CLOSE_WAIT_S = 2.0
 
 # Label values are bounded: tenants are the key file's (the edge and the gateway send no
 # other), models the router's registry.

@@ -1,5 +1,5 @@
-"""The gateway's door to the mesh's meter: requests_per_minute charged here (in the
-in-process store, a SQLite file and a real Redis server), the generation router's token
+"""The gateway's door to the mesh's meter: requests_per_minute charged here (in a SQLite
+file, and in a real Redis server two gateways share), the generation router's token
 refusals as OpenAI's 429s that hold no other tenant back, the ledger of what the gateway
 serves itself (embeddings, images), and two gateways sharing one Redis sharing one quota.
 The tokens of generations are metered by the router: tests/services/llm/test_tenancy.py."""
@@ -21,13 +21,6 @@ USER = [{"role": "user", "content": "hi there"}]
 ADMIN_KEYS = {**KEYS, "sk-admin": ("ops", ["admin"])}
 
 
-@pytest.fixture(params=["memory", "sqlite", "redis"])
-def store(request, tmp_path) -> str:
-    if request.param == "redis":
-        return request.getfixturevalue("redis_url")
-    return "memory" if request.param == "memory" else f"sqlite:{tmp_path / 'limits.sqlite'}"
-
-
 async def stop(servers) -> None:
     for server in servers:
         await server.drain(0)
@@ -45,13 +38,16 @@ async def embed(gateway, key: str, text: str):
         return await client.post("/v1/embeddings", json={"model": EMBEDDING_MODEL, "input": text})
 
 
-async def test_past_its_requests_per_minute_a_tenant_gets_429_then_the_sdk_retries(tmp_path, store):
+async def test_past_its_requests_per_minute_a_tenant_gets_429_then_the_sdk_retries(tmp_path):
     # 2 per 8 s: a full bucket of 2, then room for one more every 4 s (long enough that a
-    # slow machine does not refill it between the refusal and the SDK's call).
+    # slow machine does not refill it between the refusal and the SDK's call). The
+    # arithmetic is the same in every store (tests/mesh/test_buckets.py); sharing one
+    # bucket through SQLite and Redis is tests/mesh/test_metering.py's and the two
+    # gateways' below.
     gateway, servers = await start_gateway(
         tmp_path,
         tenants={"acme": {"requests_per_minute": 2}},
-        limits={"store": store, "window_s": 8},
+        limits={"store": f"sqlite:{tmp_path / 'limits.sqlite'}", "window_s": 8},
     )
     try:
         assert [(await chat(gateway)).status_code for _ in range(2)] == [200, 200]
