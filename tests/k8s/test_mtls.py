@@ -27,7 +27,8 @@ from services.llm.kv_transfer import KV_HOLDER
 from tests.harness import InProcess
 from tests.k8s.conftest import Doc, containers, env_of, of_kind, pod_settings, pod_spec
 
-pytestmark = pytest.mark.unit
+# Rendered by kustomize, another project's tool: the system tier, as the other k8s tests.
+pytestmark = pytest.mark.system
 
 SPECS = discover()
 OVERLAY = "cpu-mtls"
