@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,12 +89,12 @@ async def _serve(register, servicer) -> tuple[grpc.aio.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
-@pytest_asyncio.fixture
-async def replicas(tmp_path: Path, request) -> AsyncIterator[tuple[Replicas, KeyedTools]]:
-    """Two agents on one run store: the SQLite file, or a real redis-server."""
-    hang_first, kind = request.param
-    store = request.getfixturevalue("redis_url") if kind == "redis" else str(tmp_path / "runs.db")
-    tools = KeyedTools(hang_first=hang_first)
+@asynccontextmanager
+async def agents_on(
+    tmp_path: Path, store: str, tools: KeyedTools, units: dict[str, tuple[int, dict[str, str]]]
+) -> AsyncIterator[ServiceProcesses]:
+    """Agent processes (label -> port and environment) on one run store, with `tools` and
+    SlowAnswer as the tools service and the model; all stopped at the end."""
     tools_server, tools_target = await _serve(
         tools_pb2_grpc.add_ToolsServiceServicer_to_server, tools
     )
@@ -107,17 +108,28 @@ async def replicas(tmp_path: Path, request) -> AsyncIterator[tuple[Replicas, Key
         f'[services.agent.dependencies]\ntools = "{tools_target}"\n'
         f'generation = "{model_target}"\n'
     )
-    ports = {"agent-a": free_port(), "agent-b": free_port()}
     processes = ServiceProcesses(
         tmp_path, subprocess_env(AIMESH_CONFIG=str(config), OTEL_TRACES_EXPORTER="none")
     )
     try:
-        processes.start_all([(name, "agent", port, {}) for name, port in ports.items()])
-        yield Replicas(processes, ports), tools
+        processes.start_all([(name, "agent", port, env) for name, (port, env) in units.items()])
+        yield processes
     finally:
         processes.close()
         await tools_server.stop(0)
         await model_server.stop(0)
+
+
+@pytest_asyncio.fixture
+async def replicas(tmp_path: Path, request) -> AsyncIterator[tuple[Replicas, KeyedTools]]:
+    """Two agents on one run store: the SQLite file, or a real redis-server."""
+    hang_first, kind = request.param
+    store = request.getfixturevalue("redis_url") if kind == "redis" else str(tmp_path / "runs.db")
+    tools = KeyedTools(hang_first=hang_first)
+    ports = {"agent-a": free_port(), "agent-b": free_port()}
+    units = {name: (port, {}) for name, port in ports.items()}
+    async with agents_on(tmp_path, store, tools, units) as processes:
+        yield Replicas(processes, ports), tools
 
 
 async def _until_killed(

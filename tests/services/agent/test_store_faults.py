@@ -24,15 +24,13 @@ import pytest
 import pytest_asyncio
 
 from aimesh.agent.v1 import agent_pb2, agent_pb2_grpc
-from aimesh.llm.v1 import generation_pb2_grpc
-from aimesh.tools.v1 import tools_pb2_grpc
 from loadtest.chaos_mesh import RedisProcess, sqlite_write_lock
 from mesh.client import create_channel
 from mesh.config import MeshSettings
 from mesh.health import probe
-from tests.conftest import free_port, subprocess_env
+from tests.conftest import free_port
 from tests.harness import ServiceProcesses
-from tests.services.agent.test_resume import ANSWER, KeyedTools, SlowAnswer, _serve
+from tests.services.agent.test_resume import ANSWER, KeyedTools, agents_on
 
 pytestmark = pytest.mark.system
 
@@ -99,41 +97,14 @@ async def agents(tmp_path: Path, request) -> AsyncIterator[Agents]:
             return sqlite_write_lock(path)
 
     tools = KeyedTools(hang_first=True)
-    tools_server, tools_target = await _serve(
-        tools_pb2_grpc.add_ToolsServiceServicer_to_server, tools
-    )
-    model_server, model_target = await _serve(
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server, SlowAnswer()
-    )
-    config = tmp_path / "agents.toml"
-    config.write_text(
-        f'[services.agent]\nrun_store = "{store}"\n'
-        f"lease_s = {LEASE_S}\nattach_poll_s = 0.1\n"
-        f'[services.agent.dependencies]\ntools = "{tools_target}"\n'
-        f'generation = "{model_target}"\n'
-    )
     ports = {name: free_port() for name in REPLICAS}
     metrics = {f"{name}_metrics": free_port() for name in ports}
-    processes = ServiceProcesses(
-        tmp_path, subprocess_env(AIMESH_CONFIG=str(config), OTEL_TRACES_EXPORTER="none")
-    )
-    try:
-        processes.start_all(
-            [
-                (
-                    name,
-                    "agent",
-                    port,
-                    {"AIMESH_SERVICES__AGENT__METRICS_PORT": str(metrics[name + "_metrics"])},
-                )
-                for name, port in ports.items()
-            ]
-        )
+    units = {
+        name: (port, {"AIMESH_SERVICES__AGENT__METRICS_PORT": str(metrics[name + "_metrics"])})
+        for name, port in ports.items()
+    }
+    async with agents_on(tmp_path, store, tools, units) as processes:
         yield Agents(processes, {**ports, **metrics}, tools, fault)
-    finally:
-        processes.close()
-        await tools_server.stop(0)
-        await model_server.stop(0)
 
 
 async def _until(check, what: str, limit_s: float = 30) -> None:

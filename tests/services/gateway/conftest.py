@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,9 +119,10 @@ async def start_gateway(
     return gateway, [server, *fakes]
 
 
-@pytest.fixture
-async def gateway(tmp_path) -> AsyncIterator[Gateway]:
-    started, servers = await start_gateway(tmp_path)
+@asynccontextmanager
+async def running_gateway(tmp_path: Path, **gateway_settings: object) -> AsyncIterator[Gateway]:
+    """start_gateway's gateway, its clients closed and every server drained at the end."""
+    started, servers = await start_gateway(tmp_path, **gateway_settings)
     try:
         yield started
     finally:
@@ -128,3 +130,9 @@ async def gateway(tmp_path) -> AsyncIterator[Gateway]:
             await client.close()
         for server in servers:
             await server.drain(0)
+
+
+@pytest.fixture
+async def gateway(tmp_path) -> AsyncIterator[Gateway]:
+    async with running_gateway(tmp_path) as started:
+        yield started

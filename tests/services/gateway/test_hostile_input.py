@@ -20,7 +20,7 @@ from loadtest.fuzz_gateway import fuzz
 from loadtest.fuzz_http import Models
 from services.gateway.catalog import Catalog
 from tests.conftest import eventually
-from tests.services.gateway.conftest import KEY, Gateway, start_gateway
+from tests.services.gateway.conftest import KEY, Gateway, running_gateway
 from tests.services.gateway.fakes import EMBEDDING_MODEL, IMAGE_MODEL, LLM
 
 pytestmark = [pytest.mark.service, pytest.mark.asyncio(loop_scope="module")]
@@ -38,18 +38,12 @@ def chat(content: object = "hi there", **extra: object) -> dict:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def gateway(tmp_path_factory) -> AsyncIterator[Gateway]:
-    started, servers = await start_gateway(
+    async with running_gateway(
         tmp_path_factory.mktemp("hostile"),
         max_body_bytes=MAX_BODY_BYTES,
         body_read_timeout_s=BODY_READ_TIMEOUT_S,
-    )
-    try:
+    ) as started:
         yield started
-    finally:
-        for client in started.clients:
-            await client.close()
-        for server in servers:
-            await server.drain(0)
 
 
 def mesh_calls(gateway: Gateway) -> tuple[int, int, int]:
