@@ -14,7 +14,8 @@ import asyncio
 import re
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,11 +183,21 @@ async def _until_health(routers: Routers, name: str, status: str, limit_s: float
         await asyncio.sleep(0.1)
 
 
-async def test_a_spoiled_registry_file_fails_no_request_and_ends_no_router(routers):
-    name = "router-file"
+@asynccontextmanager
+async def steady_stream(routers: Routers, name: str) -> AsyncIterator[Stream]:
+    """A Stream of requests to router `name` for the block's length, stopped after it."""
     stream = Stream()
     load = asyncio.create_task(stream.run(routers.target(name)))
     try:
+        yield stream
+    finally:
+        stream.stop.set()
+        await load
+
+
+async def test_a_spoiled_registry_file_fails_no_request_and_ends_no_router(routers):
+    name = "router-file"
+    async with steady_stream(routers, name) as stream:
         await stream.until(3, "v1")
         good = routers.registry_file.read_text()
         for spoiled in (good.replace('"revision"', '"colour": "red", "revision"', 1), good[:64]):
@@ -198,9 +209,6 @@ async def test_a_spoiled_registry_file_fails_no_request_and_ends_no_router(route
         FileStore(routers.registry_file).update(lambda s: activate(s, MODEL, "v2", "t"))
         await _until_health(routers, name, "SERVING")
         await stream.until(3, "v2")
-    finally:
-        stream.stop.set()
-        await load
     assert stream.errors == []
     assert routers.returncode(name) is None
     assert routers.store_states(name)["ok"] == 1
@@ -208,9 +216,7 @@ async def test_a_spoiled_registry_file_fails_no_request_and_ends_no_router(route
 
 async def test_the_registry_redis_killed_fails_no_request_and_ends_no_router(routers):
     name = "router-redis"
-    stream = Stream()
-    load = asyncio.create_task(stream.run(routers.target(name)))
-    try:
+    async with steady_stream(routers, name) as stream:
         await stream.until(3, "v1")
         routers.redis.kill()
         try:
@@ -226,9 +232,6 @@ async def test_the_registry_redis_killed_fails_no_request_and_ends_no_router(rou
         store.update(lambda s: activate(s, MODEL, "v2", "t"))  # the registry kept its data
         store.close()
         await stream.until(3, "v2")
-    finally:
-        stream.stop.set()
-        await load
     assert stream.errors == []
     assert routers.returncode(name) is None
 
