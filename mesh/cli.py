@@ -116,12 +116,24 @@ def up(
             "and each call's caller proven by a token signed with its key",
         ),
     ] = False,
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            "--model",
+            help="the LLM to serve: a GGUF file (vocabulary, chat template and limits read "
+            "from it) or a Hugging Face directory; sets [engines.llm] model",
+        ),
+    ] = None,
 ) -> None:
     """Start every service as its own process, wait until all are ready, run until Ctrl-C."""
     settings = MeshSettings()
     specs = _specs(only)
+    environments: dict[str, dict[str, str]] = {spec.name: {} for spec in specs}
+    if model is not None:
+        settings = _with_model(settings, model.resolve())
+        for environment in environments.values():
+            environment["AIMESH_ENGINES__LLM__MODEL"] = str(model.resolve())
     _refuse_bad_options(specs, settings)
-    environments: dict[str, dict[str, str]] = {}
     edge_settings = settings
     if caller_tokens and not tls:
         raise typer.BadParameter("--caller-tokens signs with --tls's certificates: add --tls")
@@ -133,7 +145,8 @@ def up(
             for name in names
         }
         settings = settings.model_copy(update={"tls": pki[OPERATOR]})
-        environments = {spec.name: tls_environment(pki[spec.name]) for spec in specs}
+        for spec in specs:
+            environments[spec.name] |= tls_environment(pki[spec.name])
         edge_settings = settings.model_copy(update={"tls": pki[EDGE]})
         if edge and edge_settings.edge.tls is None:
             edge_settings = _with_listener_certificate(edge_settings, ca)
@@ -206,6 +219,12 @@ def up(
             await supervisor.stop(children, grace)
 
     raise typer.Exit(asyncio.run(run()))
+
+
+def _with_model(settings: MeshSettings, model: Path) -> MeshSettings:
+    """`up --model`: the settings the services will read with AIMESH_ENGINES__LLM__MODEL."""
+    llm = {**settings.engines.get("llm", {}), "model": str(model)}
+    return settings.model_copy(update={"engines": {**settings.engines, "llm": llm}})
 
 
 def _refuse_bad_options(specs: list[ServiceSpec], settings: MeshSettings) -> None:

@@ -64,6 +64,10 @@ class ServiceSpec:
     # Process environment defaults `aimesh serve` sets before the setup's modules load (a
     # value the user set wins): for native runtimes that read theirs once, when loaded.
     environment: tuple[tuple[str, str], ...] = field(default=())
+    # "package.module:function" taking the MeshSettings and returning one line per problem
+    # that would stop the service loading (a model file that cannot be read, or that does
+    # not fit in memory): `aimesh up` runs each distinct one before anything starts.
+    preflight: str | None = None
 
     def apply_environment(self) -> None:
         for key, value in self.environment:
@@ -87,6 +91,10 @@ def options_problems(specs: Iterable[ServiceSpec], settings: MeshSettings) -> li
             for problem in error.errors():
                 key = ".".join(str(part) for part in problem["loc"])
                 problems.append(f"[services.{spec.name}] {key}: {problem['msg']}")
+    checks = dict.fromkeys(spec.preflight for spec in specs if spec.preflight)
+    for check in checks:
+        assert check is not None
+        problems += pkgutil.resolve_name(check)(settings)
     return problems
 
 

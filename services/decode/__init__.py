@@ -7,6 +7,7 @@ SPEC = ServiceSpec(
     default_port=50063,
     description="Decode + GetLoad: the token-by-token half of disaggregated serving",
     setup="services.decode.servicer:setup",
+    preflight="services.llm.preflight:problems",
     options="services.decode.settings:DecodeOptions",
     dependencies=("prefill",),
     # One slot per stream in the running batch (max_batch_size defaults to 16).

@@ -9,6 +9,7 @@ SPEC = ServiceSpec(
     default_port=50060,
     description="Generate and Chat: tokenize -> prefill -> decode -> text, streamed",
     setup="services.generation.servicer:setup",
+    preflight="services.llm.preflight:problems",
     options="services.generation.settings:RouterOptions",
     # A slot per generation in flight: each is a long stream that mostly waits on decode.
     max_concurrency=64,

@@ -40,8 +40,8 @@ from services.generation.tokenize import TOKENIZER, TokenizerClient
 from services.generation.versions import Pool, Route, Versions, warm_generation
 from services.generation.workers import DecodePicker, PrefillPicker
 from services.llm import metrics
-from services.llm.artifacts import DEFAULT_NAME, load_tokenizer, resolve_model
-from services.llm.described import described
+from services.llm.artifacts import load_tokenizer, model_directory
+from services.llm.described import described, model_name
 from services.llm.prefix import MAX_CACHE_SALT_BYTES
 from services.llm.requests import Stopping, sampling_params, stopping
 from services.llm.settings import LlmSettings, llm_settings
@@ -394,7 +394,7 @@ async def setup(server: MeshServer) -> None:
     # trips no circuit breaker.
     tokenizer_target = server.dependency_target("tokenizer")
     tokenizer = TokenizerClient(server.channel_to("tokenizer", TOKENIZER))
-    model_name = settings.model.name if settings.model else DEFAULT_NAME
+    own_name = model_name(settings)
     engine: Engine
     if options.triton is not None:
         model = TritonModel(options.triton, server.settings)
@@ -430,23 +430,21 @@ async def setup(server: MeshServer) -> None:
             *(
                 registered_info(deployment, settings)
                 for name, deployment in router.versions.serving.items()
-                if name != model_name
+                if name != own_name
             ),
         ]
 
     async def load_models() -> None:
         """The model's tokenizer.json, found as every LLM service finds the model; then
         the registry's versions, routed once warm."""
-        directory = await asyncio.to_thread(
-            resolve_model, settings.model, server.settings.cache_dir
-        )
+        directory = await asyncio.to_thread(model_directory, settings, server.settings.cache_dir)
         text_tokenizer = await asyncio.to_thread(load_tokenizer, directory)
         vocabulary = await asyncio.to_thread(sha256_of, directory / "tokenizer.json")
         runs_on = "triton" if options.triton is not None else "prefill+decode"
         own_info.append(described(directory, settings, engine=runs_on))
         versions = Versions(
             store=store,
-            own=Pool(model_name, "", engine, tokenizer, text_tokenizer),
+            own=Pool(own_name, "", engine, tokenizer, text_tokenizer),
             channels=server.channels,
             tls=server.settings.tls,
             poll_interval_s=options.registry_poll_s,

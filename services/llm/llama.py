@@ -194,6 +194,9 @@ class TorchSlots:
 
 
 class Llama:
+    # A cached prefix's KV serves any prompt that starts with it (every position is kept).
+    reuses_prefix = True
+
     def __init__(
         self,
         config: LlamaConfig,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import struct
-import threading
 from pathlib import Path
 
 import llama_cpp as lib
@@ -29,6 +28,8 @@ import torch
 
 from aimesh.llm.v1 import kv_cache_pb2
 from mesh.failures import NotReady
+from services.llm import llama_backend
+from services.llm.gguf import llama_errors
 from services.llm.kv_codec import KvState, SequenceState
 from services.llm.llama import LayerKV, LlamaConfig
 
@@ -58,26 +59,6 @@ PREFILL_CHUNK = 512
 _U32, _CELL, _ROWS = struct.Struct("<I"), struct.Struct("<iIi"), struct.Struct("<iQ")
 _GGML_F16 = 1
 
-# ggml_log_level: only warnings and errors reach the service's log; the rest is load chatter.
-_LOG_LEVELS = {3: logging.WARNING, 4: logging.ERROR}
-_backend_ready = threading.Lock()
-_backend_started = False
-
-
-@lib.llama_log_callback
-def _forward_log(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
-    if level in _LOG_LEVELS and text:
-        log.log(_LOG_LEVELS[level], "llama.cpp: %s", text.decode(errors="replace").rstrip())
-
-
-def _start_backend() -> None:
-    global _backend_started
-    with _backend_ready:
-        if not _backend_started:
-            lib.llama_log_set(_forward_log, ctypes.c_void_p())
-            lib.llama_backend_init()
-            _backend_started = True
-
 
 def kv_format(model_sha256: str) -> kv_cache_pb2.KvFormat:
     """What a state written by this engine from the model of `model_sha256` is."""
@@ -105,15 +86,16 @@ class LlamaCpp:
         max_seq_len: int,
         threads: int,
     ) -> None:
-        _start_backend()
+        llama_backend.start()
         self.config = config
         self.max_seq_len = max_seq_len
         self.sequences = sequences
-        self._model = lib.llama_model_load_from_file(
-            str(gguf).encode(), lib.llama_model_default_params()
-        )
+        with llama_errors() as errors:
+            self._model = lib.llama_model_load_from_file(
+                str(gguf).encode(), lib.llama_model_default_params()
+            )
         if not self._model:
-            raise NotReady(f"llama.cpp could not load {gguf}")
+            raise NotReady(f"llama.cpp could not load {gguf}: {'; '.join(errors) or 'no reason'}")
         self.vocab_size = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self._model))
         if self.vocab_size != config.vocab_size:
             lib.llama_model_free(self._model)
@@ -121,24 +103,31 @@ class LlamaCpp:
                 f"{gguf} has {self.vocab_size} tokens, the model directory {config.vocab_size}: "
                 "not the same model"
             )
-        params = lib.llama_context_default_params()
-        params.n_ctx = sequences * max_seq_len
-        params.n_batch = params.n_ubatch = max(PREFILL_CHUNK, sequences)
-        params.n_seq_max = sequences
-        params.n_threads = params.n_threads_batch = threads
-        params.kv_unified = False
-        params.no_perf = True
-        self._context = lib.llama_init_from_model(self._model, params)
-        if not self._context:
-            lib.llama_model_free(self._model)
-            raise NotReady(f"llama.cpp could not make a context of {params.n_ctx} tokens")
+        self._threads = threads
+        self._context = self._new_context(sequences, sequences * max_seq_len, unified=False)
+        # Whether the sequences share one KV stream: only where a state is not one cache's
+        # one block (a sliding-window model keeps two caches, a hybrid a KV cache and a
+        # recurrent state), which `_in_streams` cannot rewrite as n streams. Such a state
+        # moves between contexts of one stream, and a sequence's attention then sums cells
+        # its neighbours also fill, as llama-server's unified cache does.
+        self.unified = sequences > 1 and not self._states_are_one_block()
+        if self.unified:
+            lib.llama_free(self._context)
+            self._context = self._new_context(sequences, sequences * max_seq_len, unified=True)
         self._memory = lib.llama_get_memory(self._context)
-        self._batch = lib.llama_batch_init(params.n_batch, 0, 1)
+        self._batch = lib.llama_batch_init(max(PREFILL_CHUNK, sequences), 0, 1)
         description = ctypes.create_string_buffer(256)
         lib.llama_model_desc(self._model, description, len(description))
         # "<arch> <size class> <weights' type>", e.g. "llama 256M Q4_1": GetInfo's dtype
         # is the weights' type (the size class is llama.cpp's bucket, not the model's).
         self.weights_type = description.value.decode(errors="replace").split(" ", 2)[-1]
+        # A cached prefix's state cut short continues a prompt only where the cache holds
+        # every position (not a sliding window's last tokens, not a recurrent state).
+        self.reuses_prefix = not (
+            lib.llama_model_n_swa(self._model)
+            or lib.llama_model_is_recurrent(self._model)
+            or lib.llama_model_is_hybrid(self._model)
+        )
         self._state_head = self._torch_state_head()
         # Whether torch prefill's KV can be written as this context's state (load).
         self.reads_torch = self._state_head is not None
@@ -276,7 +265,7 @@ class LlamaCpp:
         one = (1).to_bytes(4, "little")
         if data[_STREAM_COUNT] != one:
             raise ValueError("the state does not hold exactly one KV stream")
-        if self.sequences == 1:
+        if self.sequences == 1 or self.unified:
             return data
         count = self.sequences.to_bytes(4, "little")
         return data[:8] + count + data[12:] + bytes(4 * (self.sequences - 1))
@@ -304,6 +293,55 @@ class LlamaCpp:
                 return None
             offset += _ROWS.size + row
         return data[:8] + _U32.pack(1) if offset == len(body) else None
+
+    def _new_context(self, sequences: int, tokens: int, *, unified: bool) -> lib.llama_context_p:
+        params = lib.llama_context_default_params()
+        params.n_ctx = tokens
+        params.n_batch = params.n_ubatch = max(PREFILL_CHUNK, sequences)
+        params.n_seq_max = sequences
+        params.n_threads = params.n_threads_batch = self._threads
+        params.kv_unified = unified
+        params.no_perf = True
+        with llama_errors() as errors:
+            context = lib.llama_init_from_model(self._model, params)
+        if not context:
+            lib.llama_model_free(self._model)
+            reason = "; ".join(errors) or "no reason given"
+            raise NotReady(f"llama.cpp could not make a context of {tokens} tokens: {reason}")
+        return context
+
+    def _states_are_one_block(self) -> bool:
+        """Whether a one-token state of this context is a one-stream context's state of the
+        same token with the stream count raised and empty streams appended (what
+        `_in_streams` writes), learned by writing both: true for a model with one KV cache."""
+        token = [self.config.bos_token_id or 0]
+        batch = lib.llama_batch_init(1, 0, 1)
+        try:
+            ours = self._one_token_state(self._context, batch, token)
+            probe = self._new_context(1, PREFILL_CHUNK, unified=False)
+            try:
+                alone = self._one_token_state(probe, batch, token)
+            finally:
+                lib.llama_free(probe)
+        finally:
+            lib.llama_batch_free(batch)
+        empty = bytes(4 * (self.sequences - 1))
+        return ours == alone[:8] + _U32.pack(self.sequences) + alone[12:] + empty
+
+    @staticmethod
+    def _one_token_state(
+        context: lib.llama_context_p, batch: lib.llama_batch, token: list[int]
+    ) -> bytes:
+        batch.token[0], batch.pos[0], batch.n_seq_id[0], batch.seq_id[0][0] = token[0], 0, 1, 0
+        batch.logits[0] = True
+        batch.n_tokens = 1
+        if lib.llama_decode(context, batch) != 0:
+            raise RuntimeError("llama.cpp could not run one token")
+        size = lib.llama_state_seq_get_size(context, 0)
+        buffer = (ctypes.c_uint8 * size)()
+        lib.llama_state_seq_get_data(context, buffer, size, 0)
+        lib.llama_memory_seq_rm(lib.llama_get_memory(context), 0, -1, -1)
+        return bytes(buffer)
 
     def _export(self, slot: int) -> bytes:
         size = lib.llama_state_seq_get_size(self._context, slot)

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from mesh.config import MeshSettings
 
@@ -18,8 +18,9 @@ from mesh.config import MeshSettings
 class LlmSettings(BaseModel, extra="forbid"):
     model: Path | None = Field(
         default=None,
-        description="A local Hugging Face model directory (Llama family); None: the "
-        "embedded SmolLM2-135M-Instruct, converted once from its GGUF into cache_dir",
+        description="A local Hugging Face model directory (Llama family), or a GGUF file "
+        "(the same as gguf = that file); None: the embedded SmolLM2-135M-Instruct, "
+        "converted once from its GGUF into cache_dir",
     )
     engine: Literal["auto", "torch", "llama.cpp"] = Field(
         default="auto",
@@ -36,8 +37,16 @@ class LlmSettings(BaseModel, extra="forbid"):
     )
     gguf: Path | None = Field(
         default=None,
-        description="the model's GGUF for the llama.cpp engine, the same weights as `model` "
-        "(its vocabulary must match); None: the embedded model's, when `model` is None",
+        description="a GGUF file: alone, the whole model (weights, vocabulary, special "
+        "tokens, chat template and limits from its metadata, on the llama.cpp engine); "
+        "with `model`, the same weights for the llama.cpp engine (its vocabulary must "
+        "match); None: the embedded model's, when `model` is None",
+    )
+    chat_template: Path | None = Field(
+        default=None,
+        description="a Jinja chat template file used instead of the model's own (a GGUF "
+        "without one serves chat with it); None: the model's template, and a model "
+        "without one refuses chat with INVALID_ARGUMENT",
     )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         default="auto",
@@ -57,6 +66,12 @@ class LlmSettings(BaseModel, extra="forbid"):
     kv_store_bytes: int = Field(
         default=512 * 1024 * 1024, ge=1024 * 1024, description="prefill's leased KV budget"
     )
+    memory_budget_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="what a llama.cpp prefill or decode process may take (weights + KV + "
+        "compute buffers, estimated before loading); 0: the memory available at its start",
+    )
     # Decode steps llama.cpp's kernels on every thread it is given, and a step waits for
     # the slowest: on two cores shared with prefill and the router, two decode threads
     # still stream 1.3-1.6x the tokens of one at 16 streams (docs/benchmarks.md). Prefill's
@@ -69,9 +84,32 @@ class LlmSettings(BaseModel, extra="forbid"):
         "0: every core the process may run on",
     )
 
+    @model_validator(mode="after")
+    def _gguf_given_as_model(self) -> LlmSettings:
+        """`model = "x.gguf"` (and `aimesh up --model x.gguf`) names a complete model."""
+        if self.model is not None and self.model.suffix.lower() == ".gguf":
+            if self.gguf is not None and self.gguf != self.model:
+                raise ValueError("model names one GGUF and gguf another: give one")
+            self.gguf, self.model = self.model, None
+        return self
+
+    @property
+    def gguf_only(self) -> bool:
+        """A model given as a GGUF alone: tokenizer, template and limits come from it."""
+        return self.model is None and self.gguf is not None
+
     def thread_count(self) -> int:
         return self.threads or len(os.sched_getaffinity(0))
 
 
 def llm_settings(settings: MeshSettings) -> LlmSettings:
-    return LlmSettings.model_validate(settings.engines.get("llm", {}))
+    """[engines.llm]; for a GGUF alone, max_seq_len no longer than the model's context."""
+    llm = LlmSettings.model_validate(settings.engines.get("llm", {}))
+    if llm.gguf is None or not llm.gguf_only:
+        return llm
+    from services.llm.gguf import read_facts  # imported here: it loads llama.cpp
+
+    context = read_facts(llm.gguf).context_length
+    if 0 < context < llm.max_seq_len:
+        return llm.model_copy(update={"max_seq_len": context})
+    return llm

@@ -7,6 +7,7 @@ SPEC = ServiceSpec(
     default_port=50062,
     description="Prefill + KvCache.Pull/Release: the prompt half of disaggregated serving",
     setup="services.prefill.servicer:setup",
+    preflight="services.llm.preflight:problems",
     options="services.prefill.settings:PrefillOptions",
     # Pulls and releases move memory out of the worker; they must never queue behind
     # prompt computation, or a busy prefill worker would stall every decoder.

@@ -201,7 +201,10 @@ async def setup(server: MeshServer) -> None:
 
     def load() -> PrefillEngine:
         served = load_served(settings, server.settings.cache_dir, phase="prefill", sequences=1)
-        engine = PrefillEngine(served.model, PrefixCache(worker.options.prefix_cache_bytes))
+        # A model whose cache cannot be cut short (sliding window, recurrent) runs every
+        # prompt whole, as llama-server does.
+        cache_bytes = worker.options.prefix_cache_bytes if served.model.reuses_prefix else 0
+        engine = PrefillEngine(served.model, PrefixCache(cache_bytes))
         engine.warm_up()
         worker.kv_format = served.kv_format
         server.describe(served.info)

@@ -20,7 +20,7 @@ from pathlib import Path
 from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from mesh.failures import Conflict, FieldViolation, InvalidInput, NotReady
+from mesh.failures import FieldViolation, InvalidInput, NotReady
 from services.tokenizer.detokenize import IncrementalDetokenizer
 
 # Accepted when the template does not say which roles it knows (it renders any role).
@@ -60,11 +60,18 @@ class TokenizerEngine:
         self.roles = _accepted_roles(tokenizer)
 
     @classmethod
-    def load(cls, directory: Path) -> TokenizerEngine:
-        """Loads the fast tokenizer of a local model directory; never touches the network."""
+    def load(cls, directory: Path, chat_template: Path | None = None) -> TokenizerEngine:
+        """Loads the fast tokenizer of a local model directory; never touches the network.
+        `chat_template`: a Jinja file that replaces the model's own template (or gives
+        one to a model without)."""
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         if not hasattr(tokenizer, "backend_tokenizer"):
             raise NotReady(f"{directory} has no fast tokenizer (tokenizer.json)")
+        if chat_template is not None:
+            try:
+                tokenizer.chat_template = chat_template.read_text()
+            except (OSError, UnicodeDecodeError) as error:
+                raise NotReady(f"cannot read the chat template {chat_template}: {error}") from error
         return cls(tokenizer)
 
     def tokenize(self, text: str, add_special_tokens: bool, return_details: bool) -> Tokenized:
@@ -90,7 +97,12 @@ class TokenizerEngine:
         """Renders (role, content) pairs; the ids never get special tokens added again,
         because the template already wrote them into the text."""
         if self._tokenizer.chat_template is None:
-            raise Conflict("the model has no chat template")
+            violation = FieldViolation(
+                "messages",
+                "the model has no chat template: send a prompt to completions, or configure "
+                "[engines.llm] chat_template",
+            )
+            raise InvalidInput([violation])
         conversation = [{"role": role, "content": content} for role, content in messages]
         try:
             text = self._tokenizer.apply_chat_template(

@@ -25,7 +25,7 @@ from aimesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mesh import request_id
 from mesh.server import MeshServer
 from mesh.validation import Violations
-from services.llm.artifacts import resolve_model
+from services.llm.artifacts import model_directory
 from services.llm.described import described
 from services.llm.settings import LlmSettings, llm_settings
 from services.tokenizer.engine import IncrementalDetokenizer, Tokenized, TokenizerEngine
@@ -202,8 +202,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
 
 
 def _load_engine(server: MeshServer, settings: LlmSettings) -> TokenizerEngine:
-    directory = resolve_model(settings.model, server.settings.cache_dir)
-    engine = TokenizerEngine.load(directory)
+    directory = model_directory(settings, server.settings.cache_dir)
+    engine = TokenizerEngine.load(directory, settings.chat_template)
     engine.tokenize(WARMUP_TEXT, add_special_tokens=True, return_details=True)
     server.describe(described(directory, settings, engine="tokenizers"))
     return engine

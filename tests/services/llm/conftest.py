@@ -117,12 +117,13 @@ def running_llm_mesh(
     engine: str = "torch",
     prefill_engine: str = "torch",
     extra_config: str = "",
+    llm_config: str = "",
 ) -> Iterator[LlmMesh]:
     """Five processes, as `aimesh up` runs them: decode on `engine`, prefill on
     `prefill_engine`, torch in `dtype`. Pinned, not "auto": auto is llama.cpp decode on a
     CPU, and bfloat16 on a CPU with AVX-512 BF16, and the torch tests compare output with
     transformers float32 bit for bit. `extra_config` is TOML appended to the mesh's config
-    (tables of its own: it comes last)."""
+    (tables of its own: it comes last); `llm_config`, keys added to [engines.llm]."""
     ports = {name: free_port() for name in ("tokenizer", "prefill", "generation")}
     ports["tokenizer_metrics"] = free_port()
     ports["prefill_metrics"] = free_port()
@@ -133,6 +134,7 @@ def running_llm_mesh(
     config.write_text(
         f"[engines.llm]\nmax_seq_len = {MAX_SEQ_LEN}\nmax_batch_size = {MAX_BATCH}\n"
         f'engine = "{engine}"\nprefill_engine = "{prefill_engine}"\ndtype = "{dtype}"\n'
+        f"{llm_config}"
         f"[services.tokenizer]\nport = {ports['tokenizer']}\n"
         f"metrics_port = {ports['tokenizer_metrics']}\n"
         f"[services.prefill]\nport = {ports['prefill']}\n"
