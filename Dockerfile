@@ -6,9 +6,10 @@
 #   TORCH_INDEX_URL  where pip finds torch==2.13.0. Empty: the default index, whose Linux
 #                    wheel is the CUDA build (several GB). For the CPU image pass PyTorch's
 #                    CPU wheel index; for a GPU image see docs/deploy.md.
-#   LLAMA_CMAKE_ARGS how llama-cpp-python compiles llama.cpp (the LLM's CPU engine): any
-#                    x86-64 CPU with AVX2 by default; add -DGGML_CUDA=on on a CUDA devel
-#                    base for GPUs (docs/deploy.md).
+#   LLAMA_CMAKE_ARGS how llama-cpp-python compiles llama.cpp (the LLM's CPU engine): by
+#                    default every x86-64 CPU variant, the best one the node's CPU runs
+#                    loaded at start (as the Makefile builds it); add -DGGML_CUDA=on on a
+#                    CUDA devel base for GPUs (docs/deploy.md).
 #   BAKE_MODELS      1 (default): convert the embedded models into the image's cache at
 #                    build time, so pods start in seconds and need no writable volume;
 #                    0: convert at first start into AIMESH_CACHE_DIR (mount a volume there).
@@ -17,7 +18,7 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE} AS builder
 ARG TORCH_INDEX_URL=""
 ARG BAKE_MODELS=1
-ARG LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAVA_BUILD=OFF"
+ARG LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DLLAVA_BUILD=OFF -DCMAKE_INSTALL_RPATH=\$ORIGIN -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON"
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/aimesh/bin:$PATH

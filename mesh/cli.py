@@ -27,7 +27,7 @@ from mesh.health import probe
 from mesh.info import get_info, summary
 from mesh.metrics import serve_metrics
 from mesh.pki import ThrowawayCa
-from mesh.registry import ServiceSpec, discover, options_problems
+from mesh.registry import ServiceSpec, discover, options_problems, preflight_problems
 from mesh.server import MeshServer
 from mesh.tls import terminates_here, tls_environment
 
@@ -134,6 +134,7 @@ def up(
         for environment in environments.values():
             environment["AIMESH_ENGINES__LLM__MODEL"] = str(model.resolve())
     _refuse_bad_options(specs, settings)
+    _refuse_unloadable(specs, settings)
     edge_settings = settings
     if caller_tokens and not tls:
         raise typer.BadParameter("--caller-tokens signs with --tls's certificates: add --tls")
@@ -232,6 +233,15 @@ def _refuse_bad_options(specs: list[ServiceSpec], settings: MeshSettings) -> Non
     if problems:
         for problem in problems:
             console.print(f"[red]{problem}[/red]")
+        raise typer.Exit(2)
+
+
+def _refuse_unloadable(specs: list[ServiceSpec], settings: MeshSettings) -> None:
+    """A model that cannot be read or does not fit stops `up` before anything starts."""
+    problems = preflight_problems(specs, settings)
+    if problems:
+        for problem in problems:
+            console.print(f"[red]{problem}[/red]", soft_wrap=True)
         raise typer.Exit(2)
 
 

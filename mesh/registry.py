@@ -91,11 +91,14 @@ def options_problems(specs: Iterable[ServiceSpec], settings: MeshSettings) -> li
             for problem in error.errors():
                 key = ".".join(str(part) for part in problem["loc"])
                 problems.append(f"[services.{spec.name}] {key}: {problem['msg']}")
-    checks = dict.fromkeys(spec.preflight for spec in specs if spec.preflight)
-    for check in checks:
-        assert check is not None
-        problems += pkgutil.resolve_name(check)(settings)
     return problems
+
+
+def preflight_problems(specs: Iterable[ServiceSpec], settings: MeshSettings) -> list[str]:
+    """The services' own checks of what they will load (ServiceSpec.preflight), each
+    distinct one once: what `aimesh up` refuses to start with."""
+    checks = dict.fromkeys(spec.preflight for spec in specs if spec.preflight is not None)
+    return [line for check in checks for line in pkgutil.resolve_name(check)(settings)]
 
 
 def discover() -> dict[str, ServiceSpec]:

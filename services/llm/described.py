@@ -14,13 +14,8 @@ from aimesh.llm.v1 import kv_cache_pb2
 from mesh.artifacts import artifact_digest, sha256_of
 from mesh.failures import NotReady
 from mesh.info import ModelInfo
-from services.llm.artifacts import (
-    DEFAULT_NAME,
-    gguf_path,
-    gguf_sha256,
-    model_directory,
-    resolve_model,
-)
+from services.llm.artifacts import DEFAULT_NAME, gguf_sha256, model_directory, resolve_model
+from services.llm.engine_choice import engine_of, gguf_of
 from services.llm.gguf import GgufFacts, read_facts
 from services.llm.llama import Llama, LlamaConfig, resolve_device, resolve_dtype
 from services.llm.memory_plan import check_fits
@@ -121,33 +116,6 @@ def load_llama(settings: LlmSettings, cache_dir: Path) -> tuple[Llama, ModelInfo
         directory, settings, engine="torch", dtype=str(dtype).removeprefix("torch."), device=device
     )
     return model, info
-
-
-def gguf_of(settings: LlmSettings) -> Path | None:
-    """The GGUF the llama.cpp engine serves: the configured one, or the embedded model's."""
-    if settings.gguf is not None:
-        return settings.gguf
-    return gguf_path() if settings.model is None else None
-
-
-def engine_of(
-    settings: LlmSettings, phase: Literal["prefill", "decode"]
-) -> Literal["torch", "llama.cpp"]:
-    """A GGUF alone, auto: llama.cpp in both phases (the only engine that reads one).
-    Otherwise decode, auto: llama.cpp on the CPU where the model has a GGUF (a step reads
-    every weight: 4-bit weights read fastest); torch on a GPU (bfloat16) or for a model
-    directory without one. Prefill, auto: torch (a prompt is compute-bound: torch's GEMMs
-    ran 256 tokens 3.7x faster than llama.cpp here, docs/benchmarks.md)."""
-    chosen = settings.prefill_engine if phase == "prefill" else settings.engine
-    if chosen != "auto":
-        return chosen
-    if settings.gguf_only:
-        return "llama.cpp"
-    if phase == "prefill":
-        return "torch"
-    if resolve_device(settings.device).type == "cuda" or gguf_of(settings) is None:
-        return "torch"
-    return "llama.cpp"
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from mesh.config import MeshSettings
 from mesh.failures import NotReady
 from services.llm import memory_plan
-from services.llm.described import engine_of, gguf_of
+from services.llm.engine_choice import engine_of, gguf_of
 from services.llm.gguf import read_facts
 from services.llm.settings import llm_settings
 
