@@ -45,7 +45,11 @@ class LlamaConfig:
     def from_directory(cls, directory: Path) -> LlamaConfig:
         raw = json.loads((directory / "config.json").read_text())
         if raw.get("model_type") != "llama":
-            raise NotReady(f"{directory}: model_type {raw.get('model_type')!r} is not llama")
+            raise NotReady(
+                f"{directory}: the torch engine runs llama models, not "
+                f"{raw.get('model_type')!r}; the llama.cpp engine runs it from its GGUF "
+                "([engines.llm] gguf = <the model's GGUF>)"
+            )
         rope = raw.get("rope_parameters") or {
             "rope_type": (raw.get("rope_scaling") or {}).get("rope_type", "default"),
             "rope_theta": raw.get("rope_theta", 10000.0),

@@ -6,6 +6,9 @@ their warm-up and restarting in a loop."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from pydantic import ValidationError
 
 from mesh.config import MeshSettings
@@ -18,9 +21,25 @@ from services.llm.settings import llm_settings
 GIB = memory_plan.GIB
 
 
+def torch_model_problem(directory: Path) -> None:
+    """NotReady unless the torch engine can run the directory's model (a llama)."""
+    try:
+        model_type = json.loads((directory / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError) as error:
+        raise NotReady(f"{directory} is not a Hugging Face model directory ({error})") from error
+    if model_type != "llama":
+        raise NotReady(
+            f"{directory}: the torch engine runs llama models, not {model_type!r}; the "
+            "llama.cpp engine runs it from its GGUF ([engines.llm] gguf = <the GGUF>)"
+        )
+
+
 def problems(settings: MeshSettings) -> list[str]:
     try:
         llm = llm_settings(settings)
+        engines = (engine_of(llm, "prefill"), engine_of(llm, "decode"))
+        if llm.model is not None and "torch" in engines:
+            torch_model_problem(llm.model)
         gguf = gguf_of(llm)
         if gguf is None:
             return []
@@ -29,7 +48,7 @@ def problems(settings: MeshSettings) -> list[str]:
         return [f"[engines.llm] {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()]
     except NotReady as error:
         return [f"[engines.llm] {error}"]
-    if llm.gguf_only and "torch" in (engine_of(llm, "prefill"), engine_of(llm, "decode")):
+    if llm.gguf_only and "torch" in engines:
         return [
             f"[engines.llm] {gguf.name} ({facts.architecture}) is a GGUF alone, which only the "
             "llama.cpp engine serves: set engine and prefill_engine to 'auto' or 'llama.cpp'"
