@@ -123,7 +123,9 @@ def greedy(prompt: str, count: int, **stopping: object) -> generation_pb2.Genera
     return generation_pb2.GenerateRequest(
         prompt=prompt,
         sampling=sampling_pb2.SamplingParameters(temperature=0),
-        stopping=sampling_pb2.StoppingCriteria(max_new_tokens=count, ignore_eos=True, **stopping),
+        stopping=sampling_pb2.StoppingCriteria(
+            **{"ignore_eos": True, **stopping}, max_new_tokens=count
+        ),
     )
 
 
@@ -150,7 +152,7 @@ async def check_generation(mesh: Mesh) -> None:
 
         # Guided choice forces characters whose bytes span several tokens: they come out
         # whole, never as U+FFFD halves.
-        choice = greedy(PROMPT, 32)
+        choice = greedy(PROMPT, 32, ignore_eos=False)
         choice.sampling.choices.append(SPLIT_CHARACTER)
         _, chosen, _ = await collected(mesh.generation(channel).Generate(choice, timeout=120))
         assert chosen == SPLIT_CHARACTER
