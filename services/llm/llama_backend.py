@@ -57,6 +57,19 @@ def variant_directories() -> list[Path]:
     return [d for d in candidates if any(d.glob("libggml-cpu-*.so"))]
 
 
+def _linked_ggml() -> Path:
+    """The libggml file libllama was linked to, as mapped into this process. A wheel holds
+    copies of it under several names (libggml.so, .so.0, .so.0.25.3), and each copy loaded
+    keeps a backend registry of its own: backends loaded through another copy are not seen
+    by llama.cpp ("no backends are loaded")."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and Path(fields[-1]).name.startswith("libggml.so"):
+                return Path(fields[-1])
+    return Path(lib.__file__).parent / "lib" / "libggml.so"
+
+
 def start() -> None:
     """Once per process, before any model loads."""
     with _started:
@@ -65,7 +78,7 @@ def start() -> None:
         lib.llama_log_set(_forward_log, ctypes.c_void_p())
         directories = variant_directories()
         if directories:
-            ggml = ctypes.CDLL(str(Path(lib.__file__).parent / "lib" / "libggml.so"))
+            ggml = ctypes.CDLL(str(_linked_ggml()))
             ggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
             ggml.ggml_backend_load_all_from_path(str(directories[0]).encode())
         lib.llama_backend_init()
