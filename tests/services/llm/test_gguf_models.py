@@ -1,7 +1,8 @@
 """The tiny GGUFs of tests/gguf_models.py are what they claim: each loads in the installed
 llama.cpp as its architecture, carries its family's chat template and tokenizes exactly as
-the Hugging Face tokenizer it was converted from; the broken ones are refused without a
-crash. Every later GGUF test stands on these."""
+the Hugging Face tokenizer it was converted from; the tokenizer transformers reads back from
+the GGUF alone (what the mesh serves a GGUF with) tokenizes and detokenizes as llama.cpp;
+the broken ones are refused without a crash. Every later GGUF test stands on these."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ import pytest
 from gguf import GGUFReader
 
 from mesh.config import MeshSettings
+from mesh.failures import NotReady
+from services.llm.artifacts import gguf_tokenizer
+from services.tokenizer.engine import TokenizerEngine
 from tests import gguf_models
 from tests.gguf_models import (
     ARCHITECTURES,
@@ -40,6 +44,36 @@ TRICKY_TEXTS = [
     "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n",
     "  leading and trailing spaces  ",
     "3.14159 + 12345678 = 12345681.14159",
+]
+# Each vocabulary's special tokens written in the text, whitespace after some of them (which
+# a token that strips it would eat): SmolLM2's for the three byte-level BPE models.
+SPECIAL_TEXTS = {
+    "llama": "<|im_start|>user\n hi<|im_end|> <|endoftext|>\n<|im_start|>",
+    "mistral3": "<|im_start|>user\n hi<|im_end|> <|endoftext|>\n<|im_start|>",
+    "qwen3": "<|im_start|>user\n hi<|im_end|> <|endoftext|>\n<|im_start|>",
+    "gemma3": "<bos><start_of_turn>user\n\n\n hi\t\t  x<end_of_turn>\n<eos> <pad><mask>x<unk>",
+    "phi3": "<s><|system|>\n be<|end|>\n<|user|>  hi</s> <|endoftext|>\n<|assistant|>",
+}
+PLAIN_TEXT = "Hello world, how are you?"
+VOCABULARY_KINDS = {
+    "llama": "gpt2",
+    "mistral3": "gpt2",
+    "qwen3": "gpt2",
+    "gemma3": "llama",
+    "phi3": "llama",
+}
+# The mesh converts a GGUF's tokenizer with AutoTokenizer, which reads the GGUF's model
+# config first: transformers has no reading of a mistral3 one, so the mesh refuses it.
+SERVED_ARCHITECTURES = [
+    pytest.param(
+        arch,
+        marks=pytest.mark.xfail(
+            strict=True, raises=NotReady, reason="transformers reads no mistral3 GGUF config"
+        ),
+    )
+    if arch == "mistral3"
+    else arch
+    for arch in ARCHITECTURES
 ]
 CONVERSATION = [
     {"role": "user", "content": "Hello"},
@@ -81,6 +115,20 @@ def loaded(path: Path, *, vocab_only: bool) -> Iterator[ctypes.c_void_p | None]:
             llama_cpp.llama_model_free(model)
 
 
+@pytest.fixture(scope="module")
+def gguf_read_tokenizers(models: dict[str, TinyModel]):
+    """What transformers makes of each GGUF's tokenizer metadata, with no other file.
+    AutoTokenizer, which the mesh calls, reads the GGUF's model config first, and
+    transformers has no reading of a mistral3 one; this class reads only the tokenizer,
+    through the same converter (picked by the GGUF's architecture and vocabulary kind)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return {
+        arch: PreTrainedTokenizerFast.from_pretrained(m.gguf.parent, gguf_file=m.gguf.name)
+        for arch, m in models.items()
+    }
+
+
 def metadata(model, key: str) -> str:
     buffer = ctypes.create_string_buffer(4096)
     length = llama_cpp.llama_model_meta_val_str(model, key.encode(), buffer, len(buffer))
@@ -88,13 +136,24 @@ def metadata(model, key: str) -> str:
     return buffer.value.decode()
 
 
-def llama_cpp_tokens(model, text: str) -> list[int]:
+def llama_cpp_tokens(model, text: str, add_special: bool = False) -> list[int]:
+    """llama.cpp's ids for `text`, special tokens written in it parsed as such."""
     data = text.encode()
     tokens = (llama_cpp.llama_token * (len(data) + 8))()
     vocab = llama_cpp.llama_model_get_vocab(model)
-    count = llama_cpp.llama_tokenize(vocab, data, len(data), tokens, len(tokens), False, True)
+    count = llama_cpp.llama_tokenize(vocab, data, len(data), tokens, len(tokens), add_special, True)
     assert count >= 0
     return list(tokens[:count])
+
+
+def llama_cpp_text(model, ids: list[int]) -> str:
+    """llama.cpp's text for `ids`, special tokens written out, none removed."""
+    tokens = (llama_cpp.llama_token * len(ids))(*ids)
+    buffer = ctypes.create_string_buffer(65536)
+    vocab = llama_cpp.llama_model_get_vocab(model)
+    length = llama_cpp.llama_detokenize(vocab, tokens, len(ids), buffer, len(buffer), False, True)
+    assert length >= 0
+    return buffer.raw[:length].decode()
 
 
 @cache
@@ -117,7 +176,8 @@ def test_each_architecture_loads_in_llama_cpp_as_itself(models, arch):
         assert metadata(llama, "general.architecture") == arch
         assert llama_cpp.llama_model_n_layer(llama) == 2
         assert llama_cpp.llama_model_n_embd(llama) == 64
-        assert llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(llama)) == 49152
+        vocab_size = json.loads((model.hf_dir / "config.json").read_text())["vocab_size"]
+        assert llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(llama)) == vocab_size
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -172,6 +232,70 @@ def test_llama_cpp_tokenizes_as_the_hf_tokenizer(models, hf_tokenizers, arch):
         for text in TRICKY_TEXTS:
             expected = hf_tokenizers[arch].encode(text, add_special_tokens=False)
             assert llama_cpp_tokens(llama, text) == expected, text
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_each_family_carries_its_kind_of_vocabulary(models, arch):
+    """Gemma's and Phi-3's GGUFs carry SentencePiece vocabularies ("llama"), the others
+    byte-level BPE ("gpt2"): transformers picks its reading of a "llama" one by
+    architecture, so a test model of another kind would test the wrong reader."""
+    assert gguf_fields(models[arch].gguf)["tokenizer.ggml.model"] == VOCABULARY_KINDS[arch]
+
+
+def texts_of(arch: str, hf_tokenizers) -> list[str]:
+    """Tricky text, the family's special tokens written in text and its rendered chat."""
+    chat = hf_tokenizers[arch].apply_chat_template(
+        CONVERSATION, tokenize=False, add_generation_prompt=True
+    )
+    return [*TRICKY_TEXTS, SPECIAL_TEXTS[arch], chat]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_the_tokenizer_read_from_the_gguf_agrees_with_llama_cpp(
+    models, hf_tokenizers, gguf_read_tokenizers, arch
+):
+    """transformers' reading of the GGUF gives llama.cpp's ids, adds what llama.cpp adds
+    (the BOS policy) and turns the ids back into llama.cpp's text."""
+    backend = gguf_read_tokenizers[arch].backend_tokenizer
+    with loaded(models[arch].gguf, vocab_only=True) as llama:
+        for text in texts_of(arch, hf_tokenizers):
+            expected = llama_cpp_tokens(llama, text)
+            (encoding,) = backend.encode_batch([text], add_special_tokens=False)
+            assert encoding.ids == expected, text
+            assert backend.decode(expected, skip_special_tokens=False) == llama_cpp_text(
+                llama, expected
+            ), text
+        expected = llama_cpp_tokens(llama, PLAIN_TEXT, add_special=True)
+        (encoding,) = backend.encode_batch([PLAIN_TEXT], add_special_tokens=True)
+        assert encoding.ids == expected
+        vocab = llama_cpp.llama_model_get_vocab(llama)
+        adds_bos = expected[0] == llama_cpp.llama_vocab_bos(vocab)
+        assert adds_bos == llama_cpp.llama_vocab_get_add_bos(vocab)
+
+
+@pytest.mark.parametrize("arch", SERVED_ARCHITECTURES)
+def test_the_mesh_serves_a_gguf_alone_with_llama_cpp_tokens(models, hf_tokenizers, tmp_path, arch):
+    """The tokenizer service's tokenizer of the GGUF alone (converted by gguf_tokenizer,
+    loaded as the service loads it) tokenizes and detokenizes as llama.cpp."""
+    served = TokenizerEngine.load(gguf_tokenizer(models[arch].gguf, tmp_path))
+    with loaded(models[arch].gguf, vocab_only=True) as llama:
+        for text in texts_of(arch, hf_tokenizers):
+            expected = llama_cpp_tokens(llama, text)
+            assert served.tokenize(text, False, False).ids == expected, text
+            assert served.detokenize(expected, False) == llama_cpp_text(llama, expected), text
+        expected = llama_cpp_tokens(llama, PLAIN_TEXT, add_special=True)
+        assert served.tokenize(PLAIN_TEXT, True, False).ids == expected
+
+
+def test_gemma_adds_bos_and_phi3_does_not(models, gguf_read_tokenizers):
+    """The families' BOS policies, which the comparison above only checks agree:
+    Gemma's tokenizer adds <bos>, Phi-3.5's adds nothing."""
+    gemma = gguf_read_tokenizers["gemma3"].backend_tokenizer
+    phi3 = gguf_read_tokenizers["phi3"].backend_tokenizer
+    (with_bos,) = gemma.encode_batch([PLAIN_TEXT], add_special_tokens=True)
+    (without,) = phi3.encode_batch([PLAIN_TEXT], add_special_tokens=True)
+    assert with_bos.tokens[0] == "<bos>"
+    assert without.ids == phi3.encode_batch([PLAIN_TEXT], add_special_tokens=False)[0].ids
 
 
 def test_a_model_without_template_has_none_in_its_gguf(root, models):
