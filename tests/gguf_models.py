@@ -330,9 +330,9 @@ _PHI3 = _SentencePieceFamily(
 class _Recipe:
     config_class: str
     template: str | None
-    # general.name. Not "phi3" or "phi-3": then llama.cpp makes Phi-3's special tokens
-    # strip the whitespace after them (as its Hugging Face tokenizer's chat tokens do), and
-    # transformers' reading of the GGUF, which has no such flags, does not.
+    # general.name. Phi-3's is a real Phi-3's ("Phi-3.5-mini-instruct"): by it llama.cpp
+    # makes the chat tokens strip the whitespace after them (as Phi-3's own tokenizer
+    # does), which the GGUF stores nowhere else; the mesh's conversion must follow.
     model_name: str
     extra_config: dict[str, object] = field(default_factory=dict)
     # None: SmolLM2's byte-level BPE vocabulary.
@@ -351,7 +351,7 @@ _RECIPES = {
     "gemma3": _Recipe(
         "Gemma3TextConfig", GEMMA3_TEMPLATE, "tiny-gemma", {"head_dim": 16}, vocabulary=_GEMMA
     ),
-    "phi3": _Recipe("Phi3Config", PHI3_TEMPLATE, "tiny-phi", vocabulary=_PHI3),
+    "phi3": _Recipe("Phi3Config", PHI3_TEMPLATE, "Phi-3.5-mini-instruct", vocabulary=_PHI3),
 }
 
 

@@ -17,6 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from jinja2 import TemplateError
 from tokenizers import Tokenizer
 
 from mesh.artifacts import MANIFEST, build_once, manifest_problems, sha256_of
@@ -34,7 +35,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_FACTS = "gguf.json"
 # Raised whenever the conversion changes what it writes: a directory of an earlier one is
 # never taken for a current one.
-GGUF_TOKENIZER_VERSION = 2
+GGUF_TOKENIZER_VERSION = 3
 
 
 def gguf_path() -> Path:
@@ -122,12 +123,14 @@ def gguf_sha256(directory: Path) -> str:
 def _convert_gguf_tokenizer(gguf: Path, target: Path) -> None:
     # Imported here: transformers costs seconds to import and is only needed this once,
     # and llama.cpp is loaded only where a GGUF is read.
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from services.llm.gguf import read_facts
+    from services.llm.gguf import read_facts, token_strips
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The tokenizer alone: AutoTokenizer reads the model's config first, and
+        # transformers reads no config of some architectures llama.cpp runs (mistral3).
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (ValueError, KeyError, OSError, NotImplementedError) as error:
         raise NotReady(
             f"transformers cannot read the tokenizer of {gguf} ({error}); give "
@@ -137,6 +140,7 @@ def _convert_gguf_tokenizer(gguf: Path, target: Path) -> None:
     # architectures only).
     tokenizer.chat_template = read_facts(gguf).chat_template
     tokenizer.save_pretrained(target)
+    _strip_as_llama_cpp(target / "tokenizer.json", token_strips(gguf))
     # Loaded back as the tokenizer.json it is: a model-specific class (GemmaTokenizer)
     # rebuilds its pipeline from the vocabulary on load, and then splits text unlike the
     # conversion did.
@@ -144,10 +148,40 @@ def _convert_gguf_tokenizer(gguf: Path, target: Path) -> None:
     config = json.loads(config_file.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False))
-    _check_against_llama_cpp(AutoTokenizer.from_pretrained(target), gguf)
-    _check_against_llama_cpp(load_tokenizer(target), gguf)
+    served = AutoTokenizer.from_pretrained(target)
+    probes = [*TOKENIZER_PROBES, *_rendered_chat(served)]
+    _check_against_llama_cpp(served.backend_tokenizer, gguf, probes)
+    _check_against_llama_cpp(load_tokenizer(target), gguf, probes)
     facts = {"path": str(gguf), "sha256": sha256_of(gguf)}
     (target / GGUF_FACTS).write_text(json.dumps(facts, indent=2))
+
+
+def _strip_as_llama_cpp(tokenizer_json: Path, strips: dict[int, tuple[bool, bool]]) -> None:
+    """The special tokens' whitespace stripping as llama.cpp applies it. A GGUF does not
+    store it; llama.cpp knows it by model (Phi-3's chat markers eat the whitespace after
+    them, as its own tokenizer's do), and transformers' reading keeps the whitespace."""
+    data = json.loads(tokenizer_json.read_text())
+    for token in data.get("added_tokens", []):
+        if token["id"] in strips:
+            token["lstrip"], token["rstrip"] = strips[token["id"]]
+    tokenizer_json.write_text(json.dumps(data, ensure_ascii=False))
+
+
+def _rendered_chat(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """A conversation as the model's template writes it (its special tokens and their
+    whitespace), or nothing for a model without a template or one that refuses it."""
+    if tokenizer.chat_template is None:
+        return []
+    turns = [{"role": "user", "content": "Hi there!"}, {"role": "assistant", "content": "Hello."}]
+    try:
+        text = tokenizer.apply_chat_template(
+            [*turns, {"role": "user", "content": "Grüße 🤖"}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+    except TemplateError:  # the template's own rule (turns must alternate...)
+        return []
+    return [text]
 
 
 # Text the converted tokenizer must split exactly as llama.cpp does: accents, CJK, an emoji
@@ -162,23 +196,22 @@ TOKENIZER_PROBES = (
 )
 
 
-def _check_against_llama_cpp(tokenizer: PreTrainedTokenizerBase | Tokenizer, gguf: Path) -> None:
-    """transformers converts a GGUF's vocabulary by the model's architecture, llama.cpp by
-    the vocabulary's own type: where they split a text differently the mesh would prompt the
-    model with ids llama.cpp never would, so such a conversion is refused. Checked on the
-    tokenizer service's tokenizer and on the router's (tokenizer.json) as each loads it."""
+def _check_against_llama_cpp(backend: Tokenizer, gguf: Path, probes: list[str]) -> None:
+    """transformers converts a GGUF's vocabulary by its type and the model's architecture,
+    llama.cpp by its own rules: where they split a text differently the mesh would prompt
+    the model with ids llama.cpp never would, so such a conversion is refused. Checked on
+    the tokenizer service's tokenizer and on the router's (tokenizer.json) as each loads."""
     from services.llm.gguf import llama_tokenize  # imported here: it loads llama.cpp
 
-    backend = tokenizer if isinstance(tokenizer, Tokenizer) else tokenizer.backend_tokenizer
     for add_special in (False, True):
-        theirs = llama_tokenize(gguf, list(TOKENIZER_PROBES), add_special)
-        ours = backend.encode_batch(list(TOKENIZER_PROBES), add_special_tokens=add_special)
-        for text, expected, encoding in zip(TOKENIZER_PROBES, theirs, ours, strict=True):
+        theirs = llama_tokenize(gguf, probes, add_special)
+        ours = backend.encode_batch(probes, add_special_tokens=add_special)
+        for text, expected, encoding in zip(probes, theirs, ours, strict=True):
             if encoding.ids != expected:
                 raise NotReady(
                     f"transformers reads the tokenizer of {gguf.name} differently from "
-                    f"llama.cpp ({text!r}: {encoding.ids[:12]} against {expected[:12]}); give "
-                    "[engines.llm] model = <its Hugging Face directory> beside gguf"
+                    f"llama.cpp ({text[:60]!r}: {encoding.ids[:12]} against {expected[:12]}); "
+                    "give [engines.llm] model = <its Hugging Face directory> beside gguf"
                 )
 
 

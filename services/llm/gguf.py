@@ -117,9 +117,10 @@ def _identity(path: Path) -> tuple[int, int]:
     return stat.st_size, stat.st_mtime_ns
 
 
-@cache
-def _read_facts(path: Path, size: int, _mtime_ns: int) -> GgufFacts:
-    """Cached by path, size and modification time: a replaced file is read again."""
+@contextmanager
+def vocabulary_of(path: Path) -> Iterator[lib.llama_model_p]:
+    """The GGUF loaded by llama.cpp without its weights, freed at the end; NotReady with
+    llama.cpp's reason when it cannot read it."""
     llama_backend.start()
     params = lib.llama_model_default_params()
     params.vocab_only = True
@@ -129,9 +130,16 @@ def _read_facts(path: Path, size: int, _mtime_ns: int) -> GgufFacts:
         reason = "; ".join(errors) or "no reason given"
         raise NotReady(f"llama.cpp cannot read {path}: {reason}")
     try:
-        return _facts(model, path, size)
+        yield model
     finally:
         lib.llama_model_free(model)
+
+
+@cache
+def _read_facts(path: Path, size: int, _mtime_ns: int) -> GgufFacts:
+    """Cached by path, size and modification time: a replaced file is read again."""
+    with vocabulary_of(path) as model:
+        return _facts(model, path, size)
 
 
 def _facts(model: lib.llama_model_p, path: Path, size: int) -> GgufFacts:
@@ -174,17 +182,25 @@ def _facts(model: lib.llama_model_p, path: Path, size: int) -> GgufFacts:
 def llama_tokenize(path: Path, texts: list[str], add_special: bool) -> list[list[int]]:
     """The texts' ids as llama.cpp itself tokenizes them with the GGUF's vocabulary
     (special tokens written in a text are parsed as such, as the tokenizer service does)."""
-    llama_backend.start()
-    params = lib.llama_model_default_params()
-    params.vocab_only = True
-    model = lib.llama_model_load_from_file(str(path).encode(), params)
-    if not model:
-        raise NotReady(f"llama.cpp cannot read {path}")
-    try:
+    with vocabulary_of(path) as model:
         vocab = lib.llama_model_get_vocab(model)
         return [_tokenize(vocab, text, add_special) for text in texts]
-    finally:
-        lib.llama_model_free(model)
+
+
+def token_strips(path: Path) -> dict[int, tuple[bool, bool]]:
+    """(lstrip, rstrip) of every special or user-defined token, as llama.cpp reads the
+    GGUF (it decides some by model, Phi-3's chat markers among them)."""
+    kinds = lib.LLAMA_TOKEN_ATTR_CONTROL | lib.LLAMA_TOKEN_ATTR_USER_DEFINED
+    with vocabulary_of(path) as model:
+        vocab = lib.llama_model_get_vocab(model)
+        attributes = (
+            lib.llama_vocab_get_attr(vocab, t) for t in range(lib.llama_vocab_n_tokens(vocab))
+        )
+        return {
+            token: (bool(a & lib.LLAMA_TOKEN_ATTR_LSTRIP), bool(a & lib.LLAMA_TOKEN_ATTR_RSTRIP))
+            for token, a in enumerate(attributes)
+            if a & kinds
+        }
 
 
 def _tokenize(vocab: lib.llama_vocab_p, text: str, add_special: bool) -> list[int]:

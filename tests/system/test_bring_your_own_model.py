@@ -33,6 +33,7 @@ from aimesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mesh.config import MeshSettings
 from mesh.edge.process import wait_ready
 from mesh.info import get_info
+from services.llm import llama_backend
 from tests.conftest import free_port, start_mesh, stop_mesh, subprocess_env, wait_all_serving
 from tests.gguf_models import ARCHITECTURES, TinyModel, tiny_gguf
 from tests.services.gateway.conftest import write_keys
@@ -105,7 +106,8 @@ async def byom_mesh(model: TinyModel, logs: Path) -> AsyncIterator[Mesh]:
 
 def llama_cpp_greedy(gguf: Path, prompt: str, count: int) -> tuple[list[int], list[int]]:
     """The prompt's ids and `count` greedy tokens as llama.cpp itself makes them, in one
-    process and one context (no KV handoff, no mesh)."""
+    process and one context (no KV handoff, no mesh), on the CPU kernels the engine loads."""
+    llama_backend.start()
     model = llama_cpp.Llama(str(gguf), n_ctx=512, n_threads=1, verbose=False)
     try:
         prompt_ids = model.tokenize(prompt.encode(), add_bos=True, special=False)

@@ -18,7 +18,7 @@ import pytest
 from gguf import GGUFReader
 
 from mesh.config import MeshSettings
-from mesh.failures import NotReady
+from services.llm import llama_backend
 from services.llm.artifacts import gguf_tokenizer
 from services.tokenizer.engine import TokenizerEngine
 from tests import gguf_models
@@ -62,19 +62,6 @@ VOCABULARY_KINDS = {
     "gemma3": "llama",
     "phi3": "llama",
 }
-# The mesh converts a GGUF's tokenizer with AutoTokenizer, which reads the GGUF's model
-# config first: transformers has no reading of a mistral3 one, so the mesh refuses it.
-SERVED_ARCHITECTURES = [
-    pytest.param(
-        arch,
-        marks=pytest.mark.xfail(
-            strict=True, raises=NotReady, reason="transformers reads no mistral3 GGUF config"
-        ),
-    )
-    if arch == "mistral3"
-    else arch
-    for arch in ARCHITECTURES
-]
 CONVERSATION = [
     {"role": "user", "content": "Hello"},
     {"role": "assistant", "content": "Hi there"},
@@ -103,7 +90,9 @@ def hf_tokenizers(models: dict[str, TinyModel]):
 
 @contextmanager
 def loaded(path: Path, *, vocab_only: bool) -> Iterator[ctypes.c_void_p | None]:
-    """llama.cpp's model for `path` (None when it refuses it), freed on exit."""
+    """llama.cpp's model for `path` (None when it refuses it), freed on exit; the CPU
+    kernels loaded first, as the engine loads them (llama.cpp has none of its own)."""
+    llama_backend.start()
     params = llama_cpp.llama_model_default_params()
     params.vocab_only = vocab_only
     params.n_gpu_layers = 0
@@ -116,17 +105,11 @@ def loaded(path: Path, *, vocab_only: bool) -> Iterator[ctypes.c_void_p | None]:
 
 
 @pytest.fixture(scope="module")
-def gguf_read_tokenizers(models: dict[str, TinyModel]):
-    """What transformers makes of each GGUF's tokenizer metadata, with no other file.
-    AutoTokenizer, which the mesh calls, reads the GGUF's model config first, and
-    transformers has no reading of a mistral3 one; this class reads only the tokenizer,
-    through the same converter (picked by the GGUF's architecture and vocabulary kind)."""
-    from transformers import PreTrainedTokenizerFast
-
-    return {
-        arch: PreTrainedTokenizerFast.from_pretrained(m.gguf.parent, gguf_file=m.gguf.name)
-        for arch, m in models.items()
-    }
+def served_tokenizers(models: dict[str, TinyModel], tmp_path_factory):
+    """Each GGUF's tokenizer as the mesh serves it: converted by gguf_tokenizer from the
+    GGUF alone and loaded as the tokenizer service loads it."""
+    root = tmp_path_factory.mktemp("served")
+    return {arch: TokenizerEngine.load(gguf_tokenizer(m.gguf, root)) for arch, m in models.items()}
 
 
 def metadata(model, key: str) -> str:
@@ -251,33 +234,13 @@ def texts_of(arch: str, hf_tokenizers) -> list[str]:
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_the_tokenizer_read_from_the_gguf_agrees_with_llama_cpp(
-    models, hf_tokenizers, gguf_read_tokenizers, arch
+def test_the_mesh_serves_a_gguf_alone_with_llama_cpp_tokens(
+    models, hf_tokenizers, served_tokenizers, arch
 ):
-    """transformers' reading of the GGUF gives llama.cpp's ids, adds what llama.cpp adds
-    (the BOS policy) and turns the ids back into llama.cpp's text."""
-    backend = gguf_read_tokenizers[arch].backend_tokenizer
-    with loaded(models[arch].gguf, vocab_only=True) as llama:
-        for text in texts_of(arch, hf_tokenizers):
-            expected = llama_cpp_tokens(llama, text)
-            (encoding,) = backend.encode_batch([text], add_special_tokens=False)
-            assert encoding.ids == expected, text
-            assert backend.decode(expected, skip_special_tokens=False) == llama_cpp_text(
-                llama, expected
-            ), text
-        expected = llama_cpp_tokens(llama, PLAIN_TEXT, add_special=True)
-        (encoding,) = backend.encode_batch([PLAIN_TEXT], add_special_tokens=True)
-        assert encoding.ids == expected
-        vocab = llama_cpp.llama_model_get_vocab(llama)
-        adds_bos = expected[0] == llama_cpp.llama_vocab_bos(vocab)
-        assert adds_bos == llama_cpp.llama_vocab_get_add_bos(vocab)
-
-
-@pytest.mark.parametrize("arch", SERVED_ARCHITECTURES)
-def test_the_mesh_serves_a_gguf_alone_with_llama_cpp_tokens(models, hf_tokenizers, tmp_path, arch):
-    """The tokenizer service's tokenizer of the GGUF alone (converted by gguf_tokenizer,
-    loaded as the service loads it) tokenizes and detokenizes as llama.cpp."""
-    served = TokenizerEngine.load(gguf_tokenizer(models[arch].gguf, tmp_path))
+    """The tokenizer service's tokenizer of the GGUF alone tokenizes as llama.cpp (the
+    family's special tokens and their whitespace included), adds what llama.cpp adds (the
+    BOS policy) and turns the ids back into llama.cpp's text."""
+    served = served_tokenizers[arch]
     with loaded(models[arch].gguf, vocab_only=True) as llama:
         for text in texts_of(arch, hf_tokenizers):
             expected = llama_cpp_tokens(llama, text)
@@ -285,17 +248,17 @@ def test_the_mesh_serves_a_gguf_alone_with_llama_cpp_tokens(models, hf_tokenizer
             assert served.detokenize(expected, False) == llama_cpp_text(llama, expected), text
         expected = llama_cpp_tokens(llama, PLAIN_TEXT, add_special=True)
         assert served.tokenize(PLAIN_TEXT, True, False).ids == expected
+        vocab = llama_cpp.llama_model_get_vocab(llama)
+        adds_bos = expected[0] == llama_cpp.llama_vocab_bos(vocab)
+        assert adds_bos == llama_cpp.llama_vocab_get_add_bos(vocab)
 
 
-def test_gemma_adds_bos_and_phi3_does_not(models, gguf_read_tokenizers):
+def test_gemma_adds_bos_and_phi3_does_not(served_tokenizers):
     """The families' BOS policies, which the comparison above only checks agree:
     Gemma's tokenizer adds <bos>, Phi-3.5's adds nothing."""
-    gemma = gguf_read_tokenizers["gemma3"].backend_tokenizer
-    phi3 = gguf_read_tokenizers["phi3"].backend_tokenizer
-    (with_bos,) = gemma.encode_batch([PLAIN_TEXT], add_special_tokens=True)
-    (without,) = phi3.encode_batch([PLAIN_TEXT], add_special_tokens=True)
-    assert with_bos.tokens[0] == "<bos>"
-    assert without.ids == phi3.encode_batch([PLAIN_TEXT], add_special_tokens=False)[0].ids
+    gemma, phi3 = served_tokenizers["gemma3"], served_tokenizers["phi3"]
+    assert gemma.tokenize(PLAIN_TEXT, True, True).tokens[0] == "<bos>"
+    assert phi3.tokenize(PLAIN_TEXT, True, False) == phi3.tokenize(PLAIN_TEXT, False, False)
 
 
 def test_a_model_without_template_has_none_in_its_gguf(root, models):
