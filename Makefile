@@ -19,7 +19,7 @@ LLAMA_WHEELS := var/wheels/llama-cpp-python-$(LLAMA_CPP_PYTHON)-$(shell echo '$(
 # llama.cpp's GGUF converter from the same source: the tests build tiny models with it.
 LLAMA_CONVERTER := var/llama.cpp/convert_hf_to_gguf.py
 
-.PHONY: install test test-fast lint protos demo demo-tls bench bench-llm bench-retrieval bench-diffusion bench-agent bench-versions bench-tenancy bench-edge bench-gateway bench-triton bench-llm-peers llama-server fuzz chaos clean
+.PHONY: install test test-fast lint protos demo demo-tls bench bench-llm bench-retrieval bench-diffusion bench-agent bench-versions bench-tenancy bench-edge bench-gateway bench-triton bench-llm-peers bench-cpu-variants llama-server fuzz chaos clean
 
 $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -88,6 +88,10 @@ bench: install
 
 bench-llm: install
 	$(PY) -m loadtest.llm --out docs/benchmarks.md
+
+# llama.cpp's AVX2-only wheel against the dispatched CPU variants, the same LLM mesh.
+bench-cpu-variants: install
+	$(PY) -m loadtest.llm_cpu_variants --out docs/benchmarks.md
 
 # llama.cpp's `llama-server`, the LLM peer: built by llama.cpp's own CMake from the same
 # source and with the same CPU variants as the mesh's engine (LLAMA_CMAKE_ARGS), its
