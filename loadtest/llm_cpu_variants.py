@@ -7,11 +7,8 @@ alternating round by round (A B A B) so drift on a noisy machine hits both alike
 - dispatched: the project's environment, whose llama-cpp-python carries every x86-64 CPU
   variant of ggml's CPU backend; services/llm/llama_backend.py loads the best one.
 - AVX2: llama-cpp-python's wheel built for AVX2 alone (the CPU backend linked in), unpacked
-  and put first on every process's PYTHONPATH, so its `llama_cpp` shadows the project's.
-  Its processes run in a throwaway environment that imports the project's packages:
-  llama_backend loads the variant libraries it finds in the running environment's bin
-  folders into whatever libggml is loaded, so in the project's own environment the AVX2
-  build would be handed the project's haswell variant as a second CPU backend.
+  and put first on every process's PYTHONPATH, so its `llama_cpp` shadows the project's
+  (llama_backend loads no variant beside a linked-in CPU backend).
 
 Each run checks in GetInfo of prefill and decode which kernels serve (limits
 ["cpu_variant"]: "built-in" for the AVX2 build, the variant's name for the dispatched
@@ -33,10 +30,8 @@ import platform
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
-import venv
 import zipfile
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -84,7 +79,6 @@ class Build:
     """How a mesh of one build is started, and the kernels its GetInfo must report."""
 
     name: str
-    interpreter: Path
     pythonpath: str
     expected_variant: str
 
@@ -114,22 +108,16 @@ class Measured:
 
 
 def avx2_build(root: Path, wheel: Path) -> Build:
-    """The wheel's `llama_cpp` unpacked under `root`, and an environment of `root` that
-    imports the project's packages but has no variant libraries in its bin folders."""
+    """The wheel's `llama_cpp` unpacked under `root`, to shadow the project's."""
     unpacked = root / "avx2-wheel"
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(unpacked, [n for n in archive.namelist() if n.startswith("llama_cpp/")])
-    environment = root / "avx2-env"
-    venv.EnvBuilder(symlinks=True, with_pip=False).create(environment)
-    own = sysconfig.get_path("purelib", vars={"base": str(environment)})
-    project = sysconfig.get_path("purelib")
-    Path(own, "aimesh-project.pth").write_text(f"import site; site.addsitedir({project!r})\n")
-    return Build("AVX2 build", environment / "bin" / "python", str(unpacked), BUILT_IN)
+    return Build("AVX2 build", str(unpacked), BUILT_IN)
 
 
 def dispatched_build() -> Build:
     """The project's environment, expected to load the variant this process loads."""
-    return Build("dispatched build", Path(sys.executable), "", llama_backend.cpu_variant())
+    return Build("dispatched build", "", llama_backend.cpu_variant())
 
 
 # ---- the mesh ----
@@ -160,11 +148,10 @@ def start_mesh(root: Path, build: Build, ports: dict[str, int]) -> list[subproce
         "AIMESH_LOG_LEVEL": "WARNING",
         "OTEL_TRACES_EXPORTER": "none",
     }
-    # The project's `aimesh` script, run by the build's interpreter.
     aimesh = Path(sys.executable).parent / "aimesh"
     return [
         subprocess.Popen(
-            [str(build.interpreter), str(aimesh), "serve", name],
+            [str(aimesh), "serve", name],
             env=env,
             stderr=(root / f"{name}.log").open("w"),
         )
@@ -362,9 +349,7 @@ def report(runs: list[Measured], rounds: int, wheel: Path, load: float) -> str:
         "`aimesh serve` processes; llama.cpp in prefill and decode, SmolLM2-135M-Instruct "
         f"Q4_1 GGUF) once per build per round, builds alternating. AVX2 build: `{wheel.name}` "
         "compiled for AVX2 alone (CPU backend linked in), unpacked and first on every "
-        "process's PYTHONPATH, in a throwaway environment without the project's variant "
-        "libraries (llama_backend loads those it finds in the running environment into "
-        "whichever libggml is loaded, so the AVX2 build would get haswell as a second CPU "
+        "process's PYTHONPATH (llama_backend loads no variant beside a linked-in CPU "
         "backend). Dispatched build: the project's llama-cpp-python "
         f"{version('llama_cpp_python')} with every x86-64 variant, the best loaded at run "
         "time. GetInfo of prefill and decode confirmed the kernels of every run "

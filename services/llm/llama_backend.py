@@ -76,10 +76,14 @@ def start() -> None:
         if _state.get("started"):
             return
         lib.llama_log_set(_forward_log, ctypes.c_void_p())
+        ggml = ctypes.CDLL(str(_linked_ggml()))
+        ggml.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
+        ggml.ggml_backend_reg_by_name.restype = ctypes.c_void_p
+        ggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
         directories = variant_directories()
-        if directories:
-            ggml = ctypes.CDLL(str(_linked_ggml()))
-            ggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
+        # A build with its CPU backend linked in has one already: variants found elsewhere
+        # (another build's, in the same environment) must not load beside it.
+        if directories and not ggml.ggml_backend_reg_by_name(b"CPU"):
             ggml.ggml_backend_load_all_from_path(str(directories[0]).encode())
         lib.llama_backend_init()
         _state["started"] = "yes"

@@ -46,8 +46,10 @@ KEY = "sk-byom"
 AUTH = (("authorization", f"Bearer {KEY}"),)
 PROMPT = "The capital of France is Paris, and the capital of Japan is"
 NEW_TOKENS = 24
+# No system turn: Mistral's template refuses one (each family's own rule).
 CONVERSATION = [
-    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "Hello!"},
+    {"role": "assistant", "content": "Hi, how can I help?"},
     {"role": "user", "content": "Grüße! What is 2 + 2? 🤖"},
 ]
 # Bytes of one character that the byte-level vocabulary splits over several tokens.
@@ -108,7 +110,10 @@ def llama_cpp_greedy(gguf: Path, prompt: str, count: int) -> tuple[list[int], li
     """The prompt's ids and `count` greedy tokens as llama.cpp itself makes them, in one
     process and one context (no KV handoff, no mesh), on the CPU kernels the engine loads."""
     llama_backend.start()
-    model = llama_cpp.Llama(str(gguf), n_ctx=512, n_threads=1, verbose=False)
+    # Flash attention on: llama.cpp's own default on a CPU (auto), which llama-server and
+    # the engine's contexts use; the Python wrapper's default turns it off, and attention
+    # summed the other way flips near-tied argmaxes of a random-weight model.
+    model = llama_cpp.Llama(str(gguf), n_ctx=512, n_threads=1, verbose=False, flash_attn=True)
     try:
         prompt_ids = model.tokenize(prompt.encode(), add_bos=True, special=False)
         generated = []
