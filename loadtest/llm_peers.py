@@ -13,7 +13,7 @@ the mesh and llama-server stream over loopback (gRPC, HTTP) with continuous batc
 Writes a section of docs/benchmarks.md and a plot of aggregate tokens/s against
 concurrency next to it.
 
-    python -m loadtest.llm_peers --llama-server var/llama-venv/bin/llama-server \\
+    python -m loadtest.llm_peers --llama-server var/llama-build/bin/llama-server \\
         --out docs/benchmarks.md      # `make bench-llm-peers`
 """
 
@@ -470,7 +470,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="markdown file to write the section into")
     parser.add_argument("--plot", type=Path, help="PNG path (default: llm-peers.png by --out)")
     parser.add_argument(
-        "--llama-server", type=Path, default=Path("var/llama-venv/bin/llama-server")
+        "--llama-server", type=Path, default=Path("var/llama-build/bin/llama-server")
     )
     parser.add_argument(
         "--llama-url", help="measure the llama-server running here instead of starting one"
