@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import statistics
@@ -292,7 +293,55 @@ def cpu_summary() -> tuple[str, list[str]]:
     return model, [feature for feature in FEATURES if feature in flags]
 
 
-def report(runs: list[Measured], rounds: int, wheel: Path, load: float) -> str:
+# The engine alone, in a process of the build: the kernels' own speed, without the mesh's
+# other processes competing for the two cores.
+ENGINE_PROBE = """
+import json, os, statistics, time
+from services.llm import llama_backend
+from services.llm.artifacts import gguf_path
+from services.llm.described import config_of
+from services.llm.gguf import read_facts
+from services.llm.llama_cpp import LlamaCpp
+model = LlamaCpp(gguf_path(), config_of(read_facts(gguf_path())), sequences=1,
+                 max_seq_len=512, threads=len(os.sched_getaffinity(0)))
+prompt, prefill, decode = list(range(100, 100 + PROMPT)), [], []
+for _ in range(5):
+    started = time.perf_counter()
+    logits, state = model.prefill(prompt)
+    prefill.append(time.perf_counter() - started)
+    model.load(0, state)
+    token, started = int(logits.argmax()), time.perf_counter()
+    for step in range(NEW):
+        token = int(model.decode([token], [PROMPT + step], [0])[0].argmax())
+    decode.append(NEW / (time.perf_counter() - started))
+    model.free(0)
+print(json.dumps([llama_backend.cpu_variant(), statistics.median(prefill),
+                  statistics.median(decode)]))
+"""
+
+
+def engine_alone(build: Build) -> tuple[str, float, float]:
+    """(kernels, prefill s, decode tokens/s) of LlamaCpp alone in a process of `build`."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (build.pythonpath, os.environ.get("PYTHONPATH", "")) if p
+    )}  # fmt: skip
+    code = ENGINE_PROBE.replace("PROMPT", str(PROMPT_TOKENS)).replace("NEW", str(NEW_TOKENS))
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    variant, prefill_s, decode_tps = json.loads(result.stdout.strip().splitlines()[-1])
+    if variant != build.expected_variant:
+        raise SystemExit(f"{build.name}: the engine ran on {variant}, not {build.expected_variant}")
+    return variant, prefill_s, decode_tps
+
+
+def report(
+    runs: list[Measured],
+    engines: list[tuple[str, tuple[str, float, float]]],
+    rounds: int,
+    wheel: Path,
+    load: float,
+) -> str:
     avx2 = [r for r in runs if r.build == "AVX2 build"]
     dispatched = [r for r in runs if r.build == "dispatched build"]
     variant = dispatched[0].variant
@@ -347,7 +396,8 @@ def report(runs: list[Measured], rounds: int, wheel: Path, load: float) -> str:
         f"Command: `python -m loadtest.llm_cpu_variants --rounds {rounds}` "
         "(`make bench-cpu-variants`). The LLM mesh (tokenizer, prefill, decode, router as "
         "`aimesh serve` processes; llama.cpp in prefill and decode, SmolLM2-135M-Instruct "
-        f"Q4_1 GGUF) once per build per round, builds alternating. AVX2 build: `{wheel.name}` "
+        f"Q4_1 GGUF) once per build per round, the builds' order swapped each round (A B, B A, "
+        "...) so drift over the run favours neither. AVX2 build: `{wheel.name}` "
         "compiled for AVX2 alone (CPU backend linked in), unpacked and first on every "
         "process's PYTHONPATH (llama_backend loads no variant beside a linked-in CPU "
         "backend). Dispatched build: the project's llama-cpp-python "
@@ -383,6 +433,18 @@ def report(runs: list[Measured], rounds: int, wheel: Path, load: float) -> str:
         "",
         greedy,
         "",
+        "The engine alone (`LlamaCpp` in one process of each build, no mesh: the same "
+        f"{PROMPT_TOKENS}-token prefill and {NEW_TOKENS} greedy decode steps, median of 5; "
+        "the builds alternating as above), which is what the kernels do without the other "
+        "processes competing for the cores:",
+        "",
+        "| build | kernels | prefill ms | decode tok/s |",
+        "|---|---|---|---|",
+        *(
+            f"| {name} | {variant} | {prefill_s * 1e3:.0f} | {decode_tps:.1f} |"
+            for name, (variant, prefill_s, decode_tps) in engines
+        ),
+        "",
         reading,
         END,
     ]
@@ -399,11 +461,12 @@ def main() -> None:
         parser.error("--rounds: at least 2, the machine's noise needs them")
     load = os.getloadavg()[0]
     long_prompt = long_prompt_of(resolve_model(None, MeshSettings().cache_dir))
-    runs = []
+    runs, engines = [], []
     with tempfile.TemporaryDirectory() as root:
         builds = [avx2_build(Path(root), args.avx2_wheel), dispatched_build()]
         for round_index in range(args.rounds):
-            for build in builds:
+            for build in builds if round_index % 2 == 0 else builds[::-1]:
+                engines.append((build.name, engine_alone(build)))
                 run = run_mesh(build, long_prompt, f"r{round_index}-{build.name}")
                 runs.append(run)
                 print(
@@ -412,7 +475,7 @@ def main() -> None:
                     f"{CLIENTS} clients {run.aggregate_tps:.1f} tok/s",
                     file=sys.stderr,
                 )
-    markdown = report(runs, args.rounds, args.avx2_wheel, load)
+    markdown = report(runs, engines, args.rounds, args.avx2_wheel, load)
     print(markdown)
     if args.out:
         write(markdown, args.out)
