@@ -11,7 +11,7 @@ INSTALLED := $(VENV)/.installed
 # docs/deploy.md has the CUDA build.
 LLAMA_CPP_PYTHON := 0.3.36
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON \
-	-DLLAVA_BUILD=OFF -DCMAKE_INSTALL_RPATH='$$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON
+	-DLLAVA_BUILD=OFF -DCMAKE_INSTALL_RPATH=\$$ORIGIN -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON
 LLAMA_SDIST := var/sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz
 # Built once per version and CMake arguments: pip's own wheel cache would hand back a wheel
 # built with other arguments (it keys wheels by the source, not by CMAKE_ARGS).
