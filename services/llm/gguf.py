@@ -145,15 +145,17 @@ def _read_facts(path: Path, size: int, _mtime_ns: int) -> GgufFacts:
 def _facts(model: lib.llama_model_p, path: Path, size: int) -> GgufFacts:
     """The facts from the metadata as text: a vocab_only model has no hyperparameters
     loaded (llama_model_n_head and the like abort on it), but keeps every scalar key. A
-    per-layer array (some models give head counts per layer) is not kept: the largest
-    count of the other keys stands in, the safe side of an estimate, and the engine that
-    loads the weights reads the real ones."""
+    per-layer array (some models give head counts per layer) is not kept: a stand-in on
+    the safe side of the estimate takes its place, and the engine that loads the weights
+    reads the real ones."""
     vocab = lib.llama_model_get_vocab(model)
     tokens = lib.llama_vocab_n_tokens(vocab)
     arch = meta(model, "general.architecture") or "unknown"
     heads = _int_meta(model, f"{arch}.attention.head_count", 0)
     embedding = _int_meta(model, f"{arch}.embedding_length", 0)
-    head_dim = embedding // heads if heads else 0
+    # Head counts given per layer (an array): one head as wide as the model stands in,
+    # which is full multi-head attention's KV, the most a layer can hold.
+    head_dim = embedding // heads if heads else embedding
     template = lib.llama_model_chat_template(model, None)
     bos, eos = lib.llama_vocab_bos(vocab), lib.llama_vocab_eos(vocab)
     recurrent = any(meta(model, f"{arch}.ssm.{key}") for key in ("state_size", "d_state"))
@@ -165,7 +167,7 @@ def _facts(model: lib.llama_model_p, path: Path, size: int) -> GgufFacts:
         context_length=_int_meta(model, f"{arch}.context_length", 0),
         num_layers=_int_meta(model, f"{arch}.block_count", 0),
         num_heads=heads,
-        num_kv_heads=_int_meta(model, f"{arch}.attention.head_count_kv", heads),
+        num_kv_heads=_int_meta(model, f"{arch}.attention.head_count_kv", heads or 1),
         embedding_length=embedding,
         key_length=_int_meta(model, f"{arch}.attention.key_length", head_dim),
         value_length=_int_meta(model, f"{arch}.attention.value_length", head_dim),
