@@ -149,9 +149,11 @@ def _convert_gguf_tokenizer(gguf: Path, target: Path) -> None:
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False))
     served = AutoTokenizer.from_pretrained(target)
-    probes = [*TOKENIZER_PROBES, *_rendered_chat(served)]
-    _check_against_llama_cpp(served.backend_tokenizer, gguf, probes)
-    _check_against_llama_cpp(load_tokenizer(target), gguf, probes)
+    _check_against_llama_cpp(
+        (served.backend_tokenizer, load_tokenizer(target)),
+        gguf,
+        [*TOKENIZER_PROBES, *_rendered_chat(served)],
+    )
     facts = {"path": str(gguf), "sha256": sha256_of(gguf)}
     (target / GGUF_FACTS).write_text(json.dumps(facts, indent=2))
 
@@ -196,7 +198,9 @@ TOKENIZER_PROBES = (
 )
 
 
-def _check_against_llama_cpp(backend: Tokenizer, gguf: Path, probes: list[str]) -> None:
+def _check_against_llama_cpp(
+    backends: tuple[Tokenizer, ...], gguf: Path, probes: list[str]
+) -> None:
     """transformers converts a GGUF's vocabulary by its type and the model's architecture,
     llama.cpp by its own rules: where they split a text differently the mesh would prompt
     the model with ids llama.cpp never would, so such a conversion is refused. Checked on
@@ -205,14 +209,16 @@ def _check_against_llama_cpp(backend: Tokenizer, gguf: Path, probes: list[str]) 
 
     for add_special in (False, True):
         theirs = llama_tokenize(gguf, probes, add_special)
-        ours = backend.encode_batch(probes, add_special_tokens=add_special)
-        for text, expected, encoding in zip(probes, theirs, ours, strict=True):
-            if encoding.ids != expected:
-                raise NotReady(
-                    f"transformers reads the tokenizer of {gguf.name} differently from "
-                    f"llama.cpp ({text[:60]!r}: {encoding.ids[:12]} against {expected[:12]}); "
-                    "give [engines.llm] model = <its Hugging Face directory> beside gguf"
-                )
+        for backend in backends:
+            ours = backend.encode_batch(probes, add_special_tokens=add_special)
+            for text, expected, encoding in zip(probes, theirs, ours, strict=True):
+                if encoding.ids != expected:
+                    raise NotReady(
+                        f"transformers reads the tokenizer of {gguf.name} differently from "
+                        f"llama.cpp ({text[:60]!r}: {encoding.ids[:12]} against "
+                        f"{expected[:12]}); give [engines.llm] model = <its Hugging Face "
+                        "directory> beside gguf"
+                    )
 
 
 def load_state_dict(directory: Path) -> dict[str, torch.Tensor]:

@@ -42,11 +42,8 @@ class GgufFacts:
     embedding_length: int
     key_length: int
     value_length: int
-    sliding_window: int
-    recurrent: bool
     vocab_size: int
     bos_token_id: int | None
-    eos_token_id: int | None
     # Every token that ends a generation (llama.cpp's end-of-generation set: EOS, EOT, EOM...).
     end_token_ids: tuple[int, ...]
     chat_template: str | None
@@ -57,13 +54,6 @@ class GgufFacts:
         layer holds fewer tokens; counting it whole is the safe side of an estimate."""
         per_layer = self.num_kv_heads * (self.key_length + self.value_length)
         return self.num_layers * per_layer * KV_ELEMENT_BYTES
-
-    @property
-    def reuses_prefix(self) -> bool:
-        """Whether a prompt may continue from a cached prefix's state cut short: not for a
-        sliding-window cache (it keeps only the window's last tokens) or a recurrent state
-        (one state for the whole sequence), as llama-server also re-runs those prompts."""
-        return not self.sliding_window and not self.recurrent
 
     def limits(self) -> dict[str, str]:
         """GetInfo's and /v1/models' limits of the model itself."""
@@ -157,8 +147,7 @@ def _facts(model: lib.llama_model_p, path: Path, size: int) -> GgufFacts:
     # which is full multi-head attention's KV, the most a layer can hold.
     head_dim = embedding // heads if heads else embedding
     template = lib.llama_model_chat_template(model, None)
-    bos, eos = lib.llama_vocab_bos(vocab), lib.llama_vocab_eos(vocab)
-    recurrent = any(meta(model, f"{arch}.ssm.{key}") for key in ("state_size", "d_state"))
+    bos = lib.llama_vocab_bos(vocab)
     return GgufFacts(
         path=path,
         file_bytes=size,
@@ -171,11 +160,8 @@ def _facts(model: lib.llama_model_p, path: Path, size: int) -> GgufFacts:
         embedding_length=embedding,
         key_length=_int_meta(model, f"{arch}.attention.key_length", head_dim),
         value_length=_int_meta(model, f"{arch}.attention.value_length", head_dim),
-        sliding_window=_int_meta(model, f"{arch}.attention.sliding_window", 0),
-        recurrent=recurrent,
         vocab_size=tokens,
         bos_token_id=bos if bos >= 0 else None,
-        eos_token_id=eos if eos >= 0 else None,
         end_token_ids=tuple(t for t in range(tokens) if lib.llama_vocab_is_eog(vocab, t)),
         chat_template=template.decode() if template else None,
     )

@@ -337,15 +337,18 @@ class LlamaCpp:
         batch.n_tokens = 1
         if lib.llama_decode(context, batch) != 0:
             raise RuntimeError("llama.cpp could not run one token")
-        size = lib.llama_state_seq_get_size(context, 0)
-        buffer = (ctypes.c_uint8 * size)()
-        lib.llama_state_seq_get_data(context, buffer, size, 0)
+        state = _sequence_state(context, 0)
         lib.llama_memory_seq_rm(lib.llama_get_memory(context), 0, -1, -1)
-        return bytes(buffer)
+        return state
 
     def _export(self, slot: int) -> bytes:
-        size = lib.llama_state_seq_get_size(self._context, slot)
-        buffer = (ctypes.c_uint8 * size)()
-        if lib.llama_state_seq_get_data(self._context, buffer, size, slot) != size:
-            raise RuntimeError("llama.cpp wrote a sequence state of another size than it said")
-        return bytes(buffer)
+        return _sequence_state(self._context, slot)
+
+
+def _sequence_state(context: lib.llama_context_p, slot: int) -> bytes:
+    """The sequence in `slot` as llama.cpp's state bytes."""
+    size = lib.llama_state_seq_get_size(context, slot)
+    buffer = (ctypes.c_uint8 * size)()
+    if lib.llama_state_seq_get_data(context, buffer, size, slot) != size:
+        raise RuntimeError("llama.cpp wrote a sequence state of another size than it said")
+    return bytes(buffer)
