@@ -104,16 +104,24 @@ class LlamaCpp:
                 "not the same model"
             )
         self._threads = threads
-        self._context = self._new_context(sequences, sequences * max_seq_len, unified=False)
-        # Whether the sequences share one KV stream: only where a state is not one cache's
-        # one block (a sliding-window model keeps two caches, a hybrid a KV cache and a
-        # recurrent state), which `_in_streams` cannot rewrite as n streams. Such a state
-        # moves between contexts of one stream, and a sequence's attention then sums cells
-        # its neighbours also fill, as llama-server's unified cache does.
-        self.unified = sequences > 1 and not self._states_are_one_block()
-        if self.unified:
-            lib.llama_free(self._context)
-            self._context = self._new_context(sequences, sequences * max_seq_len, unified=True)
+        self._context = None
+        try:
+            self._context = self._new_context(sequences, sequences * max_seq_len, unified=False)
+            # Whether the sequences share one KV stream: only where a state is not one
+            # cache's one block (a sliding-window model keeps two caches, a hybrid a KV cache
+            # and a recurrent state), which `_in_streams` cannot rewrite as n streams. Such a
+            # state moves between contexts of one stream, and a sequence's attention then
+            # sums cells its neighbours also fill, as llama-server's unified cache does.
+            self.unified = sequences > 1 and not self._states_are_one_block()
+            if self.unified:
+                lib.llama_free(self._context)
+                self._context = None
+                self._context = self._new_context(sequences, sequences * max_seq_len, unified=True)
+        except BaseException:
+            if self._context:
+                lib.llama_free(self._context)
+            lib.llama_model_free(self._model)
+            raise
         self._memory = lib.llama_get_memory(self._context)
         self._batch = lib.llama_batch_init(max(PREFILL_CHUNK, sequences), 0, 1)
         description = ctypes.create_string_buffer(256)
@@ -305,7 +313,6 @@ class LlamaCpp:
         with llama_errors() as errors:
             context = lib.llama_init_from_model(self._model, params)
         if not context:
-            lib.llama_model_free(self._model)
             reason = "; ".join(errors) or "no reason given"
             raise NotReady(f"llama.cpp could not make a context of {tokens} tokens: {reason}")
         return context
