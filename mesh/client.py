@@ -71,11 +71,20 @@ def transport_options(transport: TransportSettings) -> list[tuple[str, Any]]:
 
 
 def channel_options(
-    settings: MeshSettings, services: Iterable[ServiceDescriptor] = ()
+    settings: MeshSettings,
+    services: Iterable[ServiceDescriptor] = (),
+    *,
+    shared_subchannels: bool = False,
 ) -> list[tuple[str, Any]]:
-    """Every option a mesh channel sets, so none is left to grpc's defaults by accident."""
+    """Every option a mesh channel sets, so none is left to grpc's defaults by accident.
+
+    A channel owns its connections unless `shared_subchannels`: grpc's global subchannel
+    pool would hand it the subchannel of any channel with the same address and options,
+    and one left pointing at a stopped server holds that subchannel in reconnect backoff,
+    so a server started later on the same port is refused to the new channel's calls."""
     client = settings.client
     return [
+        ("grpc.use_local_subchannel_pool", 0 if shared_subchannels else 1),
         *transport_options(settings.transport),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
@@ -94,12 +103,14 @@ def create_channel(
     breaker: CircuitBreaker | None = None,
     credentials: grpc.ChannelCredentials | None = None,
     server_name: str | None = None,
+    shared_subchannels: bool = False,
 ) -> grpc.aio.Channel:
     """A channel with the mesh's interceptors; TLS with `credentials`, or with the mesh's
     own when `[tls]` is configured (plaintext and a signed token per call where a sidecar
     ends TLS: mesh/caller_token.py). Over TLS, `server_name` is the name the server's
     certificate must hold instead of the target's host: a pod's own address (where a KV
-    handle points) is in no certificate a Deployment's pods share, its service's name is."""
+    handle points) is in no certificate a Deployment's pods share, its service's name is.
+    `shared_subchannels`: as channel_options."""
     client = settings.client
     breaker = breaker or CircuitBreaker(target, client.breaker)
     tls = settings.tls
@@ -108,7 +119,7 @@ def create_channel(
         *tracing.client_interceptors(),
         *interceptors.client_interceptors(DeadlinePolicy(client), breaker, tokens),
     ]
-    options = channel_options(settings, services)
+    options = channel_options(settings, services, shared_subchannels=shared_subchannels)
     if server_name is not None:
         options.append(("grpc.ssl_target_name_override", server_name))
     if credentials is None and tls is not None and terminates_here(tls):

@@ -76,15 +76,20 @@ class TritonModel:
         )
         credentials = settings.credentials()
         self._channel = create_channel(
-            settings.url, mesh, breaker=self.breaker, credentials=credentials
+            settings.url,
+            mesh,
+            breaker=self.breaker,
+            credentials=credentials,
+            shared_subchannels=True,
         )
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         # Readiness polls go around the breaker, as mesh.health.probe does: a Triton
         # still starting must not open it for the calls that follow. Same options as the
-        # call channel, so both share grpc's subchannel (its global pool keys them by
-        # address and options): a probe that reconnects reconnects the calls too, instead
-        # of leaving them in reconnect backoff while readiness already says SERVING.
-        options = channel_options(mesh)
+        # call channel, both in grpc's global subchannel pool (it keys subchannels by
+        # address and options), so they share one: a probe that reconnects reconnects the
+        # calls too, instead of leaving them in reconnect backoff while readiness already
+        # says SERVING.
+        options = channel_options(mesh, shared_subchannels=True)
         self._probe_channel = (
             grpc.aio.insecure_channel(settings.url, options=options)
             if credentials is None
