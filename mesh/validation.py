@@ -40,6 +40,10 @@ class Violations:
     def __bool__(self) -> bool:
         return bool(self._items)
 
+    @property
+    def items(self) -> tuple[FieldViolation, ...]:
+        return tuple(self._items)
+
     def raise_if_any(self) -> None:
         if self._items:
             raise InvalidInput(self._items)

@@ -6,6 +6,13 @@ tensor operation (inserting a pulled KV into a slot, compacting slots, the forwa
 sampling) runs inside one call on the model thread, so the cache never sees two writers.
 A sequence cancelled by its caller is dropped at the next boundary: its slot is free
 again within one step.
+
+A constrained sequence (services.llm.guide) samples under a mask of the tokens that may
+come next. The masks of a step depend only on tokens already sampled, so where the
+forward pass runs on a GPU a second thread computes them meanwhile (llguidance releases
+the GIL). On a CPU the forward pass holds every core: a second thread there slowed each
+step by more than the masks cost (docs/benchmarks.md), so they are computed after it,
+~50 µs a constrained row.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import torch
 
 from mesh.failures import NotReady, OutOfMemory
 from services.llm import metrics
+from services.llm.guide import Guide
 from services.llm.kv_codec import KvState
 from services.llm.llama import LlamaConfig
 from services.llm.sampling import SamplingParams, sample
@@ -40,10 +48,13 @@ class Slots(Protocol):
     `compacted`: running sequences must sit in slots 0..n-1 (the torch cache attends over
     plain views of its first n slots), so a leaving sequence's slot is refilled by moving
     the ones above it down. Otherwise a sequence keeps its slot until it leaves.
+    `forward_on_gpu`: the forward pass leaves the CPU's cores free, so the masks of
+    constrained rows are computed beside it.
     """
 
     config: LlamaConfig
     compacted: bool
+    forward_on_gpu: bool
 
     def readable(self, kv: KvState) -> KvState:
         """`kv` as `load` reads it fastest; any thread may call it, so that work such as
@@ -79,6 +90,8 @@ class Sequence:
     first_token: int
     params: SamplingParams
     stop: StopChecker
+    # The constraint's matcher, past first_token already; None: unconstrained.
+    guide: Guide | None = None
     history: list[int] = field(default_factory=list)
     outbox: asyncio.Queue[Emission] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
@@ -97,6 +110,19 @@ class Sequence:
     @property
     def done(self) -> bool:
         return self.cancelled or self.stop.finish is not None
+
+
+def _masks(guided: list[Sequence]) -> dict[Sequence, torch.Tensor | Exception]:
+    """Guide thread: each constrained sequence's mask for the coming step, or why it has
+    none (that sequence alone fails)."""
+    masks: dict[Sequence, torch.Tensor | Exception] = {}
+    for sequence in guided:
+        assert sequence.guide is not None
+        try:
+            masks[sequence] = sequence.guide.allowed()
+        except Exception as error:
+            masks[sequence] = error
+    return masks
 
 
 @dataclass
@@ -126,6 +152,7 @@ class DecodeEngine:
         self.waiting: deque[Sequence] = deque()
         self.steps = 0
         self.model_thread = ThreadPoolExecutor(1, thread_name_prefix="decode-model")
+        self.guide_thread = ThreadPoolExecutor(1, thread_name_prefix="decode-guide")
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -142,6 +169,7 @@ class DecodeEngine:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self.model_thread.shutdown(wait=False, cancel_futures=True)
+        self.guide_thread.shutdown(wait=False, cancel_futures=True)
 
     def submit(self, sequence: Sequence) -> None:
         if self._task is None or self._task.done():
@@ -241,14 +269,25 @@ class DecodeEngine:
             sequence.slot = slot
             taken.add(slot)
             batch.append(sequence)
+        guided = [sequence for sequence in batch if sequence.guide is not None]
+        beside = bool(guided) and self.slots.forward_on_gpu
+        masking = self.guide_thread.submit(_masks, guided) if beside else None
         logits = self._forward(batch, plan)
+        masks = masking.result() if masking is not None else _masks(guided)
         for slot in self._occupied - {sequence.slot for sequence in batch}:
             self.slots.free(slot)
         self._occupied = {sequence.slot for sequence in batch}
         for row, sequence in zip(logits, batch, strict=True):
             index = len(sequence.history) - len(sequence.prompt)
             try:
-                token, logprob = sample(row, sequence.params, sequence.history, index=index)
+                allowed = masks.get(sequence)
+                if isinstance(allowed, Exception):
+                    raise allowed
+                token, logprob = sample(
+                    row, sequence.params, sequence.history, index=index, allowed=allowed
+                )
+                if sequence.guide is not None:
+                    sequence.guide.advance(token)
             except Exception as error:
                 plan.failed.append((sequence, self._own_failure(error, "sampling")))
                 continue

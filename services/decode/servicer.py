@@ -20,7 +20,9 @@ from services.decode.engine import BLOCK_TOKENS, DecodeEngine, Sequence
 from services.decode.settings import DecodeOptions
 from services.decode.sources import PrefillSources
 from services.llm import kv_codec, kv_transfer
+from services.llm.artifacts import model_directory
 from services.llm.described import load_served
+from services.llm.guide import Vocabularies
 from services.llm.kv_transfer import HANDLE_ID, HANDLE_ID_RULE, KvReleaser
 from services.llm.llama import Llama, LlamaConfig, TorchSlots
 from services.llm.requests import check_prompt, decode_length, end_token, sampling_params
@@ -80,6 +82,7 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
         # Set by the warm-up; MeshServer answers every call NOT_READY until it has run.
         self.engine: DecodeEngine
         self.reads: tuple[kv_cache_pb2.KvFormat, ...]
+        self.vocabularies: Vocabularies
         self.releaser = KvReleaser(server.channels)
 
     def _validate(self, request: decode_pb2.DecodeRequest, engine: DecodeEngine):
@@ -135,6 +138,11 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
         )
         if prompt:
             decode_length(request.max_new_tokens, len(prompt), engine.max_seq_len, violations)
+        violations.check(
+            not (request.ignore_eos and request.sampling.HasField("constraint")),
+            "ignore_eos",
+            "cannot be combined with sampling.constraint",
+        )
         violations.raise_if_any()
         return prompt, params
 
@@ -150,6 +158,11 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
                 "is not a prefill worker this decode worker pulls from ([services.decode] prefill)"
             )
             raise InvalidInput([FieldViolation("kv_handle.address", problem)])
+        guide = None
+        if request.sampling.HasField("constraint"):
+            guide = await asyncio.to_thread(self.vocabularies.guide, request.sampling.constraint)
+        if guide is not None and request.first_token_id not in engine.config.eos_token_ids:
+            guide.advance(request.first_token_id)  # prefill sampled it under the same mask
         checker = StopChecker(
             max_new_tokens=request.max_new_tokens,
             eos_ids=frozenset(engine.config.eos_token_ids),
@@ -187,6 +200,7 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
             first_token=request.first_token_id,
             params=params,
             stop=checker,
+            guide=guide,
         )
         engine.submit(sequence)
         try:
@@ -260,6 +274,11 @@ async def setup(server: MeshServer) -> None:
             else model
         )
         worker.reads = served.reads
+        worker.vocabularies = Vocabularies(
+            lambda: model_directory(settings, server.settings.cache_dir),
+            model.config.vocab_size,
+            model.config.eos_token_ids,
+        )
         server.describe(served.info)
         return DecodeEngine(slots, settings.max_batch_size, settings.max_seq_len)
 

@@ -16,6 +16,7 @@ limits with RESOURCE_EXHAUSTED, which becomes OpenAI's 429 here.
 
 from __future__ import annotations
 
+import json
 import string
 import time
 from collections.abc import AsyncIterator
@@ -31,7 +32,7 @@ from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 from mesh import caller, request_id
 from services.gateway.errors import ApiError, from_rpc
 from services.gateway.keys import Principal
-from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from services.gateway.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
 from services.gateway.responses import Exchange, Guarded
 from services.gateway.shared import Shared
 from services.gateway.sse import DONE, ChatShape, TextShape, finish_reason, frame
@@ -50,9 +51,17 @@ PARAMS = {
     "sampling.seed": "seed",
     "sampling.frequency_penalty": "frequency_penalty",
     "stopping.stop_sequences": "stop",
+    "sampling.constraint": "response_format",
+    "sampling.constraint.json_schema": "response_format.json_schema.schema",
+    "tool_choice.function": "tool_choice.function.name",
 }
 # "developer" is OpenAI's newer "system"; the chat template knows "system".
 ROLES = {"developer": "system"}
+TOOL_CHOICE_MODES = {
+    "auto": generation_pb2.ToolChoice.MODE_AUTO,
+    "none": generation_pb2.ToolChoice.MODE_NONE,
+    "required": generation_pb2.ToolChoice.MODE_REQUIRED,
+}
 # Printable ASCII but '%', kept as it is in the x-aimesh-user metadata.
 _PRINTABLE = "".join(c for c in string.printable if c.isprintable() and c != "%")
 
@@ -92,18 +101,63 @@ def params_of(body: Body) -> dict[str, str]:
     return {**PARAMS, "stopping.max_new_tokens": length[0] if length else "max_tokens"}
 
 
-def chat_request(body: ChatCompletionRequest) -> generation_pb2.ChatRequest:
-    return generation_pb2.ChatRequest(
-        request_id=request_id.current(),
-        messages=[
-            common_pb2.ChatMessage(role=ROLES.get(m.role, m.role), content=m.text())
-            for m in body.messages
+def constraint(body: ChatCompletionRequest) -> sampling_pb2.OutputConstraint | None:
+    """response_format as the constraint the engines enforce; None for plain text."""
+    form = body.response_format
+    if form is None or form.type == "text":
+        return None
+    schema = form.json_schema.schema_ if form.json_schema is not None else None
+    if schema is None:
+        return sampling_pb2.OutputConstraint(json_object=True)
+    return sampling_pb2.OutputConstraint(json_schema=json.dumps(schema))
+
+
+def _message(message: ChatMessage) -> common_pb2.ChatMessage:
+    return common_pb2.ChatMessage(
+        role=ROLES.get(message.role, message.role),
+        content=message.text(),
+        tool_calls=[
+            common_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+            for c in message.tool_calls or []
         ],
-        sampling=sampling(body),
+        tool_call_id=message.tool_call_id or "",
+    )
+
+
+def _tool_choice(body: ChatCompletionRequest) -> generation_pb2.ToolChoice | None:
+    choice = body.tool_choice
+    if choice is None:
+        return None
+    if isinstance(choice, str):
+        return generation_pb2.ToolChoice(mode=TOOL_CHOICE_MODES[choice])
+    return generation_pb2.ToolChoice(function=choice.function.name)
+
+
+def chat_request(body: ChatCompletionRequest) -> generation_pb2.ChatRequest:
+    chat_sampling = sampling(body)
+    if (output := constraint(body)) is not None:
+        chat_sampling.constraint.CopyFrom(output)
+    request = generation_pb2.ChatRequest(
+        request_id=request_id.current(),
+        messages=[_message(m) for m in body.messages],
+        sampling=chat_sampling,
         stopping=stopping(body),
         model=body.model,
         cache_salt=body.cache_salt or "",
+        tools=[
+            generation_pb2.ToolDefinition(
+                name=tool.function.name,
+                description=tool.function.description or "",
+                parameters=json.dumps(tool.function.parameters) if tool.function.parameters else "",
+            )
+            for tool in body.tools or []
+        ],
     )
+    if (choice := _tool_choice(body)) is not None:
+        request.tool_choice.CopyFrom(choice)
+    if body.parallel_tool_calls is not None:
+        request.parallel_tool_calls = body.parallel_tool_calls
+    return request
 
 
 def completion_request(body: CompletionRequest) -> generation_pb2.GenerateRequest:
@@ -197,7 +251,8 @@ async def _whole(exchange: Exchange, run: _Run) -> None:
     if complete is None:
         raise _unfinished()
     run.shape.fingerprint = complete.model_version or None
-    body = run.shape.whole("".join(text), finish_reason(complete.finish_reason), complete.usage)
+    reason = finish_reason(complete.finish_reason)
+    body = run.shape.whole("".join(text), reason, complete.usage, list(complete.tool_calls))
     await exchange.whole(JSONResponse(body))
 
 
@@ -222,6 +277,9 @@ async def _stream(exchange: Exchange, run: _Run) -> None:
             if message.HasField("chunk"):
                 if message.chunk.text:
                     await exchange.write(frame(shape.text_event(message.chunk.text)))
+                if message.chunk.tool_calls and isinstance(shape, ChatShape):
+                    event = shape.tool_calls_event(list(message.chunk.tool_calls))
+                    await exchange.write(frame(event))
             else:
                 complete = message.complete
             message = await _next(messages)

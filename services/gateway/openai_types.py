@@ -3,8 +3,8 @@ server refuses rather than ignores.
 
 Unknown keys are accepted and ignored (clients send vendor extras; vLLM does the same),
 but every OpenAI parameter that would change the answer and is not implemented here is
-refused with a 400 naming it (`refuse_unsupported`): a client that asked for tools or
-log-probabilities must not get a plain answer that looks like success.
+refused with a 400 naming it (`refuse_unsupported`): a client that asked for
+log-probabilities or several choices must not get a plain answer that looks like success.
 
 Nothing a body can hold reaches a proto unchecked: a string anywhere in it (a known key or
 not, a key or a value) with a lone UTF-16 surrogate is refused, naming where it is, since
@@ -113,12 +113,24 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str
+
+
+class ToolCall(_Body):
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     # "developer" is OpenAI's newer name for "system"; the chat template knows "system".
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=256)
 
     def text(self) -> str:
         if self.content is None:
@@ -196,10 +208,59 @@ def _refuse_set(body: _Body, names: tuple[str, ...]) -> None:
             raise unsupported(name)
 
 
+class JsonSchemaFormat(_Body):
+    """response_format.json_schema. `schema` absent: any JSON object. `strict` changes
+    nothing here: every schema is enforced token by token, strict or not."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError(
+                "json_schema", "json_schema is required with type json_schema, and only then"
+            )
+        return self
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    # Every schema is enforced token by token, strict or not.
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int32 | None = Field(default=None, ge=1)
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     modalities: list[str] | None = None
 
     def length(self) -> tuple[str, int] | None:
@@ -210,17 +271,10 @@ class ChatCompletionRequest(_Sampling):
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         _refuse_set(
-            self,
-            ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-             "audio", "prediction", "web_search_options"),
-        )  # fmt: skip
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise unsupported("response_format", "only {'type': 'text'} is supported")
+            self, ("functions", "function_call", "audio", "prediction", "web_search_options")
+        )
         if self.modalities not in (None, ["text"]):
             raise unsupported("modalities", "only ['text'] is supported")
-        for i, message in enumerate(self.messages):
-            if message.tool_calls:
-                raise unsupported(f"messages[{i}].tool_calls")
 
 
 class CompletionRequest(_Sampling):

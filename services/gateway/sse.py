@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from aimesh.common.v1 import common_pb2
-from aimesh.llm.v1 import sampling_pb2
+from aimesh.llm.v1 import generation_pb2, sampling_pb2
 
 DONE = b"data: [DONE]\n\n"
 
@@ -27,9 +27,19 @@ def frame(payload: dict[str, Any]) -> bytes:
 
 
 def finish_reason(reason: int) -> str:
-    """The mesh's finish reason in OpenAI's two words: a length limit, or a natural or
-    asked-for stop (end of sequence, a stop sequence, an operator's abort)."""
-    return "length" if reason == sampling_pb2.FINISH_REASON_LENGTH else "stop"
+    """The mesh's finish reason in OpenAI's words: a length limit, tool calls, or a
+    natural or asked-for stop (end of sequence, a stop sequence, an operator's abort)."""
+    if reason == sampling_pb2.FINISH_REASON_LENGTH:
+        return "length"
+    return "tool_calls" if reason == sampling_pb2.FINISH_REASON_TOOL_CALLS else "stop"
+
+
+def tool_call(call: common_pb2.ToolCall) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
 
 
 def usage(message: common_pb2.Usage) -> dict[str, Any]:
@@ -92,11 +102,33 @@ class ChatShape(_Shape):
     def text_event(self, text: str) -> dict[str, Any]:
         return self._event({"content": text}, None)
 
+    def tool_calls_event(self, deltas: list[generation_pb2.ToolCallDelta]) -> dict[str, Any]:
+        """OpenAI's streamed calls: a call's first delta carries its id, type and name
+        (and no arguments yet), later ones more of its arguments."""
+        calls = []
+        for delta in deltas:
+            call: dict[str, Any] = {"index": delta.index}
+            if delta.id:
+                call.update(id=delta.id, type="function")
+                call["function"] = {"name": delta.name, "arguments": delta.arguments}
+            else:
+                call["function"] = {"arguments": delta.arguments}
+            calls.append(call)
+        return self._event({"tool_calls": calls}, None)
+
     def finish_event(self, reason: str) -> dict[str, Any]:
         return self._event({}, reason)
 
-    def whole(self, text: str, reason: str, counts: common_pb2.Usage) -> dict[str, Any]:
-        message = {"role": "assistant", "content": text, "refusal": None}
+    def whole(
+        self,
+        text: str,
+        reason: str,
+        counts: common_pb2.Usage,
+        calls: list[common_pb2.ToolCall] | None = None,
+    ) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if calls:
+            message.update(content=text or None, tool_calls=[tool_call(c) for c in calls])
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
         body = self._envelope("chat.completion", [choice])
         return {**body, "usage": usage(counts)}
@@ -125,7 +157,14 @@ class TextShape(_Shape):
     def finish_event(self, reason: str) -> dict[str, Any]:
         return self._event("", reason)
 
-    def whole(self, text: str, reason: str, counts: common_pb2.Usage) -> dict[str, Any]:
+    def whole(
+        self,
+        text: str,
+        reason: str,
+        counts: common_pb2.Usage,
+        calls: list[common_pb2.ToolCall] | None = None,
+    ) -> dict[str, Any]:
+        """`calls`: never any for a text completion (only chat offers tools)."""
         body = self._envelope("text_completion", [])
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
         return {**body, "choices": [choice], "usage": usage(counts)}

@@ -37,6 +37,7 @@ class TritonGeneration:
     ) -> None:
         reason = f"is not supported by the Triton model {self.model.settings.model!r}"
         violations.check(not sampling.choices, "sampling.choices", reason)
+        violations.check(not sampling.HasField("constraint"), "sampling.constraint", reason)
 
     async def run(
         self,

@@ -30,6 +30,7 @@ from mesh.store_health import StoreHealth
 from mesh.timing import stage
 from mesh.triton import TritonModel
 from mesh.validation import Violations
+from services.generation import tool_calls
 from services.generation.canary_rule import CanaryRule
 from services.generation.models import MODELS, ModelServicer, guard_canaries
 from services.generation.on_triton import TritonGeneration
@@ -42,6 +43,7 @@ from services.generation.workers import DecodePicker, PrefillPicker
 from services.llm import metrics
 from services.llm.artifacts import load_tokenizer, model_directory
 from services.llm.described import described, model_name
+from services.llm.guide import grammar_of
 from services.llm.prefix import MAX_CACHE_SALT_BYTES
 from services.llm.requests import Stopping, sampling_params, stopping
 from services.llm.settings import LlmSettings, llm_settings
@@ -144,7 +146,22 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
             "stopping.ignore_eos",
             "cannot be combined with sampling.choices",
         )
+        violations.check(
+            not (request.sampling.HasField("constraint") and request.stopping.ignore_eos),
+            "stopping.ignore_eos",
+            "cannot be combined with sampling.constraint",
+        )
         stopping(request.stopping, 0, self.settings, violations)
+
+    @staticmethod
+    async def _check_constraint(request) -> None:
+        """A constraint that does not compile is refused here, once, naming the compiler's
+        message; prefill and decode, which build its matcher, then only meet good ones.
+        In a thread: a large schema takes milliseconds to check."""
+        if request.sampling.HasField("constraint"):
+            violations = Violations()
+            await asyncio.to_thread(grammar_of, request.sampling.constraint, violations)
+            violations.raise_if_any()
 
     async def _guided(
         self, rid: str, request, prompt_tokens: int, limits: Stopping, pool: Pool
@@ -192,6 +209,7 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         route = self._route(request, context, violations)
         self._check_common(request, route, violations)
         violations.raise_if_any()
+        await self._check_constraint(request)
         assert route is not None
         rid = request_id.ensure(request.request_id)
         with self.versions.running(route) as pool:
@@ -222,12 +240,22 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         )
         route = self._route(request, context, violations)
         self._check_common(request, route, violations)
+        tool_calls.check(request, violations)
         violations.raise_if_any()
+        await self._check_constraint(request)
+        tooling = tool_calls.plan(request)
+        if tooling is not None:
+            await asyncio.to_thread(tool_calls.compile_problem, tooling, violations)
+            violations.raise_if_any()
+            request = _with_tools_planned(request, tooling)
         assert route is not None
         rid = request_id.ensure(request.request_id)
         with self.versions.running(route) as pool:
             prompt_ids = await pool.tokenizer.apply_chat_template(rid, list(request.messages))
-            async for event in self._judged(rid, prompt_ids, request, "messages", received, route):
+            events = self._judged(rid, prompt_ids, request, "messages", received, route)
+            if tooling is not None and tooling.constraint is not None:
+                events = _calls_apart(events, tool_calls.CallParser(tooling.answer_is_text))
+            async for event in events:
                 yield generation_pb2.ChatResponse(**event)
 
     async def _judged(
@@ -488,6 +516,43 @@ def registered_info(deployment: Deployment, settings: LlmSettings) -> ModelInfo:
         engine=version.engine if version else "",
         limits={"max_seq_len": str(settings.max_seq_len)},
     )
+
+
+def _with_tools_planned(
+    request: generation_pb2.ChatRequest, tooling: tool_calls.Plan
+) -> generation_pb2.ChatRequest:
+    """The request as the pipeline runs it: the conversation any template renders, and
+    the envelope as its constraint."""
+    planned = generation_pb2.ChatRequest()
+    planned.CopyFrom(request)
+    del planned.messages[:]
+    planned.messages.extend(tooling.messages)
+    if tooling.constraint is not None:
+        planned.sampling.constraint.CopyFrom(tooling.constraint)
+    return planned
+
+
+async def _calls_apart(
+    events: AsyncIterator[dict], parser: tool_calls.CallParser
+) -> AsyncIterator[dict]:
+    """The constrained output taken apart as it streams: each chunk's text becomes the
+    answer's text and the calls' deltas; the end carries the calls, whole, and says the
+    turn ended in them."""
+    async for event in events:
+        if "chunk" in event:
+            chunk = event["chunk"]
+            text, deltas = parser.feed(chunk.text)
+            event = {
+                "chunk": generation_pb2.GenerationChunk(
+                    text=text, token_ids=chunk.token_ids, tool_calls=deltas
+                )
+            }
+        elif parser.calls:
+            complete = event["complete"]
+            complete.tool_calls.extend(parser.calls)
+            if complete.finish_reason == sampling_pb2.FINISH_REASON_EOS:
+                complete.finish_reason = sampling_pb2.FINISH_REASON_TOOL_CALLS
+        yield event
 
 
 def _outcome_name(finish_reason: int) -> str:

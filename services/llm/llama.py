@@ -178,6 +178,7 @@ class TorchSlots:
         self.model = model
         self.config = model.config
         self.cache = SlotCache(model.config, slots, max_len, model.dtype, model.device)
+        self.forward_on_gpu = model.device.type == "cuda"
 
     def readable(self, kv: list[LayerKV]) -> list[LayerKV]:
         return kv

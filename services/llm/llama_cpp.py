@@ -173,6 +173,7 @@ class LlamaCpp:
 
     # A sequence keeps its slot, a KV stream of its own, until it leaves.
     compacted = False
+    forward_on_gpu = False  # this build's kernels are the CPU's
 
     def decode(self, token_ids: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
         """One step: token i sits at positions[i] of the sequence in slots[i]. Returns

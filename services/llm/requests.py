@@ -58,6 +58,11 @@ def sampling_params(
         "sampling.choice_token_ids",
         "every choice must be a non-empty sequence of token ids in the vocabulary",
     )
+    violations.check(
+        not (message.HasField("constraint") and (message.choices or choices)),
+        "sampling.constraint",
+        "cannot be combined with sampling.choices",
+    )
     if end_token is not None:
         choices = tuple((*choice, end_token) for choice in choices)
     return SamplingParams(

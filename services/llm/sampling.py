@@ -67,15 +67,23 @@ def _guide(logits: torch.Tensor, params: SamplingParams, history: list[int], ind
 
 
 def sample(
-    logits: torch.Tensor, params: SamplingParams, history: list[int], index: int
+    logits: torch.Tensor,
+    params: SamplingParams,
+    history: list[int],
+    index: int,
+    allowed: torch.Tensor | None = None,
 ) -> tuple[int, float]:
     """The token at generation step `index` (0 = the first) and its log-probability.
 
     `history` is what the penalties look at: the prompt and the tokens generated so far.
+    `allowed` (a constraint's mask, services.llm.guide) leaves only its tokens possible;
+    the log-probability is then under the masked distribution, the one sampled from.
     """
     logits = _penalise(logits.float(), history, params)
     if params.choices:
         logits = _guide(logits, params, history, index)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     if params.greedy:
         token = int(torch.argmax(logits))
         return token, float(torch.log_softmax(logits, dim=-1)[token])

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from mesh.failures import NotFound, Overloaded
 from services.llm import metrics
+from services.llm.guide import Guide
 from services.llm.kv_codec import KvState, kv_nbytes, kv_tokens
 from services.llm.kv_transfer import new_handle_id
 from services.llm.llama import Llama
@@ -175,10 +176,15 @@ class PrefillEngine:
         self.prefixes = prefixes
 
     def run(
-        self, token_ids: list[int], params: SamplingParams, scope: int = UNSCOPED
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        scope: int = UNSCOPED,
+        guide: Guide | None = None,
     ) -> PrefillResult:
         """Blocking: call it on the model thread, the only one that touches the cache.
-        The prompt reads and feeds the prefix cache of `scope` alone."""
+        The prompt reads and feeds the prefix cache of `scope` alone; `guide` (a
+        constrained request's matcher, at its start) masks the first token."""
         started = time.perf_counter()
         hit = self.prefixes.lookup(token_ids, scope)
         looked_up = time.perf_counter()
@@ -194,7 +200,8 @@ class PrefillEngine:
             self.prefixes.discard(hit)
             hit, cached = None, 0
             logits, kv = self.model.prefill(token_ids)
-        token, logprob = sample(logits, params, token_ids, index=0)
+        allowed = guide.allowed() if guide is not None else None
+        token, logprob = sample(logits, params, token_ids, index=0, allowed=allowed)
         computed = time.perf_counter()
         self.prefixes.insert(token_ids, kv, hit, scope)
         return PrefillResult(

@@ -18,7 +18,9 @@ from mesh.server import MeshServer
 from mesh.timing import stage
 from mesh.validation import Violations
 from services.llm import kv_codec
+from services.llm.artifacts import model_directory
 from services.llm.described import load_served
+from services.llm.guide import Vocabularies
 from services.llm.kv_transfer import HANDLE_ID, HANDLE_ID_RULE
 from services.llm.prefix import MAX_CACHE_SALT_BYTES, cache_scope
 from services.llm.requests import check_prompt, end_token, sampling_params
@@ -53,6 +55,7 @@ class PrefillWorker(
         # Set by the warm-up; MeshServer answers every call NOT_READY until it has run.
         self.engine: PrefillEngine
         self.kv_format: kv_cache_pb2.KvFormat
+        self.vocabularies: Vocabularies
         # One model thread: a forward pass already uses every core torch is given.
         self.model_thread = server.executor("model")
 
@@ -80,13 +83,18 @@ class PrefillWorker(
             check_handle_id(request.release_token, violations, "release_token")
         violations.raise_if_any()
         ttl_s = min(request.lease_ttl_ms / 1000 or DEFAULT_LEASE_S, MAX_LEASE_S)
+        guide = None
+        if request.sampling.HasField("constraint"):
+            guide = await asyncio.to_thread(self.vocabularies.guide, request.sampling.constraint)
 
         loop = asyncio.get_running_loop()
         queued = time.perf_counter()
         owner = caller.current()
         client = owner if self.options.prefix_cache_scope == "tenant" else ""
         scope = cache_scope(client, request.cache_salt)
-        result = await loop.run_in_executor(self.model_thread, engine.run, token_ids, params, scope)
+        result = await loop.run_in_executor(
+            self.model_thread, engine.run, token_ids, params, scope, guide
+        )
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
         lease = self.store.put(
@@ -207,6 +215,11 @@ async def setup(server: MeshServer) -> None:
         engine = PrefillEngine(served.model, PrefixCache(cache_bytes))
         engine.warm_up()
         worker.kv_format = served.kv_format
+        worker.vocabularies = Vocabularies(
+            lambda: model_directory(settings, server.settings.cache_dir),
+            served.model.config.vocab_size,
+            served.model.config.eos_token_ids,
+        )
         server.describe(served.info)
         return engine
 

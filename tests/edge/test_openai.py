@@ -14,6 +14,7 @@ import time
 import httpx
 import numpy as np
 import openai
+import pydantic
 import pytest
 from PIL import Image
 
@@ -163,11 +164,201 @@ async def test_bad_values_are_400s_that_name_the_parameter(edge):
             await client.chat.completions.create(
                 model=DEFAULT_NAME,
                 messages=QUESTION,
-                tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                tools=[{"type": "function", "function": {"name": "f", "parameters": []}}],
+            )
+        with pytest.raises(openai.BadRequestError) as bad_schema:
+            await client.chat.completions.create(
+                model=DEFAULT_NAME,
+                messages=QUESTION,
+                tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}],
             )
     assert too_long.value.body["param"] == "max_completion_tokens"
     assert too_hot.value.body["param"] == "temperature"
-    assert tools.value.body["param"] == "tools"
+    assert tools.value.body["param"] == "tools[0].function.parameters"
+    assert bad_schema.value.body["param"] == "tools"
+
+
+class Capital(pydantic.BaseModel):
+    """Every length bounded: a 135M model, greedy, may write digits until max_tokens."""
+
+    country: str = pydantic.Field(max_length=40)
+    capital: str = pydantic.Field(max_length=40)
+    population_millions: int = pydantic.Field(ge=0, le=10_000)
+
+
+async def test_structured_output_parses_into_a_pydantic_model(edge):
+    """The SDK's own structured-output flows, unmodified: `parse` sends the model's strict
+    JSON schema and parses the answer back into the model; `stream` parses the deltas as
+    they come and the final message the same way; json_object gives an object."""
+    async with sdk(edge) as client:
+        parsed = await client.chat.completions.parse(
+            model=DEFAULT_NAME, messages=QUESTION, response_format=Capital, max_tokens=80
+        )
+        async with client.chat.completions.stream(
+            model=DEFAULT_NAME,
+            messages=QUESTION,
+            response_format=Capital,
+            max_tokens=80,
+            temperature=0.7,
+            seed=5,
+        ) as stream:
+            deltas = [event.delta async for event in stream if event.type == "content.delta"]
+            streamed = await stream.get_final_completion()
+        free_form = await client.chat.completions.create(
+            model=DEFAULT_NAME,
+            messages=[{"role": "user", "content": "Describe Paris in JSON."}],
+            max_tokens=200,
+            response_format={"type": "json_object"},
+        )
+        with pytest.raises(openai.BadRequestError) as bad_schema:
+            await client.chat.completions.create(
+                model=DEFAULT_NAME,
+                messages=QUESTION,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "bad", "schema": {"type": "nonsense"}},
+                },
+            )
+    choice = parsed.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Capital)
+    final = streamed.choices[0].message
+    assert len(deltas) > 1 and "".join(deltas) == final.content
+    assert isinstance(final.parsed, Capital)
+    assert free_form.choices[0].finish_reason == "stop", free_form.choices[0].message.content
+    assert isinstance(json.loads(free_form.choices[0].message.content), dict)
+    assert bad_schema.value.body["param"] == "response_format.json_schema.schema"
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+async def test_the_sdk_round_trips_a_tool_call_whole_and_streamed(edge):
+    """The SDK's tool flow: a required call (one: parallel_tool_calls off), whole and
+    streamed (the deltas rebuilt as the SDK's docs do), the same greedy call both ways;
+    then the result sent back in the history, and the turn after it well formed."""
+    async with sdk(edge) as client:
+        whole = await client.chat.completions.create(
+            model=DEFAULT_NAME,
+            messages=WEATHER_QUESTION,
+            tools=[WEATHER_TOOL],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=0,
+            max_tokens=60,
+        )
+        stream = await client.chat.completions.create(
+            model=DEFAULT_NAME,
+            messages=WEATHER_QUESTION,
+            tools=[WEATHER_TOOL],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=0,
+            max_tokens=60,
+            stream=True,
+        )
+        rebuilt: dict[int, dict] = {}
+        reasons = []
+        async for chunk in stream:
+            reasons.append(chunk.choices[0].finish_reason)
+            for delta in chunk.choices[0].delta.tool_calls or []:
+                call = rebuilt.setdefault(delta.index, {"name": "", "arguments": ""})
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+        choice = whole.choices[0]
+        (call,) = choice.message.tool_calls
+        answer = await client.chat.completions.create(
+            model=DEFAULT_NAME,
+            messages=[
+                *WEATHER_QUESTION,
+                choice.message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C"},
+            ],
+            tools=[WEATHER_TOOL],
+            temperature=0,
+            max_tokens=80,
+        )
+    assert choice.finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    assert rebuilt == {0: {"name": "get_weather", "arguments": call.function.arguments}}
+    assert [r for r in reasons if r] == ["tool_calls"]
+    after = answer.choices[0]
+    assert after.finish_reason in ("stop", "tool_calls")
+    assert (
+        (after.message.content or "") if after.finish_reason == "stop" else after.message.tool_calls
+    )
+
+
+async def test_langchain_binds_tools_and_structures_output_unmodified(edge):
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        return "Sunny"
+
+    llm = ChatOpenAI(
+        base_url=f"{edge.url}/v1", api_key=KEY, model=DEFAULT_NAME, temperature=0, max_tokens=80
+    )
+    message = await llm.bind_tools([get_weather], tool_choice="get_weather").ainvoke(
+        "What is the weather in Paris?"
+    )
+    capital = await llm.with_structured_output(Capital).ainvoke("What is the capital of France?")
+    (call,) = message.tool_calls
+    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+    assert isinstance(capital, Capital)
+
+
+async def test_the_openai_agents_sdk_runs_a_function_tool_and_an_output_type(edge):
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)  # its traces would go to OpenAI's servers
+    asked: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        asked.append(city)
+        return "Sunny, 24 C"
+
+    async with sdk(edge) as client:
+        model = OpenAIChatCompletionsModel(model=DEFAULT_NAME, openai_client=client)
+        settings = ModelSettings(temperature=0, max_tokens=80)
+        weather = Agent(
+            name="weather",
+            instructions="Use the tool to answer.",
+            tools=[get_weather],
+            model=model,
+            model_settings=ModelSettings(
+                temperature=0, max_tokens=80, tool_choice="required", parallel_tool_calls=False
+            ),
+            tool_use_behavior="stop_on_first_tool",
+        )
+        facts = Agent(name="facts", model=model, model_settings=settings, output_type=Capital)
+        called = await Runner.run(weather, "What is the weather in Paris?", max_turns=3)
+        structured = await Runner.run(facts, "What is the capital of France?", max_turns=1)
+    assert called.final_output == "Sunny, 24 C" and len(asked) == 1
+    assert isinstance(structured.final_output, Capital)
 
 
 async def test_keys_scopes_and_models_are_401_403_404(edge):

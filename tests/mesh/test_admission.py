@@ -69,10 +69,10 @@ async def test_deadline_too_short_for_predicted_wait_is_refused_early(echo_serve
             await stub.Echo(echo_pb2.EchoRequest(delay_ms=200), timeout=5)
         running = asyncio.create_task(_call(stub, echo_pb2.EchoRequest(delay_ms=200)))
         await eventually(lambda: server.admission.in_flight == 1)
-        started = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await stub.Echo(echo_pb2.EchoRequest(delay_ms=200), timeout=0.1)
-        assert time.monotonic() - started < 0.09  # refused before its deadline, not at it
+        # Refused before its deadline, not at it: a deadline reached is DEADLINE_EXCEEDED.
+        # (A bound on the wall time flaked on a busy machine: 127 ms against 90.)
         assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert error_info(caught.value).reason == "DEADLINE_TOO_SHORT"
         await running

@@ -92,6 +92,22 @@ class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
             while True:
                 yield {"chunk": generation_pb2.GenerationChunk(text="la ", token_ids=[1])}
                 await asyncio.sleep(0.02)
+        if text.startswith("call:"):  # the router's tool-call stream, for the tool named
+            arguments = ['{"city": ', '"Oslo"}']
+            yield {"chunk": generation_pb2.GenerationChunk(
+                token_ids=[7],
+                tool_calls=[generation_pb2.ToolCallDelta(index=0, id="call_1", name=text[5:])],
+            )}  # fmt: skip
+            for fragment in arguments:
+                delta = generation_pb2.ToolCallDelta(index=0, arguments=fragment)
+                yield {"chunk": generation_pb2.GenerationChunk(token_ids=[7], tool_calls=[delta])}
+            call = common_pb2.ToolCall(id="call_1", name=text[5:], arguments="".join(arguments))
+            yield {"complete": generation_pb2.GenerationComplete(
+                finish_reason=sampling_pb2.FINISH_REASON_TOOL_CALLS,
+                usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=3, total_tokens=6),
+                tool_calls=[call],
+            )}  # fmt: skip
+            return
         if text == "midstream":
             yield {"chunk": generation_pb2.GenerationChunk(text="partial", token_ids=[1])}
             await abort(context, status(grpc.StatusCode.UNAVAILABLE, "decode died", reason="GONE"))

@@ -199,6 +199,110 @@ async def test_non_ascii_and_extra_fields_are_fine(gateway):
     ]
 
 
+async def test_response_format_becomes_the_constraint_the_engines_enforce(gateway):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    formats = [
+        ({"type": "json_object"}, "json_object", True),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+            "json_schema",
+            schema,
+        ),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "strict": True}},
+            "json_object",
+            True,
+        ),
+        ({"type": "text"}, None, None),
+    ]
+    client = gateway.sdk()
+    for response_format, kind, value in formats:
+        await client.chat.completions.create(
+            model=LLM, messages=USER, response_format=response_format
+        )
+        constraint = gateway.generation.requests[-1].sampling.constraint
+        assert constraint.WhichOneof("kind") == kind
+        if kind == "json_schema":
+            assert json.loads(constraint.json_schema) == value
+        elif kind is not None:
+            assert getattr(constraint, kind) == value
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        "strict": True,
+    },
+}
+
+
+async def test_tools_choice_and_the_conversations_calls_reach_the_router(gateway):
+    history = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_9",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_9", "content": "4 C"},
+    ]
+    client = gateway.sdk()
+    choices = [
+        ("auto", ("mode", 1)),
+        ("none", ("mode", 2)),
+        ("required", ("mode", 3)),
+        ({"type": "function", "function": {"name": "get_weather"}}, ("function", "get_weather")),
+    ]
+    for choice, expected in choices:
+        await client.chat.completions.create(
+            model=LLM,
+            messages=history,
+            tools=[WEATHER_TOOL],
+            tool_choice=choice,
+            parallel_tool_calls=False,
+        )
+        sent = gateway.generation.requests[-1]
+        field = sent.tool_choice.WhichOneof("choice")
+        assert (field, getattr(sent.tool_choice, field)) == expected
+    assert sent.parallel_tool_calls is False and sent.HasField("parallel_tool_calls")
+    (tool,) = sent.tools
+    assert (tool.name, tool.description) == ("get_weather", "The weather in a city.")
+    assert json.loads(tool.parameters) == WEATHER_TOOL["function"]["parameters"]
+    assistant, answer = sent.messages[1], sent.messages[2]
+    assert [(c.id, c.name, c.arguments) for c in assistant.tool_calls] == [
+        ("call_9", "get_weather", '{"city": "Oslo"}')
+    ]
+    assert (answer.role, answer.tool_call_id, answer.content) == ("tool", "call_9", "4 C")
+
+
+async def test_tool_calls_come_back_whole_and_as_openais_stream_deltas(gateway):
+    client = gateway.sdk()
+    messages = [{"role": "user", "content": "call:get_weather"}]
+    whole = await client.chat.completions.create(model=LLM, messages=messages, tools=[WEATHER_TOOL])
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert (call.id, call.type, call.function.name) == ("call_1", "function", "get_weather")
+    assert json.loads(call.function.arguments) == {"city": "Oslo"}
+    stream = await client.chat.completions.create(
+        model=LLM, messages=messages, tools=[WEATHER_TOOL], stream=True
+    )
+    deltas = [c.choices[0].delta.tool_calls async for c in stream if c.choices[0].delta.tool_calls]
+    first = deltas[0][0]
+    assert (first.index, first.id, first.function.name) == (0, "call_1", "get_weather")
+    assert "".join(d[0].function.arguments or "" for d in deltas) == call.function.arguments
+    assert all(d[0].id is None for d in deltas[1:])
+
+
 async def test_keys_and_scopes(gateway):
     async with gateway.http(key=None) as anonymous:
         missing = await anonymous.post("/v1/chat/completions", json=chat())

@@ -4,15 +4,18 @@ scheduler on both engines (torch and llama.cpp)."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
+from aimesh.llm.v1.sampling_pb2 import OutputConstraint
 from mesh.failures import NotReady, OutOfMemory
 from services.decode.engine import DecodeEngine, Sequence, Slots
 from services.llm.artifacts import gguf_path
+from services.llm.guide import Vocabularies
 from services.llm.kv_codec import KvState, SequenceState, kv_tokens
 from services.llm.llama import Llama, SlotCache, TorchSlots, resolve_device, resolve_dtype
 from services.llm.sampling import SamplingParams
@@ -363,6 +366,7 @@ class _OutOfMemoryAboveOneRow:
     def __init__(self, slots: Slots) -> None:
         self.slots = slots
         self.config, self.compacted = slots.config, slots.compacted
+        self.forward_on_gpu = slots.forward_on_gpu
         self.load, self.move, self.free = slots.load, slots.move, slots.free
 
     def decode(self, tokens, positions, slots):
@@ -422,3 +426,50 @@ def test_a_cached_prefix_that_will_not_load_is_dropped_and_the_prompt_runs_whole
     assert len(cache) == 1  # the broken entry went; this prompt's came
     hit = cache.lookup([*prompt, 7])
     assert hit is not None and hit.tokens == len(prompt)
+
+
+def _constrained(
+    engine: Engine, tokenizer, vocabularies: Vocabularies, prompt: str, length: int
+) -> Sequence:
+    """A greedy sequence under a regex, its first token masked as prefill masks it."""
+    ids = tokenizer(prompt)["input_ids"]
+    logits, kv = engine.prefill(ids)
+    guide = vocabularies.guide(OutputConstraint(regex=r"[a-z ,.]{1,200}"))
+    assert guide is not None
+    first = int(logits.masked_fill(~guide.allowed(), float("-inf")).argmax())
+    guide.advance(first)
+    checker = StopChecker(max_new_tokens=length, eos_ids=frozenset(vocabularies.get().eos_ids))
+    checker.feed(first)
+    return Sequence(ids, kv, first, SamplingParams(), checker, guide=guide)
+
+
+async def test_masks_beside_the_forward_pass_or_after_it_sample_the_same(
+    engine, reference, llama, model_dir
+):
+    """A GPU's forward pass leaves the CPU free, and decode computes the masks of a step
+    in a second thread meanwhile; on a CPU it computes them after. Either way each
+    constrained row keeps its form and the free row its own output."""
+    _, tokenizer = reference
+    vocabularies = Vocabularies(
+        lambda: model_dir, llama.config.vocab_size, llama.config.eos_token_ids
+    )
+    prompts = ["The capital of France is", "List three colours:"]
+    outputs = {}
+    for beside in (False, True):
+        slots = engine.slots(4, 256)
+        slots.forward_on_gpu = beside
+        decoder = DecodeEngine(slots, max_batch_size=4, max_seq_len=256)
+        decoder.start()
+        try:
+            sequences = [_constrained(engine, tokenizer, vocabularies, p, 8) for p in prompts]
+            free = _sequence(engine, tokenizer, "The quick brown fox", 8)
+            for sequence in [*sequences, free]:
+                decoder.submit(sequence)
+            outputs[beside] = await asyncio.gather(*map(_collect, [*sequences, free]))
+        finally:
+            await decoder.stop()
+    assert outputs[True] == outputs[False]
+    *constrained, free = outputs[True]
+    for tokens in constrained:
+        assert re.fullmatch(r"[a-z ,.]{1,200}", tokenizer.decode(tokens)), tokenizer.decode(tokens)
+    assert free == await _alone(engine, tokenizer, "The quick brown fox", 8)

@@ -7,9 +7,11 @@ transformers is no reference here)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 
 import grpc
+import jsonschema
 import pytest
 import torch
 
@@ -146,6 +148,49 @@ async def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(llama_cpp_m
         crowd = [generate(stub, prompt=p, stopping=stopping(32)) for p in prompts[:6]]
         busy, *_ = await asyncio.gather(story(), *crowd)
     assert busy == alone
+
+
+async def test_constrained_streams_on_llama_cpp_keep_their_form_beside_free_ones(
+    llama_cpp_mesh, prompts
+):
+    """The constraint masks llama.cpp's logits as it masks torch's: each schema-bound
+    stream is valid JSON, each seeded free stream the same as alone."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 30},
+            "sunny": {"type": "boolean"},
+            "days": {"type": "array", "items": {"type": "integer"}, "maxItems": 4},
+        },
+        "required": ["city", "sunny"],
+        "additionalProperties": False,
+    }
+    constrained = [
+        sampling_pb2.SamplingParameters(
+            temperature=0.8,
+            seed=seed,
+            constraint=sampling_pb2.OutputConstraint(json_schema=json.dumps(schema)),
+        )
+        for seed in range(4)
+    ]
+    free = sampling_pb2.SamplingParameters(temperature=0.9, seed=3)
+    stub, channel = llama_cpp_mesh.stub()
+    async with channel:
+        alone = [
+            (await generate(stub, prompt=p, sampling=free, stopping=stopping(16)))[0]
+            for p in prompts[:3]
+        ]
+        runs = await asyncio.gather(
+            *(generate(stub, prompt=p, sampling=free, stopping=stopping(16)) for p in prompts[:3]),
+            *(
+                generate(stub, prompt="The weather as JSON:", sampling=s, stopping=stopping(100))
+                for s in constrained
+            ),
+        )
+    assert [ids for ids, _, _ in runs[:3]] == alone
+    for _, text, complete in runs[3:]:
+        assert complete.finish_reason == sampling_pb2.FINISH_REASON_EOS, text
+        jsonschema.validate(json.loads(text), schema)
 
 
 async def test_decode_refuses_kv_it_cannot_continue(llama_cpp_mesh, model_dir):

@@ -23,6 +23,8 @@ from tests.services.llm.conftest import MAX_BATCH, MAX_SEQ_LEN, unlimited_meter
 
 pytestmark = pytest.mark.unit
 
+Constraint = sampling_pb2.OutputConstraint
+
 
 class NoWork:
     """Tokenizer and engine both: any call past validation fails the test. Options are
@@ -86,6 +88,43 @@ BAD_REQUESTS = [
         {
             "prompt": "hi",
             "sampling": sampling_pb2.SamplingParameters(choices=["a"]),
+            "stopping": sampling_pb2.StoppingCriteria(ignore_eos=True),
+        },
+        "stopping.ignore_eos",
+    ),
+    *[
+        (
+            {"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(constraint=constraint)},
+            field,
+        )
+        for constraint, field in [
+            (Constraint(json_schema="{not json"), "sampling.constraint.json_schema"),
+            (Constraint(json_schema='{"type": "nonsense"}'), "sampling.constraint.json_schema"),
+            (Constraint(json_schema="[1, 2]"), "sampling.constraint.json_schema"),
+            (Constraint(json_schema=""), "sampling.constraint.json_schema"),
+            (Constraint(json_schema=" " * (64 * 1024 + 1)), "sampling.constraint.json_schema"),
+            (
+                Constraint(json_schema='{"$ref": "#/$defs/missing"}'),
+                "sampling.constraint.json_schema",
+            ),
+            (Constraint(regex="(unclosed"), "sampling.constraint.regex"),
+            (Constraint(lark_grammar="start: undefined_rule"), "sampling.constraint.lark_grammar"),
+            (Constraint(json_object=False), "sampling.constraint.json_object"),
+        ]
+    ],
+    (
+        {
+            "prompt": "hi",
+            "sampling": sampling_pb2.SamplingParameters(
+                choices=["a"], constraint=Constraint(json_object=True)
+            ),
+        },
+        "sampling.constraint",
+    ),
+    (
+        {
+            "prompt": "hi",
+            "sampling": sampling_pb2.SamplingParameters(constraint=Constraint(regex="a+")),
             "stopping": sampling_pb2.StoppingCriteria(ignore_eos=True),
         },
         "stopping.ignore_eos",

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x61imesh/common/v1/common.proto\x12\x10\x61imesh.common.v1\"C\n\x06Timing\x12\'\n\x06stages\x18\x01 \x03(\x0b\x32\x17.aimesh.common.v1.Stage\x12\x10\n\x08total_ns\x18\x02 \x01(\x03\"v\n\x05Stage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x04kind\x18\x02 \x01(\x0e\x32\x1b.aimesh.common.v1.StageKind\x12\x13\n\x0b\x64uration_ns\x18\x03 \x01(\x03\x12\x0f\n\x07service\x18\x04 \x01(\t\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t*\x83\x01\n\tStageKind\x12\x1a\n\x16STAGE_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10STAGE_KIND_QUEUE\x10\x01\x12\x16\n\x12STAGE_KIND_COMPUTE\x10\x02\x12\x17\n\x13STAGE_KIND_TRANSFER\x10\x03\x12\x13\n\x0fSTAGE_KIND_CALL\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x61imesh/common/v1/common.proto\x12\x10\x61imesh.common.v1\"C\n\x06Timing\x12\'\n\x06stages\x18\x01 \x03(\x0b\x32\x17.aimesh.common.v1.Stage\x12\x10\n\x08total_ns\x18\x02 \x01(\x03\"v\n\x05Stage\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x04kind\x18\x02 \x01(\x0e\x32\x1b.aimesh.common.v1.StageKind\x12\x13\n\x0b\x64uration_ns\x18\x03 \x01(\x03\x12\x0f\n\x07service\x18\x04 \x01(\t\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"r\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12.\n\ntool_calls\x18\x03 \x03(\x0b\x32\x1a.aimesh.common.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t*\x83\x01\n\tStageKind\x12\x1a\n\x16STAGE_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10STAGE_KIND_QUEUE\x10\x01\x12\x16\n\x12STAGE_KIND_COMPUTE\x10\x02\x12\x17\n\x13STAGE_KIND_TRANSFER\x10\x03\x12\x13\n\x0fSTAGE_KIND_CALL\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'aimesh.common.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STAGEKIND']._serialized_start=391
-  _globals['_STAGEKIND']._serialized_end=522
+  _globals['_STAGEKIND']._serialized_start=518
+  _globals['_STAGEKIND']._serialized_end=649
   _globals['_TIMING']._serialized_start=51
   _globals['_TIMING']._serialized_end=118
   _globals['_STAGE']._serialized_start=120
@@ -40,5 +40,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=240
   _globals['_USAGE']._serialized_end=342
   _globals['_CHATMESSAGE']._serialized_start=344
-  _globals['_CHATMESSAGE']._serialized_end=388
+  _globals['_CHATMESSAGE']._serialized_end=458
+  _globals['_TOOLCALL']._serialized_start=460
+  _globals['_TOOLCALL']._serialized_end=515
 # @@protoc_insertion_point(module_scope)

@@ -28,7 +28,7 @@ from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x61imesh/llm/v1/generation.proto\x12\raimesh.llm.v1\x1a\x1d\x61imesh/common/v1/common.proto\x1a\x1c\x61imesh/llm/v1/sampling.proto\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/api/field_behavior.proto\"\xc6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x06prompt\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.aimesh.llm.v1.SamplingParameters\x12\x31\n\x08stopping\x18\x04 \x01(\x0b\x32\x1f.aimesh.llm.v1.StoppingCriteria\x12\r\n\x05model\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\x86\x01\n\x10GenerateResponse\x12/\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1e.aimesh.llm.v1.GenerationChunkH\x00\x12\x35\n\x08\x63omplete\x18\x02 \x01(\x0b\x32!.aimesh.llm.v1.GenerationCompleteH\x00\x42\n\n\x08response\"\xe3\x01\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x35\n\x08messages\x18\x02 \x03(\x0b\x32\x1d.aimesh.common.v1.ChatMessageB\x04\xe2\x41\x01\x02\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.aimesh.llm.v1.SamplingParameters\x12\x31\n\x08stopping\x18\x04 \x01(\x0b\x32\x1f.aimesh.llm.v1.StoppingCriteria\x12\r\n\x05model\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\x82\x01\n\x0c\x43hatResponse\x12/\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1e.aimesh.llm.v1.GenerationChunkH\x00\x12\x35\n\x08\x63omplete\x18\x02 \x01(\x0b\x32!.aimesh.llm.v1.GenerationCompleteH\x00\x42\n\n\x08response\"2\n\x0fGenerationChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\xef\x01\n\x12GenerationComplete\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.aimesh.llm.v1.FinishReason\x12&\n\x05usage\x18\x02 \x01(\x0b\x32\x17.aimesh.common.v1.Usage\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\t2\xd3\x01\n\x11GenerationService\x12\x66\n\x08Generate\x12\x1e.aimesh.llm.v1.GenerateRequest\x1a\x1f.aimesh.llm.v1.GenerateResponse\"\x17\x82\xd3\xe4\x93\x02\x11\"\x0c/v1/generate:\x01*0\x01\x12V\n\x04\x43hat\x12\x1a.aimesh.llm.v1.ChatRequest\x1a\x1b.aimesh.llm.v1.ChatResponse\"\x13\x82\xd3\xe4\x93\x02\r\"\x08/v1/chat:\x01*0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x61imesh/llm/v1/generation.proto\x12\raimesh.llm.v1\x1a\x1d\x61imesh/common/v1/common.proto\x1a\x1c\x61imesh/llm/v1/sampling.proto\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/api/field_behavior.proto\"\xc6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x06prompt\x18\x02 \x01(\tB\x04\xe2\x41\x01\x02\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.aimesh.llm.v1.SamplingParameters\x12\x31\n\x08stopping\x18\x04 \x01(\x0b\x32\x1f.aimesh.llm.v1.StoppingCriteria\x12\r\n\x05model\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\x86\x01\n\x10GenerateResponse\x12/\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1e.aimesh.llm.v1.GenerationChunkH\x00\x12\x35\n\x08\x63omplete\x18\x02 \x01(\x0b\x32!.aimesh.llm.v1.GenerationCompleteH\x00\x42\n\n\x08response\"\xfb\x02\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x35\n\x08messages\x18\x02 \x03(\x0b\x32\x1d.aimesh.common.v1.ChatMessageB\x04\xe2\x41\x01\x02\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.aimesh.llm.v1.SamplingParameters\x12\x31\n\x08stopping\x18\x04 \x01(\x0b\x32\x1f.aimesh.llm.v1.StoppingCriteria\x12\r\n\x05model\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12,\n\x05tools\x18\x07 \x03(\x0b\x32\x1d.aimesh.llm.v1.ToolDefinition\x12.\n\x0btool_choice\x18\x08 \x01(\x0b\x32\x19.aimesh.llm.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\t \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"G\n\x0eToolDefinition\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\xa9\x01\n\nToolChoice\x12.\n\x04mode\x18\x01 \x01(\x0e\x32\x1e.aimesh.llm.v1.ToolChoice.ModeH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\"M\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_AUTO\x10\x01\x12\r\n\tMODE_NONE\x10\x02\x12\x11\n\rMODE_REQUIRED\x10\x03\x42\x08\n\x06\x63hoice\"\x82\x01\n\x0c\x43hatResponse\x12/\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1e.aimesh.llm.v1.GenerationChunkH\x00\x12\x35\n\x08\x63omplete\x18\x02 \x01(\x0b\x32!.aimesh.llm.v1.GenerationCompleteH\x00\x42\n\n\x08response\"d\n\x0fGenerationChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x30\n\ntool_calls\x18\x03 \x03(\x0b\x32\x1c.aimesh.llm.v1.ToolCallDelta\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\x9f\x02\n\x12GenerationComplete\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.aimesh.llm.v1.FinishReason\x12&\n\x05usage\x18\x02 \x01(\x0b\x32\x17.aimesh.common.v1.Usage\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\x12\x16\n\x0eprefill_worker\x18\x04 \x01(\t\x12\x15\n\rdecode_worker\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x15\n\rmodel_version\x18\x07 \x01(\t\x12.\n\ntool_calls\x18\x08 \x03(\x0b\x32\x1a.aimesh.common.v1.ToolCall2\xd3\x01\n\x11GenerationService\x12\x66\n\x08Generate\x12\x1e.aimesh.llm.v1.GenerateRequest\x1a\x1f.aimesh.llm.v1.GenerateResponse\"\x17\x82\xd3\xe4\x93\x02\x11\"\x0c/v1/generate:\x01*0\x01\x12V\n\x04\x43hat\x12\x1a.aimesh.llm.v1.ChatRequest\x1a\x1b.aimesh.llm.v1.ChatResponse\"\x13\x82\xd3\xe4\x93\x02\r\"\x08/v1/chat:\x01*0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,13 +48,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_start=375
   _globals['_GENERATERESPONSE']._serialized_end=509
   _globals['_CHATREQUEST']._serialized_start=512
-  _globals['_CHATREQUEST']._serialized_end=739
-  _globals['_CHATRESPONSE']._serialized_start=742
-  _globals['_CHATRESPONSE']._serialized_end=872
-  _globals['_GENERATIONCHUNK']._serialized_start=874
-  _globals['_GENERATIONCHUNK']._serialized_end=924
-  _globals['_GENERATIONCOMPLETE']._serialized_start=927
-  _globals['_GENERATIONCOMPLETE']._serialized_end=1166
-  _globals['_GENERATIONSERVICE']._serialized_start=1169
-  _globals['_GENERATIONSERVICE']._serialized_end=1380
+  _globals['_CHATREQUEST']._serialized_end=891
+  _globals['_TOOLDEFINITION']._serialized_start=893
+  _globals['_TOOLDEFINITION']._serialized_end=964
+  _globals['_TOOLCHOICE']._serialized_start=967
+  _globals['_TOOLCHOICE']._serialized_end=1136
+  _globals['_TOOLCHOICE_MODE']._serialized_start=1049
+  _globals['_TOOLCHOICE_MODE']._serialized_end=1126
+  _globals['_CHATRESPONSE']._serialized_start=1139
+  _globals['_CHATRESPONSE']._serialized_end=1269
+  _globals['_GENERATIONCHUNK']._serialized_start=1271
+  _globals['_GENERATIONCHUNK']._serialized_end=1371
+  _globals['_TOOLCALLDELTA']._serialized_start=1373
+  _globals['_TOOLCALLDELTA']._serialized_end=1448
+  _globals['_GENERATIONCOMPLETE']._serialized_start=1451
+  _globals['_GENERATIONCOMPLETE']._serialized_end=1738
+  _globals['_GENERATIONSERVICE']._serialized_start=1741
+  _globals['_GENERATIONSERVICE']._serialized_end=1952
 # @@protoc_insertion_point(module_scope)

@@ -14,14 +14,16 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_STOP_SEQUENCE: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+    FINISH_REASON_TOOL_CALLS: _ClassVar[FinishReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP_SEQUENCE: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
+FINISH_REASON_TOOL_CALLS: FinishReason
 
 class SamplingParameters(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "repetition_penalty", "frequency_penalty", "choices", "choice_token_ids")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "repetition_penalty", "frequency_penalty", "choices", "choice_token_ids", "constraint")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +32,7 @@ class SamplingParameters(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     CHOICES_FIELD_NUMBER: _ClassVar[int]
     CHOICE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -38,7 +41,20 @@ class SamplingParameters(_message.Message):
     frequency_penalty: float
     choices: _containers.RepeatedScalarFieldContainer[str]
     choice_token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., choices: _Optional[_Iterable[str]] = ..., choice_token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
+    constraint: OutputConstraint
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., choices: _Optional[_Iterable[str]] = ..., choice_token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., constraint: _Optional[_Union[OutputConstraint, _Mapping]] = ...) -> None: ...
+
+class OutputConstraint(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "lark_grammar")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    LARK_GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    lark_grammar: str
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., lark_grammar: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

@@ -1,0 +1,482 @@
+"""Tool calls for any model: the tools described to it in the system turn, its output
+constrained to one JSON object that either answers or calls them, and that object taken
+apart again as it streams, into the answer's text and the calls' deltas.
+
+The format is llama.cpp's generic one, for chat templates that know no tools (SmolLM2's
+among them): `{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}` to call, or
+`{"response": "..."}` to answer. The grammar (services/llm/guide.py) makes every call
+name one of the request's functions and every arguments object valid against that
+function's schema, so a call always parses, in `auto` mode too. Earlier turns are
+rendered the same way: an assistant's calls as the JSON it would have written, the tools'
+results as one user turn (`{"tool_results": [...]}`), so any template renders them.
+
+What stays to do: rendering through templates that do know tools (Qwen's `<tool_call>`,
+Llama 3.1's, Mistral's `[TOOL_CALLS]`), in their own formats.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aimesh.common.v1 import common_pb2
+from aimesh.llm.v1 import generation_pb2, sampling_pb2
+from mesh.validation import Violations
+from services.llm.guide import MAX_SCHEMA_BYTES, grammar_of
+
+MAX_TOOLS = 128
+MAX_DESCRIPTION_BYTES = 4096
+NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+NAME_RULE = "must be 1 to 64 of a-z, A-Z, 0-9, _ and -"
+Mode = generation_pb2.ToolChoice.Mode
+_CALLS_OPEN = '{"tool_calls": ['
+_ANSWER_OPEN = '{"response": '
+_CALL_OPEN = '{"name": "'
+_ARGUMENTS_OPEN = '", "arguments": '
+_REF = re.compile(r"^#/(\$defs|definitions)/")
+
+
+def _mode(request: generation_pb2.ChatRequest) -> tuple[int, str]:
+    """(mode, the function it must call or "")."""
+    choice = request.tool_choice
+    if choice.WhichOneof("choice") == "function":
+        return Mode.MODE_REQUIRED, choice.function
+    mode = choice.mode if choice.WhichOneof("choice") == "mode" else Mode.MODE_UNSPECIFIED
+    return (Mode.MODE_AUTO if mode == Mode.MODE_UNSPECIFIED else mode), ""
+
+
+def check(request: generation_pb2.ChatRequest, violations: Violations) -> None:
+    """The tools, the choice among them and the tool fields of the conversation: each
+    refusal names its field. Tool schemas are compiled later, with the whole constraint."""
+    tools = request.tools
+    violations.check(len(tools) <= MAX_TOOLS, "tools", f"at most {MAX_TOOLS} tools")
+    names: set[str] = set()
+    for i, tool in enumerate(tools[:MAX_TOOLS]):
+        if violations.check(NAME.fullmatch(tool.name) is not None, f"tools[{i}].name", NAME_RULE):
+            violations.check(tool.name not in names, f"tools[{i}].name", "is not unique")
+            names.add(tool.name)
+        violations.max_length(
+            tool.description.encode(), f"tools[{i}].description", MAX_DESCRIPTION_BYTES
+        )
+        if tool.parameters:
+            violations.max_length(
+                tool.parameters.encode(), f"tools[{i}].parameters", MAX_SCHEMA_BYTES
+            )
+            violations.check(
+                isinstance(_loaded(tool.parameters), dict),
+                f"tools[{i}].parameters",
+                "must be a JSON object (a JSON Schema)",
+            )
+    mode, function = _mode(request)
+    if function:
+        violations.check(function in names, "tool_choice.function", "is none of the tools")
+    violations.check(
+        bool(tools) or mode != Mode.MODE_REQUIRED,
+        "tool_choice",
+        "requires a tool to be called but no tools were given",
+    )
+    violations.check(
+        not (tools and request.sampling.choices), "tools", "cannot be combined with choices"
+    )
+    kind = request.sampling.constraint.WhichOneof("kind")
+    violations.check(
+        not tools or mode == Mode.MODE_NONE or kind in (None, "json_schema", "json_object"),
+        "sampling.constraint",
+        "with tools, only a JSON schema or json_object can shape the answer",
+    )
+    for i, message in enumerate(request.messages):
+        if message.tool_calls:
+            violations.check(
+                message.role == "assistant",
+                f"messages[{i}].tool_calls",
+                "only an assistant turn makes calls",
+            )
+        for j, call in enumerate(message.tool_calls):
+            violations.check(bool(call.id), f"messages[{i}].tool_calls[{j}].id", "is required")
+            violations.check(
+                NAME.fullmatch(call.name) is not None,
+                f"messages[{i}].tool_calls[{j}].name",
+                NAME_RULE,
+            )
+        violations.check(
+            bool(message.tool_call_id) == (message.role == "tool"),
+            f"messages[{i}].tool_call_id",
+            "is required on a tool turn, and only there",
+        )
+
+
+def _loaded(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _rehomed(schema: Any, prefix: str, defs: dict[str, Any]) -> Any:
+    """`schema` with its `$defs` moved into `defs` under `prefix` and its references
+    renamed to match: a function's schema nested in the envelope would otherwise point
+    its `#/$defs/...` references at the envelope's root (pydantic writes nested models
+    that way)."""
+    if isinstance(schema, list):
+        return [_rehomed(item, prefix, defs) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved = {}
+    for key, value in schema.items():
+        if key in ("$defs", "definitions") and isinstance(value, dict):
+            for name, definition in value.items():
+                defs[f"{prefix}{name}"] = _rehomed(definition, prefix, defs)
+        elif key == "$ref" and isinstance(value, str) and _REF.match(value):
+            moved[key] = "#/$defs/" + prefix + _REF.sub("", value)
+        else:
+            moved[key] = _rehomed(value, prefix, defs)
+    return moved
+
+
+def _closed(properties: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+
+
+def envelope(
+    tools: Sequence[generation_pb2.ToolDefinition],
+    mode: int,
+    function: str,
+    parallel: bool,
+    answer: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The JSON schema of every output allowed: calls of the tools the choice allows
+    (one when not parallel or when a function is named), or, in auto mode, an answer (a
+    string, or what `answer`, the response_format's schema, describes)."""
+    defs: dict[str, Any] = {}
+    calls = []
+    for i, tool in enumerate(tools):
+        if function and tool.name != function:
+            continue
+        parameters = _loaded(tool.parameters) if tool.parameters else {"type": "object"}
+        arguments = _rehomed(parameters, f"tool{i}_", defs)
+        calls.append(_closed({"name": {"const": tool.name}, "arguments": arguments}))
+    array: dict[str, Any] = {
+        "type": "array",
+        "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+        "minItems": 1,
+    }
+    if not parallel or function:  # a named function is called once, as OpenAI does
+        array["maxItems"] = 1
+    schema: dict[str, Any] = _closed({"tool_calls": array})
+    if mode == Mode.MODE_AUTO:
+        response = _rehomed(answer, "answer_", defs) if answer else {"type": "string"}
+        schema = {"anyOf": [schema, _closed({"response": response})]}
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _instruction(tools: Sequence[generation_pb2.ToolDefinition], mode: int, function: str) -> str:
+    described = [
+        {
+            "name": tool.name,
+            "description": tool.description,
+            "parameters": _loaded(tool.parameters) if tool.parameters else {"type": "object"},
+        }
+        for tool in tools
+    ]
+    lines = [
+        "You can call these tools (their arguments as JSON Schemas):",
+        json.dumps(described, ensure_ascii=False),
+    ]
+    call = '{"tool_calls": [{"name": <tool name>, "arguments": <arguments object>}]}'
+    if function:
+        lines.append(f"Call the tool {function} now, replying with only {call}.")
+    elif mode == Mode.MODE_REQUIRED:
+        lines.append(f"Call one or more of them now, replying with only {call}.")
+    else:
+        lines.append(
+            f"Reply with only a JSON object: {call} to call tools, or "
+            '{"response": <your answer>} to answer without them. After tool results, '
+            "answer with them."
+        )
+    return "\n".join(lines)
+
+
+def _call_text(calls: Sequence[common_pb2.ToolCall]) -> str:
+    """An assistant's calls as it would have written them."""
+    written = [
+        {"name": call.name, "arguments": _loaded(call.arguments) or call.arguments}
+        for call in calls
+    ]
+    return json.dumps({"tool_calls": written}, ensure_ascii=False)
+
+
+def conversation(
+    messages: Sequence[common_pb2.ChatMessage], instruction: str
+) -> list[common_pb2.ChatMessage]:
+    """The turns as any chat template can render them: the instruction joined to the
+    system turn (or one made for it), calls as JSON text, consecutive tool results as one
+    user turn."""
+    names = {call.id: call.name for m in messages for call in m.tool_calls}
+    rendered: list[common_pb2.ChatMessage] = []
+    results: list[dict[str, str]] = []
+
+    def flush() -> None:
+        if results:
+            text = json.dumps({"tool_results": results}, ensure_ascii=False)
+            rendered.append(common_pb2.ChatMessage(role="user", content=text))
+            results.clear()
+
+    for message in messages:
+        if message.role == "tool":
+            results.append(
+                {
+                    "tool_call_id": message.tool_call_id,
+                    "name": names.get(message.tool_call_id, ""),
+                    "content": message.content,
+                }
+            )
+            continue
+        flush()
+        if message.tool_calls:
+            content = _call_text(message.tool_calls)
+            rendered.append(common_pb2.ChatMessage(role="assistant", content=content))
+        else:
+            rendered.append(common_pb2.ChatMessage(role=message.role, content=message.content))
+    flush()
+    if instruction:
+        if rendered and rendered[0].role == "system":
+            rendered[0].content = f"{rendered[0].content}\n\n{instruction}".lstrip()
+        else:
+            rendered.insert(0, common_pb2.ChatMessage(role="system", content=instruction))
+    return rendered
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A chat request with tools as the router runs it."""
+
+    messages: list[common_pb2.ChatMessage]
+    constraint: sampling_pb2.OutputConstraint | None
+    # The answer is a string the parser unescapes (else raw JSON of response_format's shape).
+    answer_is_text: bool
+
+
+def plan(request: generation_pb2.ChatRequest) -> Plan | None:
+    """What a checked request becomes; None when it has no tool fields at all."""
+    has_tool_turns = any(m.tool_calls or m.role == "tool" for m in request.messages)
+    if not request.tools and not has_tool_turns:
+        return None
+    mode, function = _mode(request)
+    if not request.tools or mode == Mode.MODE_NONE:
+        return Plan(conversation(request.messages, ""), None, answer_is_text=True)
+    shape = request.sampling.constraint
+    answer = None
+    if shape.WhichOneof("kind") == "json_schema":
+        answer = _loaded(shape.json_schema)
+    elif shape.WhichOneof("kind") == "json_object":
+        answer = {"type": "object"}
+    parallel = not request.HasField("parallel_tool_calls") or request.parallel_tool_calls
+    schema = envelope(request.tools, mode, function, parallel, answer)
+    return Plan(
+        conversation(request.messages, _instruction(request.tools, mode, function)),
+        sampling_pb2.OutputConstraint(json_schema=json.dumps(schema)),
+        answer_is_text=answer is None,
+    )
+
+
+def compile_problem(plan_: Plan, violations: Violations) -> None:
+    """The envelope compiles, or the tools are refused with the compiler's message.
+    Blocking: milliseconds for large schemas."""
+    if plan_.constraint is not None:
+        found = Violations()
+        grammar_of(plan_.constraint, found)
+        for violation in found.items:
+            violations.add("tools", violation.description)
+
+
+@dataclass
+class CallParser:
+    """Takes the constrained output apart as it streams. The grammar fixes its every
+    separator, so a scan with no backtracking suffices: the answer's text (unescaped as
+    it completes) or its JSON, and each call's name once whole and its arguments as they
+    are written."""
+
+    answer_is_text: bool = True
+    calls: list[common_pb2.ToolCall] = field(default_factory=list)
+    _buffer: str = ""
+    _at: int = 0
+    _state: str = "start"
+    _depth: int = 0
+    _in_string: bool = False
+    _escaped: bool = False
+
+    def feed(self, text: str) -> tuple[str, list[generation_pb2.ToolCallDelta]]:
+        """The answer text and call deltas that `text` completes."""
+        self._buffer += text
+        answer: list[str] = []
+        deltas: list[generation_pb2.ToolCallDelta] = []
+        while self._step(answer, deltas):
+            pass
+        return "".join(answer), deltas
+
+    def _expect(self, literal: str) -> bool | None:
+        """True and past it when the buffer holds `literal` here; None while it may yet;
+        False when something else is here."""
+        rest = self._buffer[self._at :]
+        if rest.startswith(literal):
+            self._at += len(literal)
+            return True
+        return None if literal.startswith(rest) else False
+
+    def _step(self, answer: list[str], deltas: list[generation_pb2.ToolCallDelta]) -> bool:
+        """One move of the scan; False when it needs more text."""
+        state = self._state
+        if state == "start":
+            for opening, after in ((_CALLS_OPEN, "call"), (_ANSWER_OPEN, "answer")):
+                if self._expect(opening):
+                    self._state = after
+                    if after == "answer" and self.answer_is_text:
+                        return self._expect('"') is True or self._back(_ANSWER_OPEN)
+                    return True
+            return False
+        if state == "answer":
+            return self._answer(answer)
+        if state == "call":
+            if self._expect(_CALL_OPEN):
+                self._state = "name"
+                return True
+            return False
+        if state == "name":
+            end = self._buffer.find('"', self._at)
+            if end < 0:
+                return False
+            name, self._at = self._buffer[self._at : end], end
+            call = common_pb2.ToolCall(id=f"call_{secrets.token_hex(12)}", name=name)
+            self.calls.append(call)
+            deltas.append(
+                generation_pb2.ToolCallDelta(index=len(self.calls) - 1, id=call.id, name=name)
+            )
+            self._state = "arguments_open"
+            return True
+        if state == "arguments_open":
+            if self._expect(_ARGUMENTS_OPEN):
+                self._state = "arguments"
+                return True
+            return False
+        if state == "arguments":
+            fragment, done = self._value()
+            if fragment:
+                self.calls[-1].arguments += fragment
+                deltas.append(
+                    generation_pb2.ToolCallDelta(index=len(self.calls) - 1, arguments=fragment)
+                )
+            if done:
+                self._state = "call_close"
+            return done
+        if state == "call_close":
+            if self._expect("}, "):
+                self._state = "call"
+                return True
+            if self._expect("}]}"):
+                self._state = "end"
+                return True
+            return False
+        return False
+
+    def _back(self, literal: str) -> bool:
+        """The answer's opening quote has not arrived yet: wait at the opening."""
+        self._at -= len(literal)
+        self._state = "start"
+        return False
+
+    def _value(self) -> tuple[str, bool]:
+        """The next stretch of a JSON value being written, and whether it is whole (a
+        scalar ends where the envelope's `,`, `}` or `]` begins)."""
+        start = self._at
+        for index in range(self._at, len(self._buffer)):
+            char = self._buffer[index]
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+                    if self._depth == 0:
+                        return self._cut(start, index + 1)
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]" or (char == "," and self._depth == 0):
+                if self._depth == 0:
+                    return self._cut(start, index)
+                self._depth -= 1
+                if self._depth == 0:
+                    return self._cut(start, index + 1)
+        self._at = len(self._buffer)
+        return self._buffer[start:], False
+
+    def _cut(self, start: int, end: int) -> tuple[str, bool]:
+        self._at = end
+        return self._buffer[start:end], True
+
+    def _answer(self, answer: list[str]) -> bool:
+        if not self.answer_is_text:
+            fragment, done = self._value()
+            answer.append(fragment)
+            if done:
+                self._state = "end"
+            return done
+        text, used, closed = _unescaped(self._buffer[self._at :])
+        answer.append(text)
+        self._at += used
+        if closed:
+            self._state = "end"
+        return closed
+
+
+_SIMPLE_ESCAPES = {
+    '"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"
+}  # fmt: skip
+
+
+def _unescaped(rest: str) -> tuple[str, int, bool]:
+    """A JSON string's content from `rest`, decoded as far as it is whole: (the text, the
+    characters used, whether its closing quote came). An escape cut short, or the first
+    half of a surrogate pair without its second, waits for more."""
+    out: list[str] = []
+    at = 0
+    while at < len(rest):
+        char = rest[at]
+        if char == '"':
+            return "".join(out), at + 1, True
+        if char != "\\":
+            out.append(char)
+            at += 1
+            continue
+        if at + 1 >= len(rest):
+            break
+        if rest[at + 1] != "u":
+            out.append(_SIMPLE_ESCAPES[rest[at + 1]])
+            at += 2
+            continue
+        if at + 6 > len(rest):
+            break
+        code = int(rest[at + 2 : at + 6], 16)
+        if 0xD800 <= code < 0xDC00:  # a pair: \\uD83D\\uDE00
+            if at + 12 > len(rest):
+                break
+            low = int(rest[at + 8 : at + 12], 16)
+            out.append(chr(0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00)))
+            at += 12
+            continue
+        out.append(chr(code))
+        at += 6
+    return "".join(out), at, False
