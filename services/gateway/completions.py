@@ -16,6 +16,7 @@ limits with RESOURCE_EXHAUSTED, which becomes OpenAI's 429 here.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import string
 import time
@@ -35,10 +36,20 @@ from services.gateway.keys import Principal
 from services.gateway.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
 from services.gateway.responses import Exchange, Guarded
 from services.gateway.shared import Shared
-from services.gateway.sse import DONE, ChatShape, TextShape, finish_reason, frame
+from services.gateway.sse import (
+    DONE,
+    ChatShape,
+    Output,
+    TextShape,
+    finish_reason,
+    frame,
+    summed_usage,
+)
 
 GENERATION = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
 
+# SamplingParameters.seed is a uint64: choice i's seed + i wraps below this.
+MAX_SEED_EXCLUSIVE = 2**64
 # OpenAI's default temperature (the proto's unset 0 would be greedy).
 DEFAULT_TEMPERATURE = 1.0
 # The router's field paths in OpenAI's words (mesh field -> parameter).
@@ -173,12 +184,28 @@ def completion_request(body: CompletionRequest) -> generation_pb2.GenerateReques
 
 @dataclass
 class _Run:
-    """One completion: the call to make, and how to answer it."""
+    """One completion: its calls (one a choice, n of them), and how to answer it."""
 
-    call: Any
+    calls: list[Any]
     body: Body
     shape: Shape
     params: dict[str, str]
+
+
+def choices_of(request: Any, n: int) -> list[Any]:
+    """The request once a choice. Choice i samples with seed + i when a seed is given
+    (so n seeded choices differ and each reproduces), else with a seed of its own; the
+    prompt's KV is computed for the first and found in the prefix cache by the rest."""
+    if n == 1:
+        return [request]
+    copies = []
+    for index in range(n):
+        copy = type(request)()
+        copy.CopyFrom(request)
+        if request.sampling.HasField("seed"):
+            copy.sampling.seed = (request.sampling.seed + index) % MAX_SEED_EXCLUSIVE
+        copies.append(copy)
+    return copies
 
 
 class Completions:
@@ -215,15 +242,17 @@ class Completions:
     ) -> Guarded:
         async def work(exchange: Exchange) -> None:
             async with self.shared.admitted(who, route, model=None, streaming=body.stream):
-                call = method(request, metadata=_metadata(who, body))
-                run = _Run(call, body, shape, params_of(body))
+                metadata = _metadata(who, body)
+                calls = [method(r, metadata=metadata) for r in choices_of(request, body.n or 1)]
+                run = _Run(calls, body, shape, params_of(body))
                 try:
                     if body.stream:
                         await _stream(exchange, run)
                     else:
                         await _whole(exchange, run)
                 finally:
-                    call.cancel()  # a no-op once the call ended; else decode stops now
+                    for call in calls:
+                        call.cancel()  # a no-op once the call ended; else decode stops now
 
         return Guarded(work, route=route, send_timeout_s=self.shared.send_timeout_s)
 
@@ -237,23 +266,26 @@ def _metadata(who: Principal, body: Body) -> tuple[tuple[str, str], ...]:
     return metadata
 
 
-async def _whole(exchange: Exchange, run: _Run) -> None:
+async def _collected(call: Any, params: dict[str, str]) -> Output:
     text: list[str] = []
     complete = None
     try:
-        async for message in run.call:
+        async for message in call:
             if message.HasField("chunk"):
                 text.append(message.chunk.text)
             else:
                 complete = message.complete
     except grpc.aio.AioRpcError as error:
-        raise from_rpc(error, run.params) from None
+        raise from_rpc(error, params) from None
     if complete is None:
         raise _unfinished()
-    run.shape.fingerprint = complete.model_version or None
-    reason = finish_reason(complete.finish_reason)
-    body = run.shape.whole("".join(text), reason, complete.usage, list(complete.tool_calls))
-    await exchange.whole(JSONResponse(body))
+    return Output("".join(text), complete)
+
+
+async def _whole(exchange: Exchange, run: _Run) -> None:
+    outputs = await asyncio.gather(*(_collected(call, run.params) for call in run.calls))
+    run.shape.fingerprint = outputs[0].complete.model_version or None
+    await exchange.whole(JSONResponse(run.shape.whole(outputs)))
 
 
 async def _next(messages: AsyncIterator[Any]) -> Any | None:
@@ -261,37 +293,62 @@ async def _next(messages: AsyncIterator[Any]) -> Any | None:
 
 
 async def _stream(exchange: Exchange, run: _Run) -> None:
-    messages = aiter(run.call)
+    """Every choice's first message is awaited before the response starts (a refusal is
+    its real status); then their events interleave as they come, each with its index."""
+    streams = [aiter(call) for call in run.calls]
     try:
-        message = await _next(messages)
+        firsts = await asyncio.gather(*(_next(messages) for messages in streams))
     except grpc.aio.AioRpcError as error:
         raise from_rpc(error, run.params) from None
     await exchange.open_stream()
     shape = run.shape
-    opening = shape.opening()
-    if opening is not None:
-        await exchange.write(frame(opening))
-    complete = None
+    for index in range(len(streams)):
+        if (opening := shape.opening(index)) is not None:
+            await exchange.write(frame(opening))
+    events: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(index: int, first: Any, messages: AsyncIterator[Any]) -> None:
+        message = first
+        try:
+            while message is not None:
+                await events.put((index, message))
+                message = await _next(messages)
+            await events.put((index, None))
+        except grpc.aio.AioRpcError as error:
+            await events.put((index, error))
+
+    pumps = [
+        asyncio.create_task(pump(i, first, messages))
+        for i, (first, messages) in enumerate(zip(firsts, streams, strict=True))
+    ]
+    completes: dict[int, Any] = {}
     try:
-        while message is not None:
-            if message.HasField("chunk"):
-                if message.chunk.text:
-                    await exchange.write(frame(shape.text_event(message.chunk.text)))
-                if message.chunk.tool_calls and isinstance(shape, ChatShape):
-                    event = shape.tool_calls_event(list(message.chunk.tool_calls))
+        open_choices = len(streams)
+        while open_choices:
+            index, message = await events.get()
+            if message is None:
+                open_choices -= 1
+                if index not in completes:
+                    await exchange.write(frame(_unfinished().body()))
+                    break
+            elif isinstance(message, grpc.aio.AioRpcError):
+                await exchange.write(frame(from_rpc(message, run.params).body()))
+                break
+            elif message.HasField("chunk"):
+                for event in shape.chunk_events(message.chunk, index):
                     await exchange.write(frame(event))
             else:
-                complete = message.complete
-            message = await _next(messages)
-    except grpc.aio.AioRpcError as error:
-        await exchange.write(frame(from_rpc(error, run.params).body()))
-    else:
-        if complete is None:
-            await exchange.write(frame(_unfinished().body()))
+                completes[index] = message.complete
+                shape.fingerprint = message.complete.model_version or None
+                reason = finish_reason(message.complete.finish_reason)
+                await exchange.write(frame(shape.finish_event(reason, index)))
         else:
-            shape.fingerprint = complete.model_version or None
-            await exchange.write(frame(shape.finish_event(finish_reason(complete.finish_reason))))
             if shape.include_usage:
-                await exchange.write(frame(shape.usage_event(complete.usage)))
+                ordered = [completes[i] for i in range(len(streams))]
+                await exchange.write(frame(shape.usage_event(summed_usage(ordered))))
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
     await exchange.write(DONE)
     await exchange.close()

@@ -23,6 +23,8 @@ from pydantic_core import PydanticCustomError
 from services.gateway.errors import encodable, invalid, unsupported
 
 MAX_STOP_SEQUENCES = 4
+# n: each choice is a generation of its own (its prompt found in the prefix cache).
+MAX_CHOICES = 16
 # The protos' integer ranges: max_new_tokens, top_n, steps, num_images and dimensions are
 # int32; SamplingParameters.seed and diffusion's seed are uint64.
 INT32_MAX = 2**31 - 1
@@ -183,8 +185,8 @@ class _Sampling(_Request):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def refuse_unsupported(self) -> None:
-        if self.n not in (None, 1):
-            raise unsupported("n", "only n=1 is supported; send n requests instead")
+        if self.n is not None and self.n > MAX_CHOICES:
+            raise invalid("n", f"at most {MAX_CHOICES} choices")
         if self.presence_penalty:
             raise unsupported("presence_penalty", "must be 0: use frequency_penalty")
         if self.logit_bias:

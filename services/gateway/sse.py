@@ -51,6 +51,26 @@ def usage(message: common_pb2.Usage) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class Output:
+    """One choice, whole: its text and the generation's last message."""
+
+    text: str
+    complete: generation_pb2.GenerationComplete
+
+
+def summed_usage(completes: list[generation_pb2.GenerationComplete]) -> common_pb2.Usage:
+    """n choices' usage as OpenAI counts it: the prompt once, every choice's tokens."""
+    first = completes[0].usage
+    generated = sum(c.usage.completion_tokens for c in completes)
+    return common_pb2.Usage(
+        prompt_tokens=first.prompt_tokens,
+        completion_tokens=generated,
+        total_tokens=first.prompt_tokens + generated,
+        cached_tokens=first.cached_tokens,
+    )
+
+
 @dataclass
 class _Shape:
     """What every event and body of one completion shares."""
@@ -91,22 +111,22 @@ class ChatShape(_Shape):
     def __post_init__(self) -> None:
         self.id = self.id or f"chatcmpl-{uuid.uuid4().hex}"
 
-    def _event(self, delta: dict[str, Any], reason: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+    def _event(self, delta: dict[str, Any], reason: str | None, index: int) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
         return self._envelope(self.chunk_object, [choice])
 
-    def opening(self) -> dict[str, Any] | None:
-        """The first event: the role, before any text."""
-        return self._event({"role": "assistant", "content": ""}, None)
+    def opening(self, index: int = 0) -> dict[str, Any] | None:
+        """A choice's first event: the role, before any text."""
+        return self._event({"role": "assistant", "content": ""}, None, index)
 
-    def text_event(self, text: str) -> dict[str, Any]:
-        return self._event({"content": text}, None)
-
-    def tool_calls_event(self, deltas: list[generation_pb2.ToolCallDelta]) -> dict[str, Any]:
-        """OpenAI's streamed calls: a call's first delta carries its id, type and name
-        (and no arguments yet), later ones more of its arguments."""
+    def chunk_events(
+        self, chunk: generation_pb2.GenerationChunk, index: int = 0
+    ) -> list[dict[str, Any]]:
+        """A chunk's text, then its tool calls: OpenAI's streamed calls carry a call's id,
+        type and name first (and no arguments yet), later more of its arguments."""
+        events = [self._event({"content": chunk.text}, None, index)] if chunk.text else []
         calls = []
-        for delta in deltas:
+        for delta in chunk.tool_calls:
             call: dict[str, Any] = {"index": delta.index}
             if delta.id:
                 call.update(id=delta.id, type="function")
@@ -114,24 +134,26 @@ class ChatShape(_Shape):
             else:
                 call["function"] = {"arguments": delta.arguments}
             calls.append(call)
-        return self._event({"tool_calls": calls}, None)
-
-    def finish_event(self, reason: str) -> dict[str, Any]:
-        return self._event({}, reason)
-
-    def whole(
-        self,
-        text: str,
-        reason: str,
-        counts: common_pb2.Usage,
-        calls: list[common_pb2.ToolCall] | None = None,
-    ) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
         if calls:
-            message.update(content=text or None, tool_calls=[tool_call(c) for c in calls])
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
-        body = self._envelope("chat.completion", [choice])
-        return {**body, "usage": usage(counts)}
+            events.append(self._event({"tool_calls": calls}, None, index))
+        return events
+
+    def finish_event(self, reason: str, index: int = 0) -> dict[str, Any]:
+        return self._event({}, reason, index)
+
+    def whole(self, outputs: list[Output]) -> dict[str, Any]:
+        choices = []
+        for index, output in enumerate(outputs):
+            message: dict[str, Any] = {"role": "assistant", "content": output.text, "refusal": None}
+            if output.complete.tool_calls:
+                calls = [tool_call(c) for c in output.complete.tool_calls]
+                message.update(content=output.text or None, tool_calls=calls)
+            reason = finish_reason(output.complete.finish_reason)
+            choices.append(
+                {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
+            )
+        body = self._envelope("chat.completion", choices)
+        return {**body, "usage": usage(summed_usage([o.complete for o in outputs]))}
 
 
 @dataclass
@@ -143,28 +165,31 @@ class TextShape(_Shape):
     def __post_init__(self) -> None:
         self.id = self.id or f"cmpl-{uuid.uuid4().hex}"
 
-    def _event(self, text: str, reason: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    def _event(self, text: str, reason: str | None, index: int) -> dict[str, Any]:
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
         return self._envelope(self.chunk_object, [choice])
 
-    def opening(self) -> dict[str, Any] | None:
+    def opening(self, index: int = 0) -> dict[str, Any] | None:
         """Completions have no role: the first event is text."""
         return None
 
-    def text_event(self, text: str) -> dict[str, Any]:
-        return self._event(text, None)
+    def chunk_events(
+        self, chunk: generation_pb2.GenerationChunk, index: int = 0
+    ) -> list[dict[str, Any]]:
+        return [self._event(chunk.text, None, index)] if chunk.text else []
 
-    def finish_event(self, reason: str) -> dict[str, Any]:
-        return self._event("", reason)
+    def finish_event(self, reason: str, index: int = 0) -> dict[str, Any]:
+        return self._event("", reason, index)
 
-    def whole(
-        self,
-        text: str,
-        reason: str,
-        counts: common_pb2.Usage,
-        calls: list[common_pb2.ToolCall] | None = None,
-    ) -> dict[str, Any]:
-        """`calls`: never any for a text completion (only chat offers tools)."""
-        body = self._envelope("text_completion", [])
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        return {**body, "choices": [choice], "usage": usage(counts)}
+    def whole(self, outputs: list[Output]) -> dict[str, Any]:
+        choices = [
+            {
+                "index": index,
+                "text": output.text,
+                "logprobs": None,
+                "finish_reason": finish_reason(output.complete.finish_reason),
+            }
+            for index, output in enumerate(outputs)
+        ]
+        body = self._envelope("text_completion", choices)
+        return {**body, "usage": usage(summed_usage([o.complete for o in outputs]))}

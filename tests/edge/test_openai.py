@@ -96,6 +96,29 @@ async def test_streamed_text_equals_whole_text(edge, sampling):
     assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
 
 
+async def test_n_seeded_choices_are_distinct_and_stream_each_under_its_index(edge):
+    """n=3 with a seed: three different samples (choice i draws with seed + i), each the
+    same streamed as whole, every streamed chunk under its own index."""
+    sampling = {"n": 3, "seed": 7, "temperature": 1.0, "max_tokens": 12}
+    async with sdk(edge) as client:
+        whole = await client.chat.completions.create(
+            model=DEFAULT_NAME, messages=QUESTION, **sampling
+        )
+        stream = await client.chat.completions.create(
+            model=DEFAULT_NAME, messages=QUESTION, stream=True, **sampling
+        )
+        streamed: dict[int, str] = {}
+        async for chunk in stream:
+            for choice in chunk.choices:
+                streamed[choice.index] = streamed.get(choice.index, "") + (
+                    choice.delta.content or ""
+                )
+    texts = [choice.message.content for choice in whole.choices]
+    assert [choice.index for choice in whole.choices] == [0, 1, 2]
+    assert len(set(texts)) == 3
+    assert streamed == dict(enumerate(texts))
+
+
 async def test_raw_events_through_envoy_end_with_one_finish_the_usage_and_done(edge):
     body = {
         "model": DEFAULT_NAME,

@@ -303,6 +303,40 @@ async def test_tool_calls_come_back_whole_and_as_openais_stream_deltas(gateway):
     assert all(d[0].id is None for d in deltas[1:])
 
 
+async def test_n_choices_each_with_its_index_and_seed_whole_and_streamed(gateway):
+    client = gateway.sdk()
+    whole = await client.chat.completions.create(
+        model=LLM, messages=USER, n=3, seed=41, temperature=0.8
+    )
+    seeds = [r.sampling.seed for r in gateway.generation.requests[-3:]]
+    assert sorted(seeds) == [41, 42, 43]
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert {c.message.content for c in whole.choices} == {"Hello, world!"}
+    single = await client.chat.completions.create(model=LLM, messages=USER)
+    # The prompt counted once, every choice's tokens.
+    assert whole.usage.prompt_tokens == single.usage.prompt_tokens
+    assert whole.usage.completion_tokens == 3 * single.usage.completion_tokens
+    stream = await client.chat.completions.create(
+        model=LLM,
+        messages=USER,
+        n=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts, finishes, usage = {}, [], None
+    async for chunk in stream:
+        if not chunk.choices:
+            usage = chunk.usage
+            continue
+        choice = chunk.choices[0]
+        texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        if choice.finish_reason:
+            finishes.append(choice.index)
+    assert texts == {0: "Hello, world!", 1: "Hello, world!", 2: "Hello, world!"}
+    assert sorted(finishes) == [0, 1, 2]
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
 async def test_keys_and_scopes(gateway):
     async with gateway.http(key=None) as anonymous:
         missing = await anonymous.post("/v1/chat/completions", json=chat())

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from aimesh.common.v1 import common_pb2
-from aimesh.llm.v1 import sampling_pb2
+from aimesh.llm.v1 import generation_pb2, sampling_pb2
 from mesh.errors import local_error, status
 from mesh.failures import FieldViolation
 from mesh.keys import digest
@@ -127,8 +127,12 @@ def test_frames_and_shapes():
     chat = ChatShape("m", 1, include_usage=True)
     text = TextShape("m", 1)
     assert chat.id.startswith("chatcmpl-") and text.id.startswith("cmpl-")
-    assert json.loads(frame(chat.text_event("a"))[6:])["usage"] is None
-    assert "usage" not in text.text_event("a")
+    chunk = generation_pb2.GenerationChunk(text="a")
+    (chat_event,) = chat.chunk_events(chunk)
+    assert json.loads(frame(chat_event)[6:])["usage"] is None
+    assert "usage" not in text.chunk_events(chunk)[0]
+    assert chat.chunk_events(chunk, 2)[0]["choices"][0]["index"] == 2
+    assert chat.chunk_events(generation_pb2.GenerationChunk(token_ids=[1])) == []
     usage = chat.usage_event(common_pb2.Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3))
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 3
     assert finish_reason(sampling_pb2.FINISH_REASON_LENGTH) == "length"

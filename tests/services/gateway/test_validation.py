@@ -39,7 +39,7 @@ async def shared_gateway(tmp_path_factory) -> AsyncIterator[Gateway]:
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"seed": -1}, "seed"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
         ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
