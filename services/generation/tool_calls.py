@@ -30,6 +30,10 @@ from services.llm.guide import MAX_SCHEMA_BYTES, grammar_of
 
 MAX_TOOLS = 128
 MAX_DESCRIPTION_BYTES = 4096
+# A function's arguments nest a few levels; the envelope is built by recursion.
+MAX_SCHEMA_DEPTH = 64
+# All of them are rendered into the prompt, which the tokenizer takes up to 1 MiB of.
+MAX_TOOLS_BYTES = 256 * 1024
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 NAME_RULE = "must be 1 to 64 of a-z, A-Z, 0-9, _ and -"
 Mode = generation_pb2.ToolChoice.Mode
@@ -66,11 +70,23 @@ def check(request: generation_pb2.ChatRequest, violations: Violations) -> None:
             violations.max_length(
                 tool.parameters.encode(), f"tools[{i}].parameters", MAX_SCHEMA_BYTES
             )
-            violations.check(
-                isinstance(_loaded(tool.parameters), dict),
+            schema = _loaded(tool.parameters)
+            if violations.check(
+                isinstance(schema, dict),
                 f"tools[{i}].parameters",
                 "must be a JSON object (a JSON Schema)",
-            )
+            ):
+                violations.check(
+                    _depth(schema) <= MAX_SCHEMA_DEPTH,
+                    f"tools[{i}].parameters",
+                    f"nests deeper than {MAX_SCHEMA_DEPTH} levels",
+                )
+    total = sum(len(t.description.encode()) + len(t.parameters.encode()) for t in tools)
+    violations.check(
+        total <= MAX_TOOLS_BYTES,
+        "tools",
+        f"descriptions and schemas must be at most {MAX_TOOLS_BYTES} bytes in all, got {total}",
+    )
     mode, function = _mode(request)
     if function:
         violations.check(function in names, "tool_choice.function", "is none of the tools")
@@ -112,8 +128,20 @@ def check(request: generation_pb2.ChatRequest, violations: Violations) -> None:
 def _loaded(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
+
+
+def _depth(value: Any) -> int:
+    """How deep a parsed JSON value nests, walked without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict | list):
+            deepest = max(deepest, depth)
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _rehomed(schema: Any, prefix: str, defs: dict[str, Any]) -> Any:
@@ -209,10 +237,12 @@ def _instruction(tools: Sequence[generation_pb2.ToolDefinition], mode: int, func
 
 def _call_text(calls: Sequence[common_pb2.ToolCall]) -> str:
     """An assistant's calls as it would have written them."""
-    written = [
-        {"name": call.name, "arguments": _loaded(call.arguments) or call.arguments}
-        for call in calls
-    ]
+    written = []
+    for call in calls:
+        arguments = _loaded(call.arguments)
+        if arguments is None or _depth(arguments) > MAX_SCHEMA_DEPTH:
+            arguments = call.arguments  # as the string it came as
+        written.append({"name": call.name, "arguments": arguments})
     return json.dumps({"tool_calls": written}, ensure_ascii=False)
 
 

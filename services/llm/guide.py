@@ -43,6 +43,18 @@ FIELD = "sampling.constraint"
 # after ':' and ',', no newlines (llguidance's default would allow any whitespace, which a
 # small model fills with newlines until max_tokens).
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Bounds on one constraint's work, so that a hostile one costs its own request an error,
+# not every neighbour in the batch a stalled step. With llguidance's defaults a regex
+# such as (a{1000}){1000} took 2 s in one mask here, and a string pattern of a{100000}
+# 50 ms a step; with these, ~50-80 ms once and then the request's error, while ordinary
+# schemas (tests/services/llm/test_guide.py) never meet them. A lexer keeps at most
+# 20,000 states (~1-2 kB each; the default allows 250,000).
+LIMITS = llguidance.LLParserLimits(
+    initial_lexer_fuel=100_000,
+    step_lexer_fuel=50_000,
+    max_lexer_states=20_000,
+    verbose_errors=False,
+)
 _LIMITS = {
     "json_schema": MAX_SCHEMA_BYTES,
     "regex": MAX_REGEX_BYTES,
@@ -75,7 +87,9 @@ def _compiled(kind: str, source: str) -> tuple[str, str]:
         grammar = _grammar(kind, source)
     except ValueError as error:  # json.JSONDecodeError included
         return "", str(error)
-    return grammar, llguidance.LLMatcher.validate_grammar(grammar)
+    except RecursionError:  # Python's JSON parser stops near 1,000 levels
+        return "", "nests too deep"
+    return grammar, llguidance.LLMatcher.validate_grammar(grammar, limits=LIMITS)
 
 
 def grammar_of(constraint: sampling_pb2.OutputConstraint, violations: Violations) -> str:
@@ -150,7 +164,7 @@ class Vocabulary:
         self._lock = threading.Lock()  # servicer threads start guides concurrently
 
     def _matcher(self, grammar: str) -> llguidance.LLMatcher:
-        return llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        return llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=LIMITS)
 
     def guide(self, grammar: str, violations: Violations) -> Guide | None:
         """A matcher at the start of a grammar from grammar_of (each grammar is built

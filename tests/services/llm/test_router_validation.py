@@ -110,6 +110,11 @@ BAD_REQUESTS = [
             (Constraint(regex="(unclosed"), "sampling.constraint.regex"),
             (Constraint(lark_grammar="start: undefined_rule"), "sampling.constraint.lark_grammar"),
             (Constraint(json_object=False), "sampling.constraint.json_object"),
+            (Constraint(json_schema="[" * 5000 + "]" * 5000), "sampling.constraint.json_schema"),
+            (
+                Constraint(json_schema='{"anyOf": [' * 300 + "{}" + "]}" * 300),
+                "sampling.constraint.json_schema",
+            ),
         ]
     ],
     (

@@ -202,6 +202,29 @@ def test_the_conversation_renders_calls_and_results_for_any_template():
         ({"tool_choice": generation_pb2.ToolChoice(mode=Mode.MODE_REQUIRED)}, "tool_choice"),
         (
             {
+                "tools": [
+                    generation_pb2.ToolDefinition(
+                        name="deep", parameters='{"a": ' * 100 + "1" + "}" * 100
+                    )
+                ]
+            },
+            "tools[0].parameters",
+        ),
+        (
+            {"tools": [generation_pb2.ToolDefinition(name="f", parameters="[" * 5000)]},
+            "tools[0].parameters",
+        ),
+        (
+            {
+                "tools": [
+                    generation_pb2.ToolDefinition(name=f"f{i}", description="d" * 4000)
+                    for i in range(100)
+                ]
+            },
+            "tools",
+        ),
+        (
+            {
                 "tools": [ADD],
                 "sampling": sampling_pb2.SamplingParameters(
                     constraint=sampling_pb2.OutputConstraint(regex="a+")
