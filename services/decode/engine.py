@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from mesh.failures import NotReady, OutOfMemory
+from mesh.failures import InvalidInput, NotReady, OutOfMemory
 from services.llm import metrics
 from services.llm.guide import Guide
 from services.llm.kv_codec import KvState
@@ -318,6 +318,9 @@ class DecodeEngine:
     def _own_failure(error: Exception, doing: str) -> BaseException:
         if is_out_of_memory(error):
             return OutOfMemory(f"decode ran out of memory {doing}: {error}")
+        if isinstance(error, InvalidInput):  # the request's (its constraint), not a fault
+            log.info("one sequence's request failed %s: %s", doing, error)
+            return error
         log.exception("one sequence failed %s; the rest of the batch goes on", doing)
         return error
 

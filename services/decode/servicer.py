@@ -160,9 +160,13 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
             raise InvalidInput([FieldViolation("kv_handle.address", problem)])
         guide = None
         if request.sampling.HasField("constraint"):
-            guide = await asyncio.to_thread(self.vocabularies.guide, request.sampling.constraint)
-        if guide is not None and request.first_token_id not in engine.config.eos_token_ids:
-            guide.advance(request.first_token_id)  # prefill sampled it under the same mask
+            # Past the first token, which prefill sampled under the same mask (unless it
+            # ended the output).
+            first = request.first_token_id
+            after = () if first in engine.config.eos_token_ids else (first,)
+            guide = await asyncio.to_thread(
+                self.vocabularies.guide, request.sampling.constraint, after
+            )
         checker = StopChecker(
             max_new_tokens=request.max_new_tokens,
             eos_ids=frozenset(engine.config.eos_token_ids),

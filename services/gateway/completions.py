@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import secrets
 import string
 import time
 from collections.abc import AsyncIterator
@@ -45,6 +47,8 @@ from services.gateway.sse import (
     frame,
     summed_usage,
 )
+
+log = logging.getLogger(__name__)
 
 GENERATION = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
 
@@ -204,6 +208,8 @@ def choices_of(request: Any, n: int) -> list[Any]:
         copy.CopyFrom(request)
         if request.sampling.HasField("seed"):
             copy.sampling.seed = (request.sampling.seed + index) % MAX_SEED_EXCLUSIVE
+        else:  # unset is one fixed seed in the sampler: the choices would all be alike
+            copy.sampling.seed = secrets.randbits(63)
         copies.append(copy)
     return copies
 
@@ -305,17 +311,23 @@ async def _stream(exchange: Exchange, run: _Run) -> None:
     for index in range(len(streams)):
         if (opening := shape.opening(index)) is not None:
             await exchange.write(frame(opening))
-    events: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    # Bounded: a client that reads slowly slows its generations, as one stream's would.
+    events: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=4 * len(streams))
 
     async def pump(index: int, first: Any, messages: AsyncIterator[Any]) -> None:
-        message = first
+        """One choice's messages into the queue, then how its stream ended: None, or the
+        error (any: a pump that ended unheard would leave the response waiting)."""
+        end: Exception | None = None
         try:
+            message = first
             while message is not None:
                 await events.put((index, message))
                 message = await _next(messages)
-            await events.put((index, None))
-        except grpc.aio.AioRpcError as error:
-            await events.put((index, error))
+        except asyncio.CancelledError:
+            raise  # the response is over; nobody reads the queue
+        except Exception as error:
+            end = error
+        await events.put((index, end))
 
     pumps = [
         asyncio.create_task(pump(i, first, messages))
@@ -333,6 +345,10 @@ async def _stream(exchange: Exchange, run: _Run) -> None:
                     break
             elif isinstance(message, grpc.aio.AioRpcError):
                 await exchange.write(frame(from_rpc(message, run.params).body()))
+                break
+            elif isinstance(message, Exception):
+                log.error("a generation stream failed", exc_info=message)
+                await exchange.write(frame(_unfinished().body()))
                 break
             elif message.HasField("chunk"):
                 for event in shape.chunk_events(message.chunk, index):

@@ -244,11 +244,13 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         violations.raise_if_any()
         await self._check_constraint(request)
         tooling = tool_calls.plan(request)
+        assert route is not None
         if tooling is not None:
             await asyncio.to_thread(tool_calls.compile_problem, tooling, violations)
-            violations.raise_if_any()
             request = _with_tools_planned(request, tooling)
-        assert route is not None
+            # The engine must enforce the envelope (Triton's does not take constraints).
+            route.pool.engine.unsupported(request.sampling, violations)
+            violations.raise_if_any()
         rid = request_id.ensure(request.request_id)
         with self.versions.running(route) as pool:
             prompt_ids = await pool.tokenizer.apply_chat_template(rid, list(request.messages))

@@ -88,8 +88,19 @@ def check(request: generation_pb2.ChatRequest, violations: Violations) -> None:
         f"descriptions and schemas must be at most {MAX_TOOLS_BYTES} bytes in all, got {total}",
     )
     mode, function = _mode(request)
-    if function:
+    choice = request.tool_choice
+    if choice.WhichOneof("choice") == "function":
         violations.check(function in names, "tool_choice.function", "is none of the tools")
+    violations.check(
+        mode in (Mode.MODE_AUTO, Mode.MODE_NONE, Mode.MODE_REQUIRED),
+        "tool_choice.mode",
+        f"must be one of {sorted(Mode.keys())[1:]}",
+    )
+    violations.check(
+        not (tools and mode != Mode.MODE_NONE and request.stopping.ignore_eos),
+        "stopping.ignore_eos",
+        "cannot be combined with tools: a turn of calls ends with the end token",
+    )
     violations.check(
         bool(tools) or mode != Mode.MODE_REQUIRED,
         "tool_choice",
@@ -144,22 +155,33 @@ def _depth(value: Any) -> int:
     return deepest
 
 
+# Keywords whose value is data, not a schema: a `$ref` or `$defs` key in them is kept.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "required"})
+# Keywords whose value maps names (of properties, say) to schemas.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "dependentSchemas"})
+
+
 def _rehomed(schema: Any, prefix: str, defs: dict[str, Any]) -> Any:
     """`schema` with its `$defs` moved into `defs` under `prefix` and its references
     renamed to match: a function's schema nested in the envelope would otherwise point
     its `#/$defs/...` references at the envelope's root (pydantic writes nested models
-    that way)."""
-    if isinstance(schema, list):
+    that way). Only schema positions are walked: a property named `$defs` stays a
+    property, a `const` stays as written."""
+    if isinstance(schema, list):  # anyOf, allOf, prefixItems...: lists of schemas
         return [_rehomed(item, prefix, defs) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    moved = {}
+    moved: dict[str, Any] = {}
     for key, value in schema.items():
         if key in ("$defs", "definitions") and isinstance(value, dict):
             for name, definition in value.items():
                 defs[f"{prefix}{name}"] = _rehomed(definition, prefix, defs)
         elif key == "$ref" and isinstance(value, str) and _REF.match(value):
             moved[key] = "#/$defs/" + prefix + _REF.sub("", value)
+        elif key in _DATA_KEYWORDS:
+            moved[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            moved[key] = {name: _rehomed(sub, prefix, defs) for name, sub in value.items()}
         else:
             moved[key] = _rehomed(value, prefix, defs)
     return moved
@@ -274,7 +296,8 @@ def conversation(
             continue
         flush()
         if message.tool_calls:
-            content = _call_text(message.tool_calls)
+            calls = _call_text(message.tool_calls)
+            content = f"{message.content}\n{calls}" if message.content else calls
             rendered.append(common_pb2.ChatMessage(role="assistant", content=content))
         else:
             rendered.append(common_pb2.ChatMessage(role=message.role, content=message.content))

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from aimesh.llm.v1 import sampling_pb2
-from mesh.failures import FieldViolation, InvalidInput
+from mesh.failures import Conflict, FieldViolation, InvalidInput
 from mesh.validation import Violations
 
 MAX_SCHEMA_BYTES = 64 * 1024
@@ -170,10 +170,12 @@ class Vocabulary:
         """A matcher at the start of a grammar from grammar_of (each grammar is built
         against the vocabulary once, then copied); a violation of `sampling.constraint`
         when this vocabulary cannot express it."""
+        # Built outside the lock (a complex grammar takes long, and other requests' copies
+        # must not wait for it; a concurrent miss builds it twice); copied under it.
+        pristine = self._matchers(grammar)
+        if not violations.check(not pristine.is_error(), FIELD, pristine.get_error()):
+            return None
         with self._lock:
-            pristine = self._matchers(grammar)
-            if not violations.check(not pristine.is_error(), FIELD, pristine.get_error()):
-                return None
             return Guide(pristine.deep_copy(), self.vocab_size)
 
 
@@ -195,13 +197,19 @@ class Vocabularies:
         with self._lock:
             if self._vocabulary is None:
                 path = self._tokenizer_dir() / "tokenizer.json"
-                self._vocabulary = Vocabulary(path, *self._sizes)
+                try:
+                    self._vocabulary = Vocabulary(path, *self._sizes)
+                except ValueError as error:  # e.g. more tokens than the model's logits
+                    raise Conflict(f"constrained decoding is unavailable here: {error}") from None
             return self._vocabulary
 
-    def guide(self, constraint: sampling_pb2.OutputConstraint) -> Guide | None:
-        """The matcher a constrained request starts from (None when it has no constraint);
-        InvalidInput naming the constraint when it does not compile. Blocking: call it
-        off the event loop."""
+    def guide(
+        self, constraint: sampling_pb2.OutputConstraint, after: Sequence[int] = ()
+    ) -> Guide | None:
+        """The matcher a constrained request starts from (None when it has no constraint),
+        past the tokens `after` (decode's first token, which prefill sampled); InvalidInput
+        naming the constraint when it does not compile. Blocking: call it off the event
+        loop."""
         violations = Violations()
         grammar = grammar_of(constraint, violations)
         violations.raise_if_any()
@@ -209,4 +217,7 @@ class Vocabularies:
             return None
         guide = self.get().guide(grammar, violations)
         violations.raise_if_any()
+        assert guide is not None
+        for token in after:
+            guide.advance(token)
         return guide

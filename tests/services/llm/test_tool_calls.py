@@ -117,6 +117,33 @@ def test_an_answer_of_a_response_format_streams_as_its_json(value, seed):
     assert json.loads(answer) == value
 
 
+def test_only_schema_positions_are_rehomed():
+    """A property named `definitions` is a property, and a `const` holding a `$ref` is
+    data: both stay as written while the real `$defs` move."""
+    parameters = {
+        "type": "object",
+        "properties": {
+            "definitions": {"type": "array", "items": {"type": "string"}},
+            "marker": {"const": {"$ref": "#/$defs/Day"}},
+            "day": {"$ref": "#/$defs/Day"},
+        },
+        "required": ["definitions", "marker", "day"],
+        "$defs": {"Day": {"type": "integer"}},
+    }
+    tool = generation_pb2.ToolDefinition(name="f", parameters=json.dumps(parameters))
+    schema = tool_calls.envelope([tool], Mode.MODE_REQUIRED, "", True, None)
+    arguments = schema["properties"]["tool_calls"]["items"]["properties"]["arguments"]
+    assert arguments["properties"]["definitions"] == parameters["properties"]["definitions"]
+    assert arguments["properties"]["marker"] == {"const": {"$ref": "#/$defs/Day"}}
+    assert arguments["properties"]["day"] == {"$ref": "#/$defs/tool0_Day"}
+    assert schema["$defs"] == {"tool0_Day": {"type": "integer"}}
+    arguments = {"definitions": ["a"], "marker": {"$ref": "#/$defs/Day"}, "day": 1}
+    jsonschema.validate({"tool_calls": [{"name": "f", "arguments": arguments}]}, schema)
+    wrong = {**arguments, "definitions": [1]}
+    with pytest.raises(jsonschema.ValidationError):  # the property's type still binds
+        jsonschema.validate({"tool_calls": [{"name": "f", "arguments": wrong}]}, schema)
+
+
 def test_a_pydantic_style_schema_with_defs_compiles_nested_in_the_envelope():
     schema = tool_calls.envelope([WEATHER, ADD], Mode.MODE_AUTO, "", True, None)
     violations = Violations()
@@ -200,6 +227,15 @@ def test_the_conversation_renders_calls_and_results_for_any_template():
             "tool_choice.function",
         ),
         ({"tool_choice": generation_pb2.ToolChoice(mode=Mode.MODE_REQUIRED)}, "tool_choice"),
+        ({"tools": [ADD], "tool_choice": generation_pb2.ToolChoice(mode=9)}, "tool_choice.mode"),
+        (
+            {"tools": [ADD], "tool_choice": generation_pb2.ToolChoice(function="")},
+            "tool_choice.function",
+        ),
+        (
+            {"tools": [ADD], "stopping": sampling_pb2.StoppingCriteria(ignore_eos=True)},
+            "stopping.ignore_eos",
+        ),
         (
             {
                 "tools": [
