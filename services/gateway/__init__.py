@@ -21,6 +21,7 @@ SPEC = ServiceSpec(
     edge_http_paths=(
         "/v1/chat/completions",
         "/v1/completions",
+        "/v1/responses",
         "/v1/embeddings",
         "/v1/images/generations",
         "/v1/models",

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp
 
 from mesh.failures import Failure
 from mesh.metering import Meter
+from services.gateway import responses_api
 from services.gateway.catalog import Catalog
 from services.gateway.completions import Completions
 from services.gateway.embeddings import Embeddings
@@ -32,6 +33,7 @@ from services.gateway.openai_types import (
     EmbeddingRequest,
     ImageRequest,
     RerankRequest,
+    ResponsesRequest,
 )
 from services.gateway.request_body import BodyLimits
 from services.gateway.rerank import Rerank
@@ -107,6 +109,10 @@ def build_app(
     @app.post("/v1/chat/completions", dependencies=json_only)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return completions.chat(body, _principal(request))
+
+    @app.post("/v1/responses", dependencies=json_only)
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return responses_api.respond(completions, body, _principal(request))
 
     @app.post("/v1/completions", dependencies=json_only)
     async def text_completions(body: CompletionRequest, request: Request) -> Response:

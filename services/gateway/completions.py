@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import string
 import time
 from collections.abc import AsyncIterator
@@ -198,8 +197,9 @@ class _Run:
 
 def choices_of(request: Any, n: int) -> list[Any]:
     """The request once a choice. Choice i samples with seed + i when a seed is given
-    (so n seeded choices differ and each reproduces), else with a seed of its own; the
-    prompt's KV is computed for the first and found in the prefix cache by the rest."""
+    (so n seeded choices differ and each reproduces), else with the fresh seed the router
+    gives each generation; the prompt's KV is computed for the first and found in the
+    prefix cache by the rest."""
     if n == 1:
         return [request]
     copies = []
@@ -208,8 +208,6 @@ def choices_of(request: Any, n: int) -> list[Any]:
         copy.CopyFrom(request)
         if request.sampling.HasField("seed"):
             copy.sampling.seed = (request.sampling.seed + index) % MAX_SEED_EXCLUSIVE
-        else:  # unset is one fixed seed in the sampler: the choices would all be alike
-            copy.sampling.seed = secrets.randbits(63)
         copies.append(copy)
     return copies
 
@@ -248,7 +246,7 @@ class Completions:
     ) -> Guarded:
         async def work(exchange: Exchange) -> None:
             async with self.shared.admitted(who, route, model=None, streaming=body.stream):
-                metadata = _metadata(who, body)
+                metadata = metadata_of(who, body.user)
                 calls = [method(r, metadata=metadata) for r in choices_of(request, body.n or 1)]
                 run = _Run(calls, body, shape, params_of(body))
                 try:
@@ -263,16 +261,17 @@ class Completions:
         return Guarded(work, route=route, send_timeout_s=self.shared.send_timeout_s)
 
 
-def _metadata(who: Principal, body: Body) -> tuple[tuple[str, str], ...]:
+def metadata_of(who: Principal, user: str | None) -> tuple[tuple[str, str], ...]:
     """The client, and the end user when the body names one (percent-encoded where it
     is not printable ASCII, which metadata must be; the same user always the same)."""
     metadata = ((caller.METADATA_KEY, who.tenant),)
-    if body.user:
-        metadata += ((caller.USER_METADATA_KEY, quote(body.user, safe=_PRINTABLE)),)
+    if user:
+        metadata += ((caller.USER_METADATA_KEY, quote(user, safe=_PRINTABLE)),)
     return metadata
 
 
-async def _collected(call: Any, params: dict[str, str]) -> Output:
+async def collected(call: Any, params: dict[str, str]) -> Output:
+    """One choice's stream, whole; its failure as the API error it becomes."""
     text: list[str] = []
     complete = None
     try:
@@ -289,7 +288,7 @@ async def _collected(call: Any, params: dict[str, str]) -> Output:
 
 
 async def _whole(exchange: Exchange, run: _Run) -> None:
-    outputs = await asyncio.gather(*(_collected(call, run.params) for call in run.calls))
+    outputs = await asyncio.gather(*(collected(call, run.params) for call in run.calls))
     run.shape.fingerprint = outputs[0].complete.model_version or None
     await exchange.whole(JSONResponse(run.shape.whole(outputs)))
 

@@ -37,6 +37,7 @@ PUBLIC = frozenset({"/health", "/health/live", "/health/ready", "/metrics"})
 SCOPES = {
     "/v1/chat/completions": "generate",
     "/v1/completions": "generate",
+    "/v1/responses": "generate",
     "/v1/embeddings": "embed",
     "/v1/rerank": "embed",
     "/v1/images/generations": "images",

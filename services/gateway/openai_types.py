@@ -378,3 +378,58 @@ class ImageRequest(_Request):
         if self.quality not in (None, "auto", "standard"):
             raise unsupported("quality", "only 'standard' is supported")
         _refuse_set(self, ("style", "background", "output_compression", "stream", "partial_images"))
+
+
+# POST /v1/responses (services/gateway/responses_api.py)
+
+
+class FunctionTool(_Body):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesNamedFunction(_Body):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64)
+
+
+class TextFormat(_Body):
+    """text.format: `{"type": "json_schema", "name", "schema", "strict"}` flat, as the
+    Responses API has it (chat nests it under `json_schema`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextOptions(_Body):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Request):
+    model: str = Field(min_length=1)
+    input: str | list[dict[str, Any]] = Field(min_length=1)
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextOptions | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    max_output_tokens: Int32 | None = Field(default=None, ge=1)
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    user: str | None = Field(default=None, max_length=128)
+
+    def refuse_unsupported(self) -> None:
+        if self.previous_response_id:
+            raise unsupported(
+                "previous_response_id", "this server keeps no responses: send the whole input"
+            )
+        if self.stream:
+            raise unsupported("stream", "not yet: send stream: false")

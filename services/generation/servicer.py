@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -307,6 +308,7 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         tokenize_s = time.perf_counter() - received
         text = TextStream(pool.text_tokenizer, limits.stop_sequences)
         sampling, limits = await self._guided(rid, request, len(prompt_ids), limits, pool)
+        sampling = _seeded(sampling)
         tenant = caller.current()
         if self.meter.limits(tenant).counts_tokens and not request.stopping.HasField(
             "max_new_tokens"
@@ -518,6 +520,18 @@ def registered_info(deployment: Deployment, settings: LlmSettings) -> ModelInfo:
         engine=version.engine if version else "",
         limits={"max_seq_len": str(settings.max_seq_len)},
     )
+
+
+def _seeded(sampling: sampling_pb2.SamplingParameters) -> sampling_pb2.SamplingParameters:
+    """A request that gave no seed gets a fresh one here, once, so that prefill's first
+    token and decode's later ones draw from one stream, and two such requests differ
+    (the sampler reads an unset seed as 0: every unseeded request drew alike)."""
+    if sampling.HasField("seed"):
+        return sampling
+    seeded = sampling_pb2.SamplingParameters()
+    seeded.CopyFrom(sampling)
+    seeded.seed = secrets.randbits(63)
+    return seeded
 
 
 def _with_tools_planned(

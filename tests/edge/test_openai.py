@@ -272,26 +272,18 @@ async def test_the_sdk_round_trips_a_tool_call_whole_and_streamed(edge):
     """The SDK's tool flow: a required call (one: parallel_tool_calls off), whole and
     streamed (the deltas rebuilt as the SDK's docs do), the same greedy call both ways;
     then the result sent back in the history, and the turn after it well formed."""
+    call_it = {
+        "model": DEFAULT_NAME,
+        "messages": WEATHER_QUESTION,
+        "tools": [WEATHER_TOOL],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "temperature": 0,
+        "max_tokens": 60,
+    }
     async with sdk(edge) as client:
-        whole = await client.chat.completions.create(
-            model=DEFAULT_NAME,
-            messages=WEATHER_QUESTION,
-            tools=[WEATHER_TOOL],
-            tool_choice="required",
-            parallel_tool_calls=False,
-            temperature=0,
-            max_tokens=60,
-        )
-        stream = await client.chat.completions.create(
-            model=DEFAULT_NAME,
-            messages=WEATHER_QUESTION,
-            tools=[WEATHER_TOOL],
-            tool_choice="required",
-            parallel_tool_calls=False,
-            temperature=0,
-            max_tokens=60,
-            stream=True,
-        )
+        whole = await client.chat.completions.create(**call_it)
+        stream = await client.chat.completions.create(**call_it, stream=True)
         rebuilt: dict[int, dict] = {}
         reasons = []
         async for chunk in stream:
@@ -345,11 +337,15 @@ async def test_langchain_binds_tools_and_structures_output_unmodified(edge):
     assert isinstance(capital, Capital)
 
 
-async def test_the_openai_agents_sdk_runs_a_function_tool_and_an_output_type(edge):
+@pytest.mark.parametrize("api", ["chat_completions", "responses"])
+async def test_the_openai_agents_sdk_runs_a_function_tool_and_an_output_type(edge, api):
+    """On either of the SDK's model APIs: Chat Completions, or the Responses API (its
+    default)."""
     from agents import (
         Agent,
         ModelSettings,
         OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
         Runner,
         function_tool,
         set_tracing_disabled,
@@ -365,7 +361,8 @@ async def test_the_openai_agents_sdk_runs_a_function_tool_and_an_output_type(edg
         return "Sunny, 24 C"
 
     async with sdk(edge) as client:
-        model = OpenAIChatCompletionsModel(model=DEFAULT_NAME, openai_client=client)
+        kind = OpenAIChatCompletionsModel if api == "chat_completions" else OpenAIResponsesModel
+        model = kind(model=DEFAULT_NAME, openai_client=client)
         settings = ModelSettings(temperature=0, max_tokens=80)
         weather = Agent(
             name="weather",
@@ -382,6 +379,21 @@ async def test_the_openai_agents_sdk_runs_a_function_tool_and_an_output_type(edg
         structured = await Runner.run(facts, "What is the capital of France?", max_turns=1)
     assert called.final_output == "Sunny, 24 C" and len(asked) == 1
     assert isinstance(structured.final_output, Capital)
+
+
+async def test_the_responses_api_answers_and_parses_structured_output(edge):
+    async with sdk(edge) as client:
+        answer = await client.responses.create(
+            model=DEFAULT_NAME, input="What is the capital of France?", max_output_tokens=24
+        )
+        parsed = await client.responses.parse(
+            model=DEFAULT_NAME,
+            input="What is the capital of France?",
+            text_format=Capital,
+            max_output_tokens=80,
+        )
+    assert answer.output_text and answer.usage.output_tokens <= 24
+    assert isinstance(parsed.output_parsed, Capital)
 
 
 async def test_keys_scopes_and_models_are_401_403_404(edge):

@@ -341,6 +341,62 @@ async def test_n_choices_each_with_its_index_and_seed_whole_and_streamed(gateway
     assert usage.completion_tokens == whole.usage.completion_tokens
 
 
+async def test_the_responses_api_answers_calls_and_shapes_output(gateway):
+    client = gateway.sdk()
+    answer = await client.responses.create(
+        model=LLM, input="hi there", instructions="Be brief.", max_output_tokens=50
+    )
+    assert answer.output_text == "Hello, world!" and answer.status == "completed"
+    assert answer.usage.output_tokens > 0 and answer.usage.input_tokens > 0
+    sent = gateway.generation.requests[-1]
+    assert [(m.role, m.content) for m in sent.messages] == [
+        ("system", "Be brief."),
+        ("user", "hi there"),
+    ]
+    assert sent.stopping.max_new_tokens == 50
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+    called = await client.responses.create(
+        model=LLM, input="call:get_weather", tools=[tool], tool_choice="required"
+    )
+    (call,) = called.output
+    assert (call.type, call.call_id, call.name) == ("function_call", "call_1", "get_weather")
+    assert json.loads(call.arguments) == {"city": "Oslo"}
+    assert gateway.generation.requests[-1].tool_choice.mode == 3
+    history = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {"type": "function_call", "call_id": "c7", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c7", "output": "4 C"},
+    ]
+    await client.responses.create(
+        model=LLM,
+        input=history,
+        tools=[tool],
+        text={"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}},
+    )
+    sent = gateway.generation.requests[-1]
+    assert [(m.role, m.content, m.tool_call_id) for m in sent.messages] == [
+        ("user", "Weather?", ""),
+        ("assistant", "", ""),
+        ("tool", "4 C", "c7"),
+    ]
+    assert [(c.id, c.name) for c in sent.messages[1].tool_calls] == [("c7", "get_weather")]
+    assert json.loads(sent.sampling.constraint.json_schema) == {"type": "object"}
+    async with gateway.http() as raw:
+        streamed = await raw.post(
+            "/v1/responses", json={"model": LLM, "input": "x", "stream": True}
+        )
+        stored = await raw.post(
+            "/v1/responses", json={"model": LLM, "input": "x", "previous_response_id": "resp_1"}
+        )
+        odd = await raw.post("/v1/responses", json={"model": LLM, "input": [{"type": "reasoning"}]})
+    assert [r.json()["error"]["param"] for r in (streamed, stored, odd)] == [
+        "stream",
+        "previous_response_id",
+        "input[0].type",
+    ]
+    assert {r.status_code for r in (streamed, stored, odd)} == {400}
+
+
 async def test_keys_and_scopes(gateway):
     async with gateway.http(key=None) as anonymous:
         missing = await anonymous.post("/v1/chat/completions", json=chat())

@@ -163,6 +163,19 @@ async def test_seeded_sampling_reproduces(llm_mesh):
     assert runs[0] != runs[2]
 
 
+async def test_sampling_without_a_seed_differs_from_request_to_request(llm_mesh):
+    """An unset seed is a fresh one for each request (the sampler alone would read it as
+    0, and every unseeded request drew the same tokens)."""
+    stub, channel = llm_mesh.stub()
+    free = sampling_pb2.SamplingParameters(temperature=1.0)
+    async with channel:
+        runs = [
+            (await generate(stub, prompt="My favourite", sampling=free, stopping=stopping(12)))[0]
+            for _ in range(3)
+        ]
+    assert len({tuple(ids) for ids in runs}) > 1
+
+
 async def test_guided_choice_output_is_exactly_one_choice(llm_mesh):
     """Greedy or sampled, the text is one of the choices, and the model's own preference
     among them decides which: the capital of France is Paris."""
