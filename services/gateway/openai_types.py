@@ -431,5 +431,3 @@ class ResponsesRequest(_Request):
             raise unsupported(
                 "previous_response_id", "this server keeps no responses: send the whole input"
             )
-        if self.stream:
-            raise unsupported("stream", "not yet: send stream: false")

@@ -377,8 +377,12 @@ async def test_the_openai_agents_sdk_runs_a_function_tool_and_an_output_type(edg
         facts = Agent(name="facts", model=model, model_settings=settings, output_type=Capital)
         called = await Runner.run(weather, "What is the weather in Paris?", max_turns=3)
         structured = await Runner.run(facts, "What is the capital of France?", max_turns=1)
+        streamed = Runner.run_streamed(facts, "What is the capital of France?", max_turns=1)
+        async for _ in streamed.stream_events():
+            pass
     assert called.final_output == "Sunny, 24 C" and len(asked) == 1
     assert isinstance(structured.final_output, Capital)
+    assert isinstance(streamed.final_output, Capital)
 
 
 async def test_the_responses_api_answers_and_parses_structured_output(edge):

@@ -382,19 +382,52 @@ async def test_the_responses_api_answers_calls_and_shapes_output(gateway):
     assert [(c.id, c.name) for c in sent.messages[1].tool_calls] == [("c7", "get_weather")]
     assert json.loads(sent.sampling.constraint.json_schema) == {"type": "object"}
     async with gateway.http() as raw:
-        streamed = await raw.post(
-            "/v1/responses", json={"model": LLM, "input": "x", "stream": True}
-        )
         stored = await raw.post(
             "/v1/responses", json={"model": LLM, "input": "x", "previous_response_id": "resp_1"}
         )
         odd = await raw.post("/v1/responses", json={"model": LLM, "input": [{"type": "reasoning"}]})
-    assert [r.json()["error"]["param"] for r in (streamed, stored, odd)] == [
-        "stream",
+    assert [r.json()["error"]["param"] for r in (stored, odd)] == [
         "previous_response_id",
         "input[0].type",
     ]
-    assert {r.status_code for r in (streamed, stored, odd)} == {400}
+    assert {r.status_code for r in (stored, odd)} == {400}
+    named = {"type": "function", "name": "get_weather"}
+    answer = await client.responses.create(
+        model=LLM, input="call:get_weather", tool_choice=named, tools=[tool]
+    )
+    assert answer.tool_choice.name == "get_weather"
+
+
+async def test_the_responses_api_streams_the_apis_own_events(gateway):
+    client = gateway.sdk()
+    kinds, deltas = [], []
+    async with client.responses.stream(model=LLM, input="hi there") as stream:
+        async for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+        final = await stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    assert "".join(deltas) == final.output_text == "Hello, world!"
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+    events = [
+        event
+        async for event in await client.responses.create(
+            model=LLM, input="call:get_weather", tools=[tool], stream=True
+        )
+    ]
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [(i.type, i.call_id, i.name) for i in added] == [
+        ("function_call", "call_1", "get_weather")
+    ]
+    arguments = "".join(
+        e.delta for e in events if e.type == "response.function_call_arguments.delta"
+    )
+    (completed,) = [e for e in events if e.type == "response.completed"]
+    (call,) = completed.response.output
+    assert arguments == call.arguments == '{"city": "Oslo"}'
+    assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
 async def test_keys_and_scopes(gateway):
