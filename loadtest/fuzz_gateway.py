@@ -5,7 +5,8 @@ Requests come from loadtest.fuzz_http's hypothesis strategies, drawn up front fr
 seed (the same seed, the same requests): mutated valid bodies, any JSON, garbage, cut and
 deeply nested bodies, bodies past the gateway's cap (plain and chunked), varied headers,
 other methods and unknown paths, on /v1/chat/completions, /v1/completions,
-/v1/embeddings, /v1/rerank, /v1/images/generations, /v1/models, /v1/usage and /health.
+/v1/responses, /v1/embeddings, /v1/rerank, /v1/images/generations, /v1/models, /v1/usage
+and /health.
 They go `--concurrency` at a time; each answer is judged:
 
 - a 5xx other than the 503 and 504 the mesh may answer for a request it cannot serve

@@ -28,12 +28,13 @@ from loadtest.fuzz import HEADERS as TRACE_HEADERS
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 EMBEDDINGS = "/v1/embeddings"
 RERANK = "/v1/rerank"
 IMAGES = "/v1/images/generations"
 MODELS = "/v1/models"
 USAGE = "/v1/usage"
-POST_ROUTES = (CHAT, COMPLETIONS, EMBEDDINGS, RERANK, IMAGES)
+POST_ROUTES = (CHAT, COMPLETIONS, RESPONSES, EMBEDDINGS, RERANK, IMAGES)
 GET_ROUTES = (MODELS, f"{MODELS}/{{model}}", USAGE, "/health", "/health/ready", "/health/live")
 METHODS = ("GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD")
 # The routes drawn from, the model routes (whose bodies are the surface) most often.
@@ -152,8 +153,22 @@ def bases(models: Models) -> dict[str, dict[str, Any]]:
             "model": models.chat,
             "messages": [{"role": "user", "content": "Say hi"}],
             "max_tokens": 4,
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}},
+                    },
+                }
+            ],
         },
         COMPLETIONS: {"model": models.chat, "prompt": "Once upon a time", "max_tokens": 4},
+        RESPONSES: {
+            "model": models.chat,
+            "input": [{"role": "user", "content": "Say hi"}],
+            "max_output_tokens": 4,
+        },
         EMBEDDINGS: {"model": models.embedding, "input": ["a cat", "a dog"]},
         RERANK: {
             "model": models.rerank,
@@ -172,7 +187,14 @@ FIELDS = {
         "messages[0].name", "messages[1]", "max_tokens", "max_completion_tokens",
         "temperature", "top_p", "stop", "seed", "n", "presence_penalty", "frequency_penalty",
         "logit_bias", "logprobs", "top_logprobs", "user", "stream", "stream_options",
-        "response_format", "tools", "modalities", "cache_salt",
+        "response_format", "response_format.json_schema", "tools", "tools[0].function.name",
+        "tools[0].function.parameters", "tools[1]", "tool_choice", "parallel_tool_calls",
+        "messages[0].tool_calls", "messages[0].tool_call_id", "modalities", "cache_salt",
+    ],
+    RESPONSES: [
+        "model", "input", "input[0]", "input[0].type", "input[0].role", "input[0].content",
+        "input[1]", "instructions", "tools", "tool_choice", "text", "text.format",
+        "max_output_tokens", "temperature", "top_p", "stream", "previous_response_id",
     ],
     COMPLETIONS: [
         "model", "prompt", "max_tokens", "echo", "best_of", "suffix", "stop", "seed",
