@@ -48,6 +48,7 @@ GRPC_PATH = re.compile(r"/\w+(?:\.\w+)+/\w+")
 OPENAI_MATCHES = [
     {"path": "/v1/chat/completions"},
     {"path": "/v1/completions"},
+    {"path": "/v1/responses"},
     {"path": "/v1/embeddings"},
     {"path": "/v1/images/generations"},
     {"path": "/v1/models"},

@@ -24,6 +24,7 @@ from aimesh.retrieval.v1 import embedder_pb2, embedder_pb2_grpc
 from mesh.client import create_channel
 from mesh.config import MeshSettings
 from services.llm.artifacts import DEFAULT_NAME
+from tests.conftest import eventually
 from tests.edge.conftest import LIMIT_WINDOW_S, Edge
 from tests.services.llm.conftest import collected
 
@@ -58,10 +59,16 @@ async def _running(edge: Edge) -> int:
 
 
 async def test_models_lists_every_surface(edge):
+    """Diffusion's and rerank's models appear once those services answer, which may be
+    after the gateway is ready (it waits for generation and the embedder only)."""
+    expected = {DEFAULT_NAME, EMBEDDING_MODEL, "digits", "minilm-late-interaction"}
     async with sdk(edge) as client:
-        names = [model.id for model in (await client.models.list()).data]
+
+        async def listed() -> bool:
+            return expected <= {model.id for model in (await client.models.list()).data}
+
+        await eventually(listed, timeout_s=120, interval_s=0.5)
         one = await client.models.retrieve(DEFAULT_NAME)
-    assert {DEFAULT_NAME, EMBEDDING_MODEL, "digits", "minilm-late-interaction"} <= set(names)
     assert one.id == DEFAULT_NAME
 
 
