@@ -45,6 +45,8 @@ async def run(*args: str, env: dict[str, str]) -> tuple[int, str]:
     return process.returncode, output.decode()
 
 
+# `aimesh serve` processes, seconds each: the system tier keeps make test-fast under 3 min.
+@pytest.mark.system
 async def test_up_health_metrics_and_drain_on_sigterm(tmp_path):
     port, metrics_port = free_port(), free_port()
     env = subprocess_env(

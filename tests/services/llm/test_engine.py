@@ -69,6 +69,8 @@ def batched_greedy(llama: Llama, prompt_ids: list[list[int]], new_tokens: int) -
     return generated
 
 
+# ~15 s of 64-token decodes: the system tier keeps make test-fast under 3 minutes.
+@pytest.mark.system
 def test_batched_decode_steps_match_transformers_greedy(llama, reference, prompts):
     _, tokenizer = reference
     prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in prompts[:4]]

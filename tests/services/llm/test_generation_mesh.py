@@ -12,10 +12,8 @@ import time
 import urllib.request
 
 import grpc
-import jsonschema
 import pytest
 
-from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import (
     decode_pb2,
     decode_pb2_grpc,
@@ -467,50 +465,6 @@ async def test_a_subnormal_temperature_generates_the_greedy_tokens(llm_mesh):
     assert tiny == greedy
 
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 40},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "colours": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
-    },
-    "required": ["name", "age", "colours"],
-    "additionalProperties": False,
-}
-
-
-async def chat_text(stub, **request) -> tuple[str, generation_pb2.GenerationComplete]:
-    text, complete = "", None
-    async for message in stub.Chat(generation_pb2.ChatRequest(**request), timeout=120):
-        if message.HasField("chunk"):
-            text += message.chunk.text
-        else:
-            complete = message.complete
-    assert complete is not None
-    return text, complete
-
-
-async def test_a_json_schema_constrains_greedy_and_sampled_chat(llm_mesh):
-    """The model's own answer, greedy and sampled, is one JSON value valid against the
-    schema, ended by the model's end token once it is complete."""
-    constraint = sampling_pb2.OutputConstraint(json_schema=json.dumps(PERSON))
-    messages = [{"role": "user", "content": "Describe a person as JSON."}]
-    stub, channel = llm_mesh.stub()
-    async with channel:
-        for sampling in [
-            sampling_pb2.SamplingParameters(constraint=constraint),
-            *(
-                sampling_pb2.SamplingParameters(temperature=1.0, seed=seed, constraint=constraint)
-                for seed in range(3)
-            ),
-        ]:
-            text, complete = await chat_text(
-                stub, messages=messages, sampling=sampling, stopping=stopping(120)
-            )
-            assert complete.finish_reason == sampling_pb2.FINISH_REASON_EOS, text
-            jsonschema.validate(json.loads(text), PERSON)
-
-
 async def test_a_constrained_and_an_unconstrained_stream_share_a_batch(llm_mesh, prompts):
     """Constrained rows in the running batch change nothing for their neighbours: each
     unconstrained stream equals itself alone, and each constrained one keeps its form."""
@@ -533,68 +487,3 @@ async def test_a_constrained_and_an_unconstrained_stream_share_a_batch(llm_mesh,
         assert (
             re.fullmatch(pattern, text) and complete.finish_reason == sampling_pb2.FINISH_REASON_EOS
         )
-
-
-WEATHER = generation_pb2.ToolDefinition(
-    name="get_weather",
-    description="The current weather in a city.",
-    parameters=json.dumps(
-        {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 30}},
-            "required": ["city"],
-            "additionalProperties": False,
-        }
-    ),
-)
-
-
-async def chat_calls(stub, **request):
-    """A Chat stream with tools: (answer text, calls from the deltas, the complete)."""
-    text, calls, complete = "", {}, None
-    async for message in stub.Chat(generation_pb2.ChatRequest(**request), timeout=120):
-        if message.HasField("complete"):
-            complete = message.complete
-            continue
-        text += message.chunk.text
-        for delta in message.chunk.tool_calls:
-            if delta.id:
-                calls[delta.index] = [delta.id, delta.name, ""]
-            calls[delta.index][2] += delta.arguments
-    return text, [tuple(call) for _, call in sorted(calls.items())], complete
-
-
-async def test_the_model_calls_a_tool_and_answers_from_its_result(llm_mesh):
-    """Required: the turn is a call of the tool, its arguments valid against its schema,
-    the deltas joining into the calls the end reports. Then, the result in the history,
-    auto: a well-formed turn either way (an answer in text, or calls that parse)."""
-    stub, channel = llm_mesh.stub()
-    question = common_pb2.ChatMessage(role="user", content="What is the weather in Paris?")
-    async with channel:
-        text, calls, complete = await chat_calls(
-            stub,
-            messages=[question],
-            tools=[WEATHER],
-            tool_choice=generation_pb2.ToolChoice(mode=generation_pb2.ToolChoice.MODE_REQUIRED),
-            stopping=stopping(80),
-        )
-        assert complete.finish_reason == sampling_pb2.FINISH_REASON_TOOL_CALLS and text == ""
-        assert [(c.id, c.name, c.arguments) for c in complete.tool_calls] == calls
-        (_, name, arguments), *_ = calls
-        assert name == "get_weather" and set(json.loads(arguments)) == {"city"}
-        history = [
-            question,
-            common_pb2.ChatMessage(role="assistant", tool_calls=complete.tool_calls),
-            *(
-                common_pb2.ChatMessage(role="tool", tool_call_id=c.id, content="Sunny, 24 C")
-                for c in complete.tool_calls
-            ),
-        ]
-        text, calls, complete = await chat_calls(
-            stub, messages=history, tools=[WEATHER], stopping=stopping(120)
-        )
-    if complete.finish_reason == sampling_pb2.FINISH_REASON_TOOL_CALLS:
-        assert text == "" and all(json.loads(arguments) for _, _, arguments in calls)
-    else:
-        assert complete.finish_reason == sampling_pb2.FINISH_REASON_EOS
-        assert text and not calls and not complete.tool_calls

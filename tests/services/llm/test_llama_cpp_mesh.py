@@ -2,7 +2,8 @@
 router as processes, with prefill on llama.cpp (its own state handed over) and on torch
 (the default: its KV written as llama.cpp's state at decode), checked against the same
 engines in this process (the GGUF's 4-bit model is not transformers' float32 one, so
-transformers is no reference here)."""
+transformers is no reference here). Structured output and tool calls run here too, the
+model's own output through the router (the torch path of the mask: test_engine.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import jsonschema
 import pytest
 import torch
 
-from aimesh.llm.v1 import decode_pb2, kv_cache_pb2, prefill_pb2, sampling_pb2
+from aimesh.common.v1 import common_pb2
+from aimesh.llm.v1 import decode_pb2, generation_pb2, kv_cache_pb2, prefill_pb2, sampling_pb2
 from mesh.artifacts import artifact_digest, sha256_of
 from mesh.errors import error_info, field_violations
 from mesh.info import get_info
@@ -307,3 +309,112 @@ async def test_llama_cpp_decode_refuses_torch_kv_of_another_model(mixed_mesh, mo
         assert error_info(error).reason == "KV_FORMAT_MISMATCH"
         assert "model sha256" in error.details()
         assert await still_decodes(decode, handle, prompt_ids, leased.first_token_id)
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "colours": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "colours"],
+    "additionalProperties": False,
+}
+
+
+async def chat_text(stub, **request) -> tuple[str, generation_pb2.GenerationComplete]:
+    text, complete = "", None
+    async for message in stub.Chat(generation_pb2.ChatRequest(**request), timeout=120):
+        if message.HasField("chunk"):
+            text += message.chunk.text
+        else:
+            complete = message.complete
+    assert complete is not None
+    return text, complete
+
+
+async def test_a_json_schema_constrains_greedy_and_sampled_chat(llama_cpp_mesh):
+    """The model's own answer, greedy and sampled, is one JSON value valid against the
+    schema, ended by the model's end token once it is complete."""
+    constraint = sampling_pb2.OutputConstraint(json_schema=json.dumps(PERSON))
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    stub, channel = llama_cpp_mesh.stub()
+    async with channel:
+        for sampling in [
+            sampling_pb2.SamplingParameters(constraint=constraint),
+            *(
+                sampling_pb2.SamplingParameters(temperature=1.0, seed=seed, constraint=constraint)
+                for seed in range(3)
+            ),
+        ]:
+            text, complete = await chat_text(
+                stub, messages=messages, sampling=sampling, stopping=stopping(120)
+            )
+            assert complete.finish_reason == sampling_pb2.FINISH_REASON_EOS, text
+            jsonschema.validate(json.loads(text), PERSON)
+
+
+WEATHER = generation_pb2.ToolDefinition(
+    name="get_weather",
+    description="The current weather in a city.",
+    parameters=json.dumps(
+        {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"],
+            "additionalProperties": False,
+        }
+    ),
+)
+
+
+async def chat_calls(stub, **request):
+    """A Chat stream with tools: (answer text, calls from the deltas, the complete)."""
+    text, calls, complete = "", {}, None
+    async for message in stub.Chat(generation_pb2.ChatRequest(**request), timeout=120):
+        if message.HasField("complete"):
+            complete = message.complete
+            continue
+        text += message.chunk.text
+        for delta in message.chunk.tool_calls:
+            if delta.id:
+                calls[delta.index] = [delta.id, delta.name, ""]
+            calls[delta.index][2] += delta.arguments
+    return text, [tuple(call) for _, call in sorted(calls.items())], complete
+
+
+async def test_the_model_calls_a_tool_and_answers_from_its_result(llama_cpp_mesh):
+    """Required: the turn is a call of the tool, its arguments valid against its schema,
+    the deltas joining into the calls the end reports. Then, the result in the history,
+    auto: a well-formed turn either way (an answer in text, or calls that parse)."""
+    stub, channel = llama_cpp_mesh.stub()
+    question = common_pb2.ChatMessage(role="user", content="What is the weather in Paris?")
+    async with channel:
+        text, calls, complete = await chat_calls(
+            stub,
+            messages=[question],
+            tools=[WEATHER],
+            tool_choice=generation_pb2.ToolChoice(mode=generation_pb2.ToolChoice.MODE_REQUIRED),
+            stopping=stopping(80),
+        )
+        assert complete.finish_reason == sampling_pb2.FINISH_REASON_TOOL_CALLS and text == ""
+        assert [(c.id, c.name, c.arguments) for c in complete.tool_calls] == calls
+        (_, name, arguments), *_ = calls
+        assert name == "get_weather" and set(json.loads(arguments)) == {"city"}
+        history = [
+            question,
+            common_pb2.ChatMessage(role="assistant", tool_calls=complete.tool_calls),
+            *(
+                common_pb2.ChatMessage(role="tool", tool_call_id=c.id, content="Sunny, 24 C")
+                for c in complete.tool_calls
+            ),
+        ]
+        text, calls, complete = await chat_calls(
+            stub, messages=history, tools=[WEATHER], stopping=stopping(120)
+        )
+    if complete.finish_reason == sampling_pb2.FINISH_REASON_TOOL_CALLS:
+        assert text == "" and all(json.loads(arguments) for _, _, arguments in calls)
+    else:
+        assert complete.finish_reason == sampling_pb2.FINISH_REASON_EOS
+        assert text and not calls and not complete.tool_calls

@@ -56,6 +56,8 @@ async def test_serving_only_after_the_warm_up(mesh_settings: MeshSettings):
         await services.close()
 
 
+# `aimesh serve` processes, seconds each: the system tier keeps make test-fast under 3 min.
+@pytest.mark.system
 async def test_aimesh_serve_tokenizer(serve_process, monkeypatch):
     """The path `aimesh up` and Kubernetes take: the entry point, the CLI, the warm-up."""
     monkeypatch.setenv("AIMESH_CACHE_DIR", str(CACHE_DIR))
