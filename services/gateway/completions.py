@@ -115,15 +115,42 @@ def params_of(body: Body) -> dict[str, str]:
     return {**PARAMS, "stopping.max_new_tokens": length[0] if length else "max_tokens"}
 
 
-def constraint(body: ChatCompletionRequest) -> sampling_pb2.OutputConstraint | None:
-    """response_format as the constraint the engines enforce; None for plain text."""
-    form = body.response_format
-    if form is None or form.type == "text":
+def output_constraint(
+    kind: str | None, schema: dict[str, Any] | None
+) -> sampling_pb2.OutputConstraint | None:
+    """An output format (chat's response_format, the Responses API's text.format) as the
+    constraint the engines enforce; None for plain text. A json_schema without its
+    schema is any JSON object."""
+    if kind in (None, "text"):
         return None
-    schema = form.json_schema.schema_ if form.json_schema is not None else None
     if schema is None:
         return sampling_pb2.OutputConstraint(json_object=True)
     return sampling_pb2.OutputConstraint(json_schema=json.dumps(schema))
+
+
+def tool_definition(
+    name: str, description: str | None, parameters: dict[str, Any] | None
+) -> generation_pb2.ToolDefinition:
+    return generation_pb2.ToolDefinition(
+        name=name,
+        description=description or "",
+        parameters=json.dumps(parameters) if parameters else "",
+    )
+
+
+def choose_tools(
+    request: generation_pb2.ChatRequest,
+    mode: str | None,
+    function: str | None,
+    parallel: bool | None,
+) -> None:
+    """tool_choice (a mode, or the function named) and parallel_tool_calls, where given."""
+    if mode is not None:
+        request.tool_choice.mode = TOOL_CHOICE_MODES[mode]
+    elif function is not None:
+        request.tool_choice.function = function
+    if parallel is not None:
+        request.parallel_tool_calls = parallel
 
 
 def _message(message: ChatMessage) -> common_pb2.ChatMessage:
@@ -138,18 +165,12 @@ def _message(message: ChatMessage) -> common_pb2.ChatMessage:
     )
 
 
-def _tool_choice(body: ChatCompletionRequest) -> generation_pb2.ToolChoice | None:
-    choice = body.tool_choice
-    if choice is None:
-        return None
-    if isinstance(choice, str):
-        return generation_pb2.ToolChoice(mode=TOOL_CHOICE_MODES[choice])
-    return generation_pb2.ToolChoice(function=choice.function.name)
-
-
 def chat_request(body: ChatCompletionRequest) -> generation_pb2.ChatRequest:
     chat_sampling = sampling(body)
-    if (output := constraint(body)) is not None:
+    form = body.response_format
+    kind = form.type if form is not None else None
+    schema = form.json_schema.schema_ if form is not None and form.json_schema else None
+    if (output := output_constraint(kind, schema)) is not None:
         chat_sampling.constraint.CopyFrom(output)
     request = generation_pb2.ChatRequest(
         request_id=request_id.current(),
@@ -159,18 +180,14 @@ def chat_request(body: ChatCompletionRequest) -> generation_pb2.ChatRequest:
         model=body.model,
         cache_salt=body.cache_salt or "",
         tools=[
-            generation_pb2.ToolDefinition(
-                name=tool.function.name,
-                description=tool.function.description or "",
-                parameters=json.dumps(tool.function.parameters) if tool.function.parameters else "",
-            )
-            for tool in body.tools or []
+            tool_definition(t.function.name, t.function.description, t.function.parameters)
+            for t in body.tools or []
         ],
     )
-    if (choice := _tool_choice(body)) is not None:
-        request.tool_choice.CopyFrom(choice)
-    if body.parallel_tool_calls is not None:
-        request.parallel_tool_calls = body.parallel_tool_calls
+    choice = body.tool_choice
+    mode = choice if isinstance(choice, str) else None
+    function = choice.function.name if choice is not None and mode is None else None
+    choose_tools(request, mode, function, body.parallel_tool_calls)
     return request
 
 

@@ -28,10 +28,12 @@ from services.gateway.completions import (
     DEFAULT_TEMPERATURE,
     PARAMS,
     ROLES,
-    TOOL_CHOICE_MODES,
     Completions,
+    choose_tools,
     collected,
     metadata_of,
+    output_constraint,
+    tool_definition,
 )
 from services.gateway.errors import from_rpc, invalid, unsupported
 from services.gateway.keys import Principal
@@ -115,35 +117,22 @@ def chat_request(body: ResponsesRequest) -> generation_pb2.ChatRequest:
     if body.top_p is not None:
         sampling.top_p = body.top_p
     form = body.text.format if body.text is not None else None
-    if form is not None and form.type == "json_object":
-        sampling.constraint.json_object = True
-    elif form is not None and form.type == "json_schema":
-        if form.schema_ is None:
-            sampling.constraint.json_object = True
-        else:
-            sampling.constraint.json_schema = json.dumps(form.schema_)
+    kind, schema = (form.type, form.schema_) if form is not None else (None, None)
+    if (output := output_constraint(kind, schema)) is not None:
+        sampling.constraint.CopyFrom(output)
     request = generation_pb2.ChatRequest(
         request_id=request_id.current(),
         messages=_messages(body),
         sampling=sampling,
         model=body.model,
-        tools=[
-            generation_pb2.ToolDefinition(
-                name=tool.name,
-                description=tool.description or "",
-                parameters=json.dumps(tool.parameters) if tool.parameters else "",
-            )
-            for tool in body.tools or []
-        ],
+        tools=[tool_definition(t.name, t.description, t.parameters) for t in body.tools or []],
     )
     if body.max_output_tokens is not None:
         request.stopping.max_new_tokens = body.max_output_tokens
-    if isinstance(body.tool_choice, str):
-        request.tool_choice.mode = TOOL_CHOICE_MODES[body.tool_choice]
-    elif body.tool_choice is not None:
-        request.tool_choice.function = body.tool_choice.name
-    if body.parallel_tool_calls is not None:
-        request.parallel_tool_calls = body.parallel_tool_calls
+    choice = body.tool_choice
+    mode = choice if isinstance(choice, str) else None
+    function = choice.name if choice is not None and mode is None else None
+    choose_tools(request, mode, function, body.parallel_tool_calls)
     return request
 
 
