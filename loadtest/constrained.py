@@ -182,11 +182,20 @@ def xgrammar_alone(model_dir: Path, vocab: int, eos: list[int], tokenizer) -> li
     return rows
 
 
-async def _stream(stub, prompt: str, constrained: bool) -> tuple[float, int]:
-    """One greedy stream: (seconds from its first token to its last, tokens after the first)."""
+def constrained_or_not(constrained: bool) -> sampling_pb2.SamplingParameters:
+    """Greedy, with or without the free-text constraint."""
     sampling = sampling_pb2.SamplingParameters()
     if constrained:
         sampling.constraint.regex = FREE_TEXT
+    return sampling
+
+
+async def _stream(
+    stub, prompt: str, sampling: sampling_pb2.SamplingParameters
+) -> tuple[float, int]:
+    """One stream of NEW_TOKENS tokens (to the end token, under a constraint): seconds from
+    its first token to its last, and the tokens after the first."""
+    constrained = sampling.HasField("constraint")
     stopping = sampling_pb2.StoppingCriteria(max_new_tokens=NEW_TOKENS, ignore_eos=not constrained)
     first, last, tokens = None, 0.0, 0
     request = generation_pb2.GenerateRequest(prompt=prompt, sampling=sampling, stopping=stopping)
@@ -200,15 +209,12 @@ async def _stream(stub, prompt: str, constrained: bool) -> tuple[float, int]:
     return (last - first if first is not None else 0.0), tokens
 
 
-async def itl(stub, batch: int, constrained: bool, rounds: int) -> float:
+async def itl(stub, batch: int, sampling: sampling_pb2.SamplingParameters, rounds: int) -> float:
     """Median over rounds of the mean inter-token latency of `batch` concurrent streams."""
     per_round = []
     for round_ in range(rounds):
         runs = await asyncio.gather(
-            *(
-                _stream(stub, PROMPTS[(round_ + i) % len(PROMPTS)], constrained)
-                for i in range(batch)
-            )
+            *(_stream(stub, PROMPTS[(round_ + i) % len(PROMPTS)], sampling) for i in range(batch))
         )
         seconds, tokens = sum(s for s, _ in runs), sum(t for _, t in runs)
         per_round.append(seconds / max(tokens, 1))
@@ -224,15 +230,16 @@ async def in_the_mesh(rounds: int) -> list[str]:
 
         async with aio.insecure_channel(f"127.0.0.1:{PORTS['generation']}") as channel:
             stub = generation_pb2_grpc.GenerationServiceStub(channel)
-            await itl(stub, 1, False, 1)  # warm every path once
-            await itl(stub, 1, True, 1)
+            free_form, constrained = constrained_or_not(False), constrained_or_not(True)
+            await itl(stub, 1, free_form, 1)  # warm every path once
+            await itl(stub, 1, constrained, 1)
             rows = []
             for batch in (1, 16):
                 # Alternated, so drift on a busy machine hits both alike.
                 free, masked = [], []
                 for _ in range(rounds):
-                    free.append(await itl(stub, batch, False, 1))
-                    masked.append(await itl(stub, batch, True, 1))
+                    free.append(await itl(stub, batch, free_form, 1))
+                    masked.append(await itl(stub, batch, constrained, 1))
                 free_s, masked_s = statistics.median(free), statistics.median(masked)
                 rows.append(
                     f"| {batch} | {_ms(free_s)} | {_ms(masked_s)} | "

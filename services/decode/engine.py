@@ -32,7 +32,7 @@ from services.llm import metrics
 from services.llm.guide import Guide
 from services.llm.kv_codec import KvState
 from services.llm.llama import LlamaConfig
-from services.llm.sampling import SamplingParams, sample
+from services.llm.sampling import Draw, SamplingParams, sample
 from services.llm.stopping import Finish, StopChecker
 from services.shared.memory import is_out_of_memory
 
@@ -80,6 +80,8 @@ class Emission:
     tokens: list[int]
     logprobs: list[float]
     finish: Finish | None = None
+    # Each token's most likely alternatives, when the request asked for them.
+    top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     error: BaseException | None = None
 
 
@@ -137,7 +139,7 @@ class _Plan:
 
     keep: list[Sequence]
     joins: list[Sequence]
-    stepped: list[tuple[Sequence, int, float]] = field(default_factory=list)
+    stepped: list[tuple[Sequence, Draw]] = field(default_factory=list)
     failed: list[tuple[Sequence, BaseException]] = field(default_factory=list)
 
 
@@ -224,14 +226,14 @@ class DecodeEngine:
                 plan.failed = [(s, error) for s in plan.keep + plan.joins]
             for sequence, error in plan.failed:
                 self._fail_one(sequence, error)
-            self.running = [sequence for sequence, _, _ in plan.stepped]
+            self.running = [sequence for sequence, _ in plan.stepped]
             self.steps += 1
             for sequence in plan.joins:
                 sequence.joined_at = scheduled
                 metrics.REQUEST_QUEUE_TIME.observe(scheduled - sequence.submitted_at)
             self._report()
-            for sequence, token, logprob in plan.stepped:
-                self._deliver(sequence, token, logprob)
+            for sequence, draw in plan.stepped:
+                self._deliver(sequence, draw)
             await asyncio.sleep(0)  # let streams send before the next step
 
     def _report(self) -> None:
@@ -283,15 +285,13 @@ class DecodeEngine:
                 allowed = masks.get(sequence)
                 if isinstance(allowed, Exception):
                     raise allowed
-                token, logprob = sample(
-                    row, sequence.params, sequence.history, index=index, allowed=allowed
-                )
+                draw = sample(row, sequence.params, sequence.history, index=index, allowed=allowed)
                 if sequence.guide is not None:
-                    sequence.guide.advance(token)
+                    sequence.guide.advance(draw.token)
             except Exception as error:
                 plan.failed.append((sequence, self._own_failure(error, "sampling")))
                 continue
-            plan.stepped.append((sequence, token, logprob))
+            plan.stepped.append((sequence, draw))
 
     def _forward(self, batch: list[Sequence], plan: _Plan) -> torch.Tensor:
         """One decode step over `batch`; out of memory, the longest sequence leaves (its
@@ -324,15 +324,16 @@ class DecodeEngine:
         log.exception("one sequence failed %s; the rest of the batch goes on", doing)
         return error
 
-    def _deliver(self, sequence: Sequence, token: int, logprob: float) -> None:
+    def _deliver(self, sequence: Sequence, draw: Draw) -> None:
         if sequence.cancelled:
             return
-        sequence.history.append(token)
+        sequence.history.append(draw.token)
         room_left = sequence.position + 1 < self.max_seq_len
-        tokens = sequence.stop.feed(token, room_left=room_left)
+        tokens = sequence.stop.feed(draw.token, room_left=room_left)
         if tokens or sequence.stop.finish is not None:
+            top = [draw.top] if tokens and sequence.params.top_logprobs else []
             sequence.outbox.put_nowait(
-                Emission(tokens, [logprob] * len(tokens), finish=sequence.stop.finish)
+                Emission(tokens, [draw.logprob] * len(tokens), sequence.stop.finish, top=top)
             )
 
     @staticmethod

@@ -25,7 +25,13 @@ from services.llm.described import load_served
 from services.llm.guide import Vocabularies
 from services.llm.kv_transfer import HANDLE_ID, HANDLE_ID_RULE, KvReleaser
 from services.llm.llama import Llama, LlamaConfig, TorchSlots
-from services.llm.requests import check_prompt, decode_length, end_token, sampling_params
+from services.llm.requests import (
+    check_prompt,
+    decode_length,
+    end_token,
+    sampling_params,
+    top_logprobs,
+)
 from services.llm.settings import LlmSettings, llm_settings
 from services.llm.stopping import Finish, StopChecker
 
@@ -68,9 +74,11 @@ def state_bytes_limit(config: LlamaConfig, num_tokens: int) -> int:
     return num_tokens * per_token + 1024 * 1024
 
 
-def _chunk(tokens: list[int], logprobs: list[float]) -> decode_pb2.DecodeResponse:
+def _chunk(
+    tokens: list[int], logprobs: list[float], top: list[sampling_pb2.TopLogprobs]
+) -> decode_pb2.DecodeResponse:
     return decode_pb2.DecodeResponse(
-        chunk=decode_pb2.TokenChunk(token_ids=tokens, logprobs=logprobs)
+        chunk=decode_pb2.TokenChunk(token_ids=tokens, logprobs=logprobs, top_logprobs=top)
     )
 
 
@@ -136,6 +144,12 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
         params = sampling_params(
             request.sampling, config.vocab_size, violations, end_token=end_token(config)
         )
+        first_top = request.first_token_top_logprobs
+        violations.check(
+            len(first_top.token_ids) == len(first_top.logprobs) <= params.top_logprobs,
+            "first_token_top_logprobs",
+            f"must pair at most sampling.top_logprobs ({params.top_logprobs}) ids and logprobs",
+        )
         if prompt:
             decode_length(request.max_new_tokens, len(prompt), engine.max_seq_len, violations)
         violations.check(
@@ -175,7 +189,8 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
         # The first token streams at once, before any KV moves: that is the caller's TTFT.
         first = checker.feed(request.first_token_id, room_left=len(prompt) + 1 < engine.max_seq_len)
         if first:
-            yield _chunk(first, [request.first_token_logprob])
+            top = [request.first_token_top_logprobs] if params.top_logprobs else []
+            yield _chunk(first, [request.first_token_logprob], top)
         if checker.finish is not None:
             self.releaser.release_later(handle.address, handle.id)
             yield self._complete(checker, received, 0.0, 0.0)
@@ -215,7 +230,11 @@ class DecodeWorker(decode_pb2_grpc.DecodeServiceServicer):
                 if error := next((e.error for e in emissions if e.error), None):
                     raise error
                 if tokens := [t for e in emissions for t in e.tokens]:
-                    yield _chunk(tokens, [p for e in emissions for p in e.logprobs])
+                    yield _chunk(
+                        tokens,
+                        [p for e in emissions for p in e.logprobs],
+                        [top_logprobs(t) for e in emissions for t in e.top],
+                    )
                 if any(e.finish for e in emissions):
                     break
         finally:

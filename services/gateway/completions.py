@@ -63,6 +63,8 @@ PARAMS = {
     "sampling.temperature": "temperature",
     "sampling.top_p": "top_p",
     "sampling.seed": "seed",
+    "sampling.logprobs": "logprobs",
+    "sampling.top_logprobs": "top_logprobs",
     "sampling.frequency_penalty": "frequency_penalty",
     "stopping.stop_sequences": "stop",
     "sampling.constraint": "response_format",
@@ -98,6 +100,9 @@ def sampling(body: Body) -> sampling_pb2.SamplingParameters:
         message.top_p = body.top_p
     if body.seed is not None:
         message.seed = body.seed
+    if (alternatives := body.alternatives()) is not None:
+        message.logprobs = True
+        message.top_logprobs = alternatives
     return message
 
 
@@ -241,7 +246,9 @@ class Completions:
     def chat(self, body: ChatCompletionRequest, principal: Principal) -> Guarded:
         self._check(body)
         request = chat_request(body)
-        shape = ChatShape(body.model, int(time.time()), body.include_usage)
+        shape = ChatShape(
+            body.model, int(time.time()), body.include_usage, logprobs=body.logprobs is True
+        )
         return self._guarded(
             "/v1/chat/completions", self.stub.Chat, request, body, shape, principal
         )
@@ -249,7 +256,9 @@ class Completions:
     def completion(self, body: CompletionRequest, principal: Principal) -> Guarded:
         self._check(body)
         request = completion_request(body)
-        shape = TextShape(body.model, int(time.time()), body.include_usage)
+        shape = TextShape(
+            body.model, int(time.time()), body.include_usage, logprobs=body.logprobs is not None
+        )
         return self._guarded("/v1/completions", self.stub.Generate, request, body, shape, principal)
 
     def _guarded(
@@ -290,18 +299,20 @@ def metadata_of(who: Principal, user: str | None) -> tuple[tuple[str, str], ...]
 async def collected(call: Any, params: dict[str, str]) -> Output:
     """One choice's stream, whole; its failure as the API error it becomes."""
     text: list[str] = []
+    logprobs: list[generation_pb2.TokenLogprob] = []
     complete = None
     try:
         async for message in call:
             if message.HasField("chunk"):
                 text.append(message.chunk.text)
+                logprobs.extend(message.chunk.logprobs)
             else:
                 complete = message.complete
     except grpc.aio.AioRpcError as error:
         raise from_rpc(error, params) from None
     if complete is None:
         raise _unfinished()
-    return Output("".join(text), complete)
+    return Output("".join(text), complete, logprobs)
 
 
 async def _whole(exchange: Exchange, run: _Run) -> None:

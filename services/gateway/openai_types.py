@@ -25,6 +25,8 @@ from services.gateway.errors import encodable, invalid, unsupported
 MAX_STOP_SEQUENCES = 4
 # n: each choice is a generation of its own (its prompt found in the prefix cache).
 MAX_CHOICES = 16
+# OpenAI's bound on top_logprobs, and the engines' (services.llm.requests).
+MAX_TOP_LOGPROBS = 20
 # The protos' integer ranges: max_new_tokens, top_n, steps, num_images and dimensions are
 # int32; SamplingParameters.seed and diffusion's seed are uint64.
 INT32_MAX = 2**31 - 1
@@ -161,8 +163,6 @@ class _Sampling(_Request):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
     logit_bias: dict[str, FiniteFloat] | None = None
-    logprobs: Any = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     # The end user: the router's canary splits users by it (mesh.caller.USER_METADATA_KEY).
     user: str | None = Field(default=None, max_length=128)
     stream: bool = False
@@ -191,8 +191,6 @@ class _Sampling(_Request):
             raise unsupported("presence_penalty", "must be 0: use frequency_penalty")
         if self.logit_bias:
             raise unsupported("logit_bias")
-        if self.logprobs not in (None, False, 0) or self.top_logprobs:
-            raise unsupported("logprobs" if self.logprobs else "top_logprobs")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options", "is only allowed with stream: true")
         stops = self.stop_sequences()
@@ -264,6 +262,11 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     modalities: list[str] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def length(self) -> tuple[str, int] | None:
         if self.max_completion_tokens is not None:
@@ -277,6 +280,8 @@ class ChatCompletionRequest(_Sampling):
         )
         if self.modalities not in (None, ["text"]):
             raise unsupported("modalities", "only ['text'] is supported")
+        if self.top_logprobs and not self.logprobs:
+            raise invalid("top_logprobs", "requires logprobs: true")
 
 
 class CompletionRequest(_Sampling):
@@ -284,6 +289,12 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     best_of: Int32 | None = Field(default=None, ge=1)
     suffix: str | None = None
+    # The legacy API's logprobs: how many likely tokens beside each one (OpenAI allows 5,
+    # vLLM 20; the engines report up to 20).
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def alternatives(self) -> int | None:
+        return self.logprobs
 
     def text(self) -> str:
         """The one prompt; token ids and batches of prompts are refused."""
@@ -431,3 +442,4 @@ class ResponsesRequest(_Request):
             raise unsupported(
                 "previous_response_id", "this server keeps no responses: send the whole input"
             )
+        _refuse_set(self, ("top_logprobs",))

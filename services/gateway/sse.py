@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -53,10 +54,40 @@ def usage(message: common_pb2.Usage) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Output:
-    """One choice, whole: its text and the generation's last message."""
+    """One choice, whole: its text, the generation's last message and, when asked for,
+    its tokens' logprobs."""
 
     text: str
     complete: generation_pb2.GenerationComplete
+    logprobs: Sequence[generation_pb2.TokenLogprob] = ()
+
+
+def _alternative(entry: generation_pb2.TokenLogprob | generation_pb2.TopLogprob) -> dict:
+    return {"token": entry.token, "logprob": entry.logprob, "bytes": list(entry.bytes)}
+
+
+def chat_logprobs(entries: Sequence[generation_pb2.TokenLogprob]) -> dict[str, Any]:
+    """Chat's logprobs object: each token with its bytes and its likely alternatives."""
+    content = [
+        {**_alternative(e), "top_logprobs": [_alternative(t) for t in e.top_logprobs]}
+        for e in entries
+    ]
+    return {"content": content, "refusal": None}
+
+
+def text_logprobs(entries: Sequence[generation_pb2.TokenLogprob], offset: int) -> dict[str, Any]:
+    """The legacy completions' logprobs object, columns by token; `offset` is where the
+    first token starts in the completion's text (text_offset counts characters)."""
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def summed_usage(completes: list[generation_pb2.GenerationComplete]) -> common_pb2.Usage:
@@ -84,6 +115,8 @@ class _Shape:
     # that the model runs with"), known once the generation completes; None before, and
     # for a model the registry does not version.
     fingerprint: str | None = None
+    # The request asked for logprobs: every choice carries them.
+    logprobs: bool = False
 
     def _envelope(self, object_: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         body = {
@@ -111,8 +144,14 @@ class ChatShape(_Shape):
     def __post_init__(self) -> None:
         self.id = self.id or f"chatcmpl-{uuid.uuid4().hex}"
 
-    def _event(self, delta: dict[str, Any], reason: str | None, index: int) -> dict[str, Any]:
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+    def _event(
+        self,
+        delta: dict[str, Any],
+        reason: str | None,
+        index: int,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return self._envelope(self.chunk_object, [choice])
 
     def opening(self, index: int = 0) -> dict[str, Any] | None:
@@ -122,9 +161,13 @@ class ChatShape(_Shape):
     def chunk_events(
         self, chunk: generation_pb2.GenerationChunk, index: int = 0
     ) -> list[dict[str, Any]]:
-        """A chunk's text, then its tool calls: OpenAI's streamed calls carry a call's id,
-        type and name first (and no arguments yet), later more of its arguments."""
-        events = [self._event({"content": chunk.text}, None, index)] if chunk.text else []
+        """A chunk's text (with its tokens' logprobs), then its tool calls: OpenAI's
+        streamed calls carry a call's id, type and name first (and no arguments yet), later
+        more of its arguments."""
+        logprobs = chat_logprobs(chunk.logprobs) if self.logprobs and chunk.logprobs else None
+        events = []
+        if chunk.text or logprobs is not None:
+            events.append(self._event({"content": chunk.text}, None, index, logprobs))
         calls = []
         for delta in chunk.tool_calls:
             call: dict[str, Any] = {"index": delta.index}
@@ -149,8 +192,14 @@ class ChatShape(_Shape):
                 calls = [tool_call(c) for c in output.complete.tool_calls]
                 message.update(content=output.text or None, tool_calls=calls)
             reason = finish_reason(output.complete.finish_reason)
+            logprobs = chat_logprobs(output.logprobs) if self.logprobs else None
             choices.append(
-                {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
+                {
+                    "index": index,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": reason,
+                }
             )
         body = self._envelope("chat.completion", choices)
         return {**body, "usage": usage(summed_usage([o.complete for o in outputs]))}
@@ -162,11 +211,16 @@ class TextShape(_Shape):
 
     chunk_object: ClassVar[str] = "text_completion"
 
+    # Characters each streamed choice has sent, where its next token's text_offset is.
+    _sent: dict[int, int] = field(default_factory=dict)
+
     def __post_init__(self) -> None:
         self.id = self.id or f"cmpl-{uuid.uuid4().hex}"
 
-    def _event(self, text: str, reason: str | None, index: int) -> dict[str, Any]:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+    def _event(
+        self, text: str, reason: str | None, index: int, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         return self._envelope(self.chunk_object, [choice])
 
     def opening(self, index: int = 0) -> dict[str, Any] | None:
@@ -176,7 +230,11 @@ class TextShape(_Shape):
     def chunk_events(
         self, chunk: generation_pb2.GenerationChunk, index: int = 0
     ) -> list[dict[str, Any]]:
-        return [self._event(chunk.text, None, index)] if chunk.text else []
+        if not (self.logprobs and chunk.logprobs):
+            return [self._event(chunk.text, None, index)] if chunk.text else []
+        sent = self._sent.get(index, 0)
+        self._sent[index] = sent + sum(len(e.token) for e in chunk.logprobs)
+        return [self._event(chunk.text, None, index, text_logprobs(chunk.logprobs, sent))]
 
     def finish_event(self, reason: str, index: int = 0) -> dict[str, Any]:
         return self._event("", reason, index)
@@ -186,7 +244,7 @@ class TextShape(_Shape):
             {
                 "index": index,
                 "text": output.text,
-                "logprobs": None,
+                "logprobs": text_logprobs(output.logprobs, 0) if self.logprobs else None,
                 "finish_reason": finish_reason(output.complete.finish_reason),
             }
             for index, output in enumerate(outputs)

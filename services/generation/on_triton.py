@@ -6,8 +6,8 @@ The model (k8s/triton-model-repository/text_generation) samples, stops at the en
 or the length, and checks for cancellation before every step, so when the client goes
 away, its deadline passes or the router sees a stop sequence, the stream this generator
 holds is closed, which cancels the request, and Triton stops generating within a token.
-Guided choices need the model's logits at each step, which Triton does not return: they
-are refused with a field violation, never silently ignored.
+Guided choices, constraints and logprobs need the model's logits at each step, which
+Triton does not return: they are refused with a field violation, never silently ignored.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from contextlib import aclosing
 
 import numpy as np
 
-from aimesh.llm.v1 import sampling_pb2
+from aimesh.llm.v1 import decode_pb2, sampling_pb2
 from mesh.triton import TritonModel
 from mesh.validation import Violations
 from services.generation.pipeline import Outcome
@@ -38,6 +38,7 @@ class TritonGeneration:
         reason = f"is not supported by the Triton model {self.model.settings.model!r}"
         violations.check(not sampling.choices, "sampling.choices", reason)
         violations.check(not sampling.HasField("constraint"), "sampling.constraint", reason)
+        violations.check(not sampling.logprobs, "sampling.logprobs", reason)
 
     async def run(
         self,
@@ -48,7 +49,7 @@ class TritonGeneration:
         outcome: Outcome,
         *,
         cache_salt: str = "",
-    ) -> AsyncIterator[list[int]]:
+    ) -> AsyncIterator[decode_pb2.TokenChunk]:
         """As Engine.run; Triton's model keeps no prefix cache, so `cache_salt` scopes
         nothing here."""
         inputs = {
@@ -77,7 +78,7 @@ class TritonGeneration:
                         outcome.finish_reason = _FINISH[response["finish_reason"][0]]
                     if ids := response["output_ids"].tolist():
                         first_at = first_at or time.perf_counter()
-                        yield ids
+                        yield decode_pb2.TokenChunk(token_ids=ids)
         finally:
             ended = time.perf_counter()
             first_at = first_at or ended

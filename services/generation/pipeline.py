@@ -81,7 +81,7 @@ class Pipeline:
         outcome: Outcome,
         *,
         cache_salt: str = "",
-    ) -> AsyncIterator[list[int]]:
+    ) -> AsyncIterator[decode_pb2.TokenChunk]:
         scope = cache_scope(caller.current(), cache_salt)
         prefill_target = self.prefill.pick(prompt_ids, scope)
         outcome.prefill_worker = prefill_target
@@ -123,6 +123,7 @@ class Pipeline:
             prompt_token_ids=prompt_ids,
             first_token_id=prefill.first_token_id,
             first_token_logprob=prefill.first_token_logprob,
+            first_token_top_logprobs=prefill.first_token_top_logprobs,
             sampling=sampling,
             max_new_tokens=limits.max_new_tokens,
             ignore_eos=limits.ignore_eos,
@@ -135,7 +136,7 @@ class Pipeline:
                     if message.HasField("complete"):
                         complete = message.complete
                         continue
-                    yield list(message.chunk.token_ids)
+                    yield message.chunk
         finally:
             if complete is None:
                 self.releaser.release_later(handle.address, handle.id)

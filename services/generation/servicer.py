@@ -10,14 +10,20 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing
 from typing import Protocol
 
 import grpc
 
 from aimesh.common.v1 import common_pb2
-from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, models_pb2_grpc, sampling_pb2
+from aimesh.llm.v1 import (
+    decode_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    models_pb2_grpc,
+    sampling_pb2,
+)
 from mesh import caller, request_id
 from mesh.artifacts import sha256_of
 from mesh.deployments import Deployment, open_store
@@ -82,10 +88,10 @@ class Engine(Protocol):
         outcome: Outcome,
         *,
         cache_salt: str = "",
-    ) -> AsyncIterator[list[int]]:
-        """Token ids as they are generated; `outcome` is filled in as it goes. Closing
-        the stream early cancels the generation. A prefix cache below is scoped by the
-        caller's client and `cache_salt`."""
+    ) -> AsyncIterator[decode_pb2.TokenChunk]:
+        """Token ids (with their logprobs) as they are generated; `outcome` is filled in
+        as it goes. Closing the stream early cancels the generation. A prefix cache below
+        is scoped by the caller's client and `cache_salt`."""
         ...
 
 
@@ -356,9 +362,14 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         detokenize_s = 0.0
         engine: Engine = pool.engine  # type: ignore[assignment]
         version_itl = metrics.VERSION_INTER_TOKEN_LATENCY.labels(route.model, route.version)
+        pieces = pool.pieces if sampling.logprobs else None
+        if pieces is not None:
+            await asyncio.to_thread(pieces.load)
         run = engine.run(rid, prompt_ids, sampling, limits, outcome, cache_salt=request.cache_salt)
         async with aclosing(run) as generated:
-            async for ids in generated:
+            async for tokens in generated:
+                ids = list(tokens.token_ids)
+                logprobs = pieces.entries(tokens) if pieces is not None else ()
                 now = time.perf_counter()
                 if last_token_at is None:
                     metrics.TIME_TO_FIRST_TOKEN.observe(now - received)
@@ -379,10 +390,10 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
                     # Leaving the block closes the engine's stream: decode (or Triton) is
                     # cancelled before the last text goes out.
                     break
-                yield {"chunk": generation_pb2.GenerationChunk(text=piece, token_ids=ids)}
+                yield {"chunk": _chunk(piece, ids, logprobs)}
         if text.stopped:
             outcome.finish_reason = sampling_pb2.FINISH_REASON_STOP_SEQUENCE
-            yield {"chunk": generation_pb2.GenerationChunk(text=piece, token_ids=ids)}
+            yield {"chunk": _chunk(piece, ids, logprobs)}
         else:
             started = time.perf_counter()
             tail = text.finish()
@@ -522,6 +533,12 @@ def registered_info(deployment: Deployment, settings: LlmSettings) -> ModelInfo:
     )
 
 
+def _chunk(
+    text: str, ids: list[int], logprobs: Iterable[generation_pb2.TokenLogprob]
+) -> generation_pb2.GenerationChunk:
+    return generation_pb2.GenerationChunk(text=text, token_ids=ids, logprobs=logprobs)
+
+
 def _seeded(sampling: sampling_pb2.SamplingParameters) -> sampling_pb2.SamplingParameters:
     """A request that gave no seed gets a fresh one here, once, so that prefill's first
     token and decode's later ones draw from one stream, and two such requests differ
@@ -560,7 +577,10 @@ async def _calls_apart(
             text, deltas = parser.feed(chunk.text)
             event = {
                 "chunk": generation_pb2.GenerationChunk(
-                    text=text, token_ids=chunk.token_ids, tool_calls=deltas
+                    text=text,
+                    token_ids=chunk.token_ids,
+                    tool_calls=deltas,
+                    logprobs=chunk.logprobs,
                 )
             }
         elif parser.calls:

@@ -46,6 +46,7 @@ from mesh.health import probe
 from mesh.info import get_info
 from mesh.store_health import StoreHealth
 from mesh.tls import TlsSettings
+from services.generation.logprobs import TokenPieces
 from services.generation.pipeline import Outcome, Pipeline
 from services.generation.tokenize import TOKENIZER, TokenizerClient
 from services.generation.workers import DecodePicker, PrefillPicker
@@ -77,6 +78,11 @@ class Pool:
     in_flight: int = 0
     draining: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    # Each token's bytes and text, for logprobs.
+    pieces: TokenPieces = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pieces = TokenPieces(self.text_tokenizer)
 
     def enter(self) -> None:
         self.in_flight += 1

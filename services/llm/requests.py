@@ -23,6 +23,8 @@ from services.llm.settings import LlmSettings
 # overflows float32 to inf and the step's softmax turns to NaN.
 MIN_REPETITION_PENALTY = 0.01
 MAX_STOP_SEQUENCES = 4
+# OpenAI's bound on top_logprobs; each costs a top-k over the vocabulary per token.
+MAX_TOP_LOGPROBS = 20
 MAX_STOP_BYTES = 64
 
 
@@ -63,6 +65,12 @@ def sampling_params(
         "sampling.constraint",
         "cannot be combined with sampling.choices",
     )
+    violations.in_range(message.top_logprobs, "sampling.top_logprobs", 0, MAX_TOP_LOGPROBS)
+    violations.check(
+        message.logprobs or not message.top_logprobs,
+        "sampling.top_logprobs",
+        "needs sampling.logprobs",
+    )
     if end_token is not None:
         choices = tuple((*choice, end_token) for choice in choices)
     return SamplingParams(
@@ -73,6 +81,14 @@ def sampling_params(
         seed=message.seed if message.HasField("seed") else None,
         repetition_penalty=penalty,
         frequency_penalty=message.frequency_penalty,
+        top_logprobs=message.top_logprobs if message.logprobs else 0,
+    )
+
+
+def top_logprobs(top: tuple[tuple[int, float], ...]) -> sampling_pb2.TopLogprobs:
+    """A Draw's most likely tokens as prefill and decode send them."""
+    return sampling_pb2.TopLogprobs(
+        token_ids=[token for token, _ in top], logprobs=[logprob for _, logprob in top]
     )
 
 

@@ -9,6 +9,7 @@ first token is sampled in prefill and the rest in decode.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -27,6 +28,8 @@ class SamplingParams:
     # Guided choice: token sequences (each ending in an end-of-sequence id) the output
     # must be one of. Empty = unconstrained.
     choices: tuple[tuple[int, ...], ...] = ()
+    # How many of the most likely tokens to report beside each sampled one (0 to 20).
+    top_logprobs: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -66,27 +69,58 @@ def _guide(logits: torch.Tensor, params: SamplingParams, history: list[int], ind
     return logits + mask
 
 
+class Draw(NamedTuple):
+    """A sampled token, its log-probability and, when asked for, the most likely tokens
+    with theirs (most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def _top(logits: torch.Tensor, normaliser: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
+    """The k most likely tokens that can still be drawn (a masked token cannot)."""
+    if k <= 0:
+        return ()
+    values, ids = torch.topk(logits, min(k, logits.shape[-1]))
+    logprobs = (values - normaliser).tolist()  # one conversion, not one per element
+    return tuple(
+        (token, logprob)
+        for token, logprob in zip(ids.tolist(), logprobs, strict=True)
+        if logprob != float("-inf")
+    )
+
+
 def sample(
     logits: torch.Tensor,
     params: SamplingParams,
     history: list[int],
     index: int,
     allowed: torch.Tensor | None = None,
-) -> tuple[int, float]:
-    """The token at generation step `index` (0 = the first) and its log-probability.
+) -> Draw:
+    """The token at generation step `index` (0 = the first), its log-probability and the
+    top alternatives params.top_logprobs asks for.
 
     `history` is what the penalties look at: the prompt and the tokens generated so far.
-    `allowed` (a constraint's mask, services.llm.guide) leaves only its tokens possible;
-    the log-probability is then under the masked distribution, the one sampled from.
+    `allowed` (a constraint's mask, services.llm.guide) leaves only its tokens possible.
+    Log-probabilities are under the model's distribution after the penalties and the
+    masks, before temperature, top-k and top-p (OpenAI's and vLLM's reading: what the
+    model believed, whatever the sampler then drew).
     """
     logits = _penalise(logits.float(), history, params)
     if params.choices:
         logits = _guide(logits, params, history, index)
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
+    normaliser = torch.logsumexp(logits, dim=-1)
+    top = _top(logits, normaliser, params.top_logprobs)
+    token = _draw(logits, params, index)
+    return Draw(token, float(logits[token] - normaliser), top)
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, index: int) -> int:
     if params.greedy:
-        token = int(torch.argmax(logits))
-        return token, float(torch.log_softmax(logits, dim=-1)[token])
+        return int(torch.argmax(logits))
     # Shifted so the largest logit is 0 before dividing: every positive temperature,
     # subnormal ones included, then gives finite or -inf logits (a near-zero temperature
     # becomes greedy) instead of inf - inf = NaN in the softmax.
@@ -104,5 +138,4 @@ def sample(
     generator = torch.Generator().manual_seed(
         ((params.seed or 0) * _SEED_STRIDE + index) % _SEED_MOD
     )
-    token = int(torch.multinomial(probabilities, 1, generator=generator))
-    return token, float(torch.log(probabilities[token]))
+    return int(torch.multinomial(probabilities, 1, generator=generator))

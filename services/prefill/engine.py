@@ -168,6 +168,8 @@ class PrefillResult:
     # Leading prompt tokens whose KV came from the prefix cache, not computed.
     cached_tokens: int = 0
     lookup_s: float = 0.0
+    # The most likely first tokens, when the request asked for them.
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class PrefillEngine:
@@ -201,16 +203,17 @@ class PrefillEngine:
             hit, cached = None, 0
             logits, kv = self.model.prefill(token_ids)
         allowed = guide.allowed() if guide is not None else None
-        token, logprob = sample(logits, params, token_ids, index=0, allowed=allowed)
+        draw = sample(logits, params, token_ids, index=0, allowed=allowed)
         computed = time.perf_counter()
         self.prefixes.insert(token_ids, kv, hit, scope)
         return PrefillResult(
-            token,
-            logprob,
+            draw.token,
+            draw.logprob,
             kv,
             compute_s=computed - looked_up,
             cached_tokens=cached,
             lookup_s=(looked_up - started) + (time.perf_counter() - computed),
+            top=draw.top,
         )
 
     def warm_up(self) -> None:

@@ -23,7 +23,7 @@ from services.llm.described import load_served
 from services.llm.guide import Vocabularies
 from services.llm.kv_transfer import HANDLE_ID, HANDLE_ID_RULE
 from services.llm.prefix import MAX_CACHE_SALT_BYTES, cache_scope
-from services.llm.requests import check_prompt, end_token, sampling_params
+from services.llm.requests import check_prompt, end_token, sampling_params, top_logprobs
 from services.llm.settings import LlmSettings, llm_settings
 from services.prefill.engine import KvStore, PrefillEngine
 from services.prefill.prefix_cache import PrefixCache
@@ -113,6 +113,7 @@ class PrefillWorker(
         return prefill_pb2.PrefillResponse(
             first_token_id=result.first_token,
             first_token_logprob=result.logprob,
+            first_token_top_logprobs=top_logprobs(result.top) if result.top else None,
             kv_handle=kv_cache_pb2.KvHandle(
                 id=lease.handle_id,
                 address=self.address,

@@ -126,6 +126,41 @@ async def test_n_seeded_choices_are_distinct_and_stream_each_under_its_index(edg
     assert streamed == dict(enumerate(texts))
 
 
+async def test_logprobs_make_the_text_and_match_the_generation_services(edge):
+    """Chat logprobs through Envoy: the tokens' bytes are the answer, each token is among
+    its own top alternatives, and the figures are the generation service's over gRPC."""
+    async with sdk(edge) as client:
+        answer = await client.chat.completions.create(
+            model=DEFAULT_NAME,
+            messages=QUESTION,
+            temperature=0,
+            max_tokens=10,
+            logprobs=True,
+            top_logprobs=3,
+        )
+        completion = await client.completions.create(
+            model=DEFAULT_NAME, prompt="The capital of France is", max_tokens=6, logprobs=2
+        )
+    content = answer.choices[0].logprobs.content
+    assert bytes(b for entry in content for b in entry.bytes).decode() == (
+        answer.choices[0].message.content
+    )
+    assert all(e.top_logprobs[0].token == e.token and len(e.top_logprobs) == 3 for e in content)
+    assert all(e.logprob <= 0 for e in content)
+    legacy = completion.choices[0].logprobs
+    assert "".join(legacy.tokens) == completion.choices[0].text
+    assert len(legacy.top_logprobs) == len(legacy.tokens)
+    request = generation_pb2.ChatRequest(messages=QUESTION)
+    request.sampling.logprobs, request.sampling.top_logprobs = True, 3
+    request.stopping.max_new_tokens = 10
+    async with local(edge, "generation") as channel:
+        call = generation_pb2_grpc.GenerationServiceStub(channel).Chat(request, timeout=120)
+        direct = [e async for m in call if m.HasField("chunk") for e in m.chunk.logprobs]
+    assert [e.token for e in content] == [e.token for e in direct]
+    # The second call finds the prompt in the prefix cache: the same within float error.
+    assert [e.logprob for e in content] == pytest.approx([e.logprob for e in direct], abs=1e-3)
+
+
 async def test_raw_events_through_envoy_end_with_one_finish_the_usage_and_done(edge):
     body = {
         "model": DEFAULT_NAME,
@@ -236,9 +271,12 @@ async def test_structured_output_parses_into_a_pydantic_model(edge):
             streamed = await stream.get_final_completion()
         free_form = await client.chat.completions.create(
             model=DEFAULT_NAME,
-            messages=[{"role": "user", "content": "Describe Paris in JSON."}],
+            messages=[{"role": "user", "content": "Paris's name and country, in JSON."}],
             max_tokens=200,
             response_format={"type": "json_object"},
+            # Greedy, and a short answer asked for: at OpenAI's default temperature of 1,
+            # or asked to describe, this model may ramble past max_tokens.
+            temperature=0,
         )
         with pytest.raises(openai.BadRequestError) as bad_schema:
             await client.chat.completions.create(

@@ -211,18 +211,21 @@ async def test_a_stop_sequence_ends_the_text_before_it_and_the_request_on_triton
     assert int(line.split("cancelled after ")[1].split(" tokens")[0]) < 300
 
 
-async def test_guided_choices_are_refused_by_field(mesh):
-    channel, call = generate_call(
-        mesh.target,
-        prompt="Hello",
-        sampling=sampling_pb2.SamplingParameters(choices=["yes", "no"]),
-    )
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        (sampling_pb2.SamplingParameters(choices=["yes", "no"]), "sampling.choices"),
+        (sampling_pb2.SamplingParameters(logprobs=True), "sampling.logprobs"),
+    ],
+)
+async def test_options_that_need_the_logits_are_refused_by_field(mesh, sampling, field):
+    channel, call = generate_call(mesh.target, prompt="Hello", sampling=sampling)
     async with channel:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await collect(call)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     fields = {violation.field for violation in field_violations(refused.value)}
-    assert fields == {"sampling.choices"}
+    assert fields == {field}
 
 
 async def test_triton_down_is_unavailable_at_once_and_not_ready_then_recovers(

@@ -10,7 +10,8 @@ The last message (chat) or the prompt (completions) picks the script:
   "midstream"      one chunk, then UNAVAILABLE
   "forever"        a chunk every 20 ms until cancelled
   "stall"          nothing until cancelled
-  anything else    "Hello, world!" in four chunks (two with max_new_tokens=2)
+  anything else    "Hello, world!" in four chunks (two with max_new_tokens=2), with
+                   made-up logprobs when sampling.logprobs asks
 
 The fake diffusion draws `num_images` tiny PNGs whose pixel is its seed's low byte, after
 a queued and a progress event; a prompt that is not a single digit is refused as the
@@ -116,7 +117,10 @@ class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
         )
         words = WORDS[:limit]
         for word in words:
-            yield {"chunk": generation_pb2.GenerationChunk(text=word, token_ids=[7])}
+            chunk = generation_pb2.GenerationChunk(text=word, token_ids=[7])
+            if request.sampling.logprobs:
+                chunk.logprobs.append(token_logprob(word, request.sampling.top_logprobs))
+            yield {"chunk": chunk}
         reason = (
             sampling_pb2.FINISH_REASON_LENGTH
             if len(words) < len(WORDS)
@@ -136,6 +140,20 @@ class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
                 model=LLM,
             )
         }
+
+
+def token_logprob(word: str, alternatives: int) -> generation_pb2.TokenLogprob:
+    """A word as one token, as likely as its length says, with made-up alternatives."""
+    logprob = -0.1 * len(word)
+    likely = [
+        generation_pb2.TopLogprob(
+            token=f"{word}{k}", bytes=f"{word}{k}".encode(), logprob=logprob - k
+        )
+        for k in range(alternatives)
+    ]
+    return generation_pb2.TokenLogprob(
+        token_id=7, token=word, bytes=word.encode(), logprob=logprob, top_logprobs=likely
+    )
 
 
 def refusal(code: grpc.StatusCode) -> grpc.Status:

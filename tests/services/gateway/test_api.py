@@ -123,6 +123,50 @@ async def test_completions_stream_and_whole(gateway):
     assert chunks[-1]["usage"]["completion_tokens"] == 4
 
 
+async def test_chat_logprobs_whole_and_streamed_in_openais_shape(gateway):
+    client = gateway.sdk()
+    whole = await client.chat.completions.create(
+        model=LLM, messages=USER, logprobs=True, top_logprobs=2
+    )
+    sent = gateway.generation.requests[-1].sampling
+    assert (sent.logprobs, sent.top_logprobs) == (True, 2)
+    content = whole.choices[0].logprobs.content
+    assert [entry.token for entry in content] == ["Hello", ",", " world", "!"]
+    assert bytes(b for entry in content for b in entry.bytes).decode() == "Hello, world!"
+    assert content[0].logprob == pytest.approx(-0.5)
+    assert [t.token for t in content[2].top_logprobs] == [" world0", " world1"]
+    streamed = await client.chat.completions.create(
+        model=LLM, messages=USER, logprobs=True, stream=True
+    )
+    entries = [
+        entry
+        async for chunk in streamed
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
+    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in content]
+    assert all(e.top_logprobs == [] for e in entries)
+    plain = await client.chat.completions.create(model=LLM, messages=USER)
+    assert plain.choices[0].logprobs is None
+    assert not gateway.generation.requests[-1].sampling.logprobs
+
+
+async def test_completions_logprobs_are_the_legacy_columns(gateway):
+    client = gateway.sdk()
+    whole = await client.completions.create(model=LLM, prompt="Once upon", logprobs=1)
+    logprobs = whole.choices[0].logprobs
+    assert logprobs.tokens == ["Hello", ",", " world", "!"]
+    assert logprobs.text_offset == [0, 5, 6, 12]
+    assert logprobs.top_logprobs[2] == {" world0": pytest.approx(-0.6)}
+    events = await stream(
+        gateway, "/v1/completions", {"model": LLM, "prompt": "x", "stream": True, "logprobs": 0}
+    )
+    choices = [json.loads(event)["choices"][0] for event in events[:-1]]
+    offsets = [o for c in choices if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    assert offsets == [0, 5, 6, 12]
+    assert choices[-1]["finish_reason"] == "stop" and choices[-1]["logprobs"] is None
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 @pytest.mark.parametrize(
     ("code", "status", "kind"),
@@ -382,11 +426,15 @@ async def test_the_responses_api_answers_calls_and_shapes_output(gateway):
             "/v1/responses", json={"model": LLM, "input": "x", "previous_response_id": "resp_1"}
         )
         odd = await raw.post("/v1/responses", json={"model": LLM, "input": [{"type": "reasoning"}]})
-    assert [r.json()["error"]["param"] for r in (stored, odd)] == [
+        likely = await raw.post(
+            "/v1/responses", json={"model": LLM, "input": "x", "top_logprobs": 2}
+        )
+    assert [r.json()["error"]["param"] for r in (stored, odd, likely)] == [
         "previous_response_id",
         "input[0].type",
+        "top_logprobs",
     ]
-    assert {r.status_code for r in (stored, odd)} == {400}
+    assert {r.status_code for r in (stored, odd, likely)} == {400}
     named = {"type": "function", "name": "get_weather"}
     answer = await client.responses.create(
         model=LLM, input="call:get_weather", tool_choice=named, tools=[tool]

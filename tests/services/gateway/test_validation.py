@@ -43,7 +43,9 @@ async def shared_gateway(tmp_path_factory) -> AsyncIterator[Gateway]:
         ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
         ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
-        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": "yes please"}, "logprobs"),
         ({"logit_bias": {"1": 5}}, "logit_bias"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": 3}, "frequency_penalty"),
@@ -100,6 +102,8 @@ async def test_completions_refuse_what_they_cannot_do(shared_gateway):
             ({"echo": True}, "echo"),
             ({"suffix": "end"}, "suffix"),
             ({"best_of": 3}, "best_of"),
+            ({"logprobs": 21}, "logprobs"),
+            ({"logprobs": -1}, "logprobs"),
         ]:
             response = await client.post(
                 "/v1/completions", json={"model": LLM, "prompt": "a", **change}

@@ -13,6 +13,7 @@ import urllib.request
 
 import grpc
 import pytest
+import torch
 
 from aimesh.llm.v1 import (
     decode_pb2,
@@ -487,3 +488,37 @@ async def test_a_constrained_and_an_unconstrained_stream_share_a_batch(llm_mesh,
         assert (
             re.fullmatch(pattern, text) and complete.finish_reason == sampling_pb2.FINISH_REASON_EOS
         )
+
+
+async def test_logprobs_are_the_models_own_and_their_bytes_make_the_text(llm_mesh, reference):
+    """Every token's logprob and its alternatives (the first from prefill, the rest from
+    decode) are transformers' log-softmax at that position; the greedy token is the most
+    likely; the tokens' bytes, concatenated, are the text."""
+    model, tokenizer = reference
+    prompt = "Héllo! The word for 'thank you' in Japanese is"
+    sampling = sampling_pb2.SamplingParameters(logprobs=True, top_logprobs=3)
+    stub, channel = llm_mesh.stub()
+    entries = []
+    text = ""
+    async with channel:
+        async for message in stub.Generate(
+            generation_pb2.GenerateRequest(prompt=prompt, sampling=sampling, stopping=stopping(12)),
+            timeout=120,
+        ):
+            if message.HasField("chunk"):
+                assert len(message.chunk.logprobs) == len(message.chunk.token_ids)
+                entries += message.chunk.logprobs
+                text += message.chunk.text
+    assert len(entries) >= 2
+    assert b"".join(e.bytes for e in entries).decode() == text
+    ids = tokenizer(prompt)["input_ids"] + [e.token_id for e in entries]
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    first = len(ids) - len(entries) - 1
+    for position, entry in enumerate(entries, start=first):
+        assert [t.token_id for t in entry.top_logprobs] == (
+            torch.topk(expected[position], 3).indices.tolist()
+        )
+        assert entry.top_logprobs[0].token_id == entry.token_id
+        assert entry.logprob == pytest.approx(float(expected[position][entry.token_id]), abs=2e-3)
+        assert entry.token == entry.bytes.decode("utf-8", errors="replace")

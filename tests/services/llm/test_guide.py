@@ -59,7 +59,7 @@ def walk(guide: Guide, vocabulary: Vocabulary, seed: int, eos: int) -> tuple[lis
     ids: list[int] = []
     for index in range(MAX_TOKENS):
         logits = torch.randn(vocabulary.vocab_size, generator=generator)
-        token, _ = sample(logits, params, ids, index, allowed=guide.allowed())
+        token = sample(logits, params, ids, index, allowed=guide.allowed()).token
         if token == eos:
             return ids, True
         guide.advance(token)

@@ -135,6 +135,37 @@ async def test_greedy_streams_in_one_batch_each_equal_llama_cpp_alone(
         assert complete.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
 
 
+async def test_llama_cpp_logprobs_are_its_own_logits_log_softmax(llama_cpp_mesh, local, model_dir):
+    """On the llama.cpp engine too, each token's logprob and alternatives come from the
+    logits it computed (here recomputed by llama.cpp alone, one token at a time)."""
+    tokenizer = load_tokenizer(model_dir)
+    prompt = "The three primary colours are"
+    sampling = sampling_pb2.SamplingParameters(logprobs=True, top_logprobs=2)
+    stub, channel = llama_cpp_mesh.stub()
+    async with channel:
+        call = stub.Generate(
+            generation_pb2.GenerateRequest(prompt=prompt, sampling=sampling, stopping=stopping(6)),
+            timeout=120,
+        )
+        chunks = [m.chunk async for m in call if m.HasField("chunk")]
+    entries = [e for chunk in chunks for e in chunk.logprobs]
+    assert b"".join(e.bytes for e in entries).decode() == "".join(c.text for c in chunks)
+    prefill, decode = local
+    prompt_ids = tokenizer.encode(prompt).ids
+    logits, kv = prefill.prefill(prompt_ids)
+    decode.load(0, kv)
+    try:
+        for step, entry in enumerate(entries):
+            expected = torch.log_softmax(logits.float(), dim=-1)
+            top = torch.topk(expected, 2)
+            assert [t.token_id for t in entry.top_logprobs] == top.indices.tolist()
+            assert entry.logprob == pytest.approx(float(expected[entry.token_id]), abs=2e-3)
+            position = len(prompt_ids) + step
+            logits = decode.decode([entry.token_id], [position], [0])[0]
+    finally:
+        decode.free(0)
+
+
 async def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch(llama_cpp_mesh, prompts):
     stub, channel = llama_cpp_mesh.stub()
     sampled = sampling_pb2.SamplingParameters(temperature=0.9, top_p=0.95, top_k=50, seed=7)

@@ -42,7 +42,7 @@ def test_seeded_sampling_depends_only_on_seed_and_index():
 def test_a_near_zero_temperature_is_greedy_not_nan(temperature):
     """1e-40 used to pass validation and overflow the logits to inf, then NaN."""
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 20
-    token, logprob = sample(logits, SamplingParams(temperature=temperature, seed=1), [5, 9], 0)
+    token, logprob, _ = sample(logits, SamplingParams(temperature=temperature, seed=1), [5, 9], 0)
     assert token == int(logits.argmax())
     assert math.isfinite(logprob)
 
@@ -80,9 +80,33 @@ def test_whatever_validation_lets_through_samples_a_token(
     if violations:
         return
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(len(history))) * scale
-    token, logprob = sample(logits, params, history, len(history))
+    token, logprob, _ = sample(logits, params, history, len(history))
     assert 0 <= token < 1000
     assert not math.isnan(logprob)
+
+
+def test_top_logprobs_are_the_models_distribution_most_likely_first():
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(2)) * 3
+    expected = torch.log_softmax(logits, dim=-1)
+    greedy = sample(logits, SamplingParams(top_logprobs=5), [], 0)
+    assert [token for token, _ in greedy.top] == torch.topk(logits, 5).indices.tolist()
+    assert greedy.top[0] == (greedy.token, pytest.approx(greedy.logprob))
+    for token, logprob in greedy.top:
+        assert logprob == pytest.approx(float(expected[token]), abs=1e-5)
+    # Temperature changes the draw, never what the model believed.
+    hot = sample(logits, SamplingParams(temperature=1.9, seed=4, top_logprobs=5), [], 0)
+    assert hot.top == greedy.top
+    assert hot.logprob == pytest.approx(float(expected[hot.token]), abs=1e-5)
+    assert sample(logits, SamplingParams(), [], 0).top == ()
+
+
+def test_a_masked_token_is_never_a_likely_alternative():
+    logits = torch.arange(10, dtype=torch.float32)
+    allowed = torch.zeros(10, dtype=torch.bool)
+    allowed[[2, 5]] = True
+    draw = sample(logits, SamplingParams(top_logprobs=4), [], 0, allowed=allowed)
+    assert [token for token, _ in draw.top] == [5, 2]
+    assert math.fsum(math.exp(logprob) for _, logprob in draw.top) == pytest.approx(1.0)
 
 
 def test_repetition_penalty_pushes_seen_tokens_down():
@@ -244,10 +268,10 @@ def test_guided_choice_keeps_only_tokens_that_continue_a_choice():
     params = SamplingParams(choices=((5, 6, 0), (5, 7, 0), (9, 0)))
     logits = torch.zeros(10)
     logits[3] = 10.0  # the model's favourite, never a choice
-    first, _ = sample(logits, params, history=[1, 2], index=0)
+    first = sample(logits, params, history=[1, 2], index=0).token
     assert first == 5 or first == 9
     logits[6], logits[7] = 1.0, 2.0
-    second, _ = sample(logits, params, history=[1, 2, 5], index=1)
+    second = sample(logits, params, history=[1, 2, 5], index=1).token
     assert second == 7
-    third, _ = sample(logits, params, history=[1, 2, 5, 7], index=2)
+    third = sample(logits, params, history=[1, 2, 5, 7], index=2).token
     assert third == 0

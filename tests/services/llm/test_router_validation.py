@@ -61,6 +61,21 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(top_p=0.0)}, "sampling.top_p"),
     ({"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(top_p=1.5)}, "sampling.top_p"),
     ({"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(top_k=-1)}, "sampling.top_k"),
+    (
+        {
+            "prompt": "hi",
+            "sampling": sampling_pb2.SamplingParameters(logprobs=True, top_logprobs=21),
+        },
+        "sampling.top_logprobs",
+    ),
+    (
+        {"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(top_logprobs=-1)},
+        "sampling.top_logprobs",
+    ),
+    (
+        {"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(top_logprobs=2)},
+        "sampling.top_logprobs",
+    ),
     ({"prompt": "hi", "model": "gpt-17"}, "model"),
     (
         {"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(repetition_penalty=1e-30)},

@@ -28,7 +28,7 @@ from aimesh.llm.v1 import sampling_pb2 as aimesh_dot_llm_dot_v1_dot_sampling__pb
 from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x61imesh/llm/v1/decode.proto\x12\raimesh.llm.v1\x1a\x1d\x61imesh/common/v1/common.proto\x1a\x1c\x61imesh/llm/v1/kv_cache.proto\x1a\x1c\x61imesh/llm/v1/sampling.proto\x1a\x1fgoogle/api/field_behavior.proto\"\x9b\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\tkv_handle\x18\x02 \x01(\x0b\x32\x17.aimesh.llm.v1.KvHandleB\x04\xe2\x41\x01\x02\x12\x1e\n\x10prompt_token_ids\x18\x03 \x03(\rB\x04\xe2\x41\x01\x02\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\r\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.aimesh.llm.v1.SamplingParameters\x12\x1b\n\x13\x66irst_token_logprob\x18\x07 \x01(\x02\x12\x16\n\x0emax_new_tokens\x18\x08 \x01(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08J\x04\x08\x06\x10\x07R\x08stopping\"{\n\x0e\x44\x65\x63odeResponse\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x19.aimesh.llm.v1.TokenChunkH\x00\x12\x31\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1d.aimesh.llm.v1.DecodeCompleteH\x00\x42\n\n\x08response\"1\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x88\x01\n\x0e\x44\x65\x63odeComplete\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.aimesh.llm.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x05\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\"\x10\n\x0eGetLoadRequest\"\x94\x01\n\x0fGetLoadResponse\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\x05\x32\xa7\x01\n\rDecodeService\x12G\n\x06\x44\x65\x63ode\x12\x1c.aimesh.llm.v1.DecodeRequest\x1a\x1d.aimesh.llm.v1.DecodeResponse0\x01\x12M\n\x07GetLoad\x12\x1d.aimesh.llm.v1.GetLoadRequest\x1a\x1e.aimesh.llm.v1.GetLoadResponse\"\x03\x90\x02\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x61imesh/llm/v1/decode.proto\x12\raimesh.llm.v1\x1a\x1d\x61imesh/common/v1/common.proto\x1a\x1c\x61imesh/llm/v1/kv_cache.proto\x1a\x1c\x61imesh/llm/v1/sampling.proto\x1a\x1fgoogle/api/field_behavior.proto\"\xd9\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\tkv_handle\x18\x02 \x01(\x0b\x32\x17.aimesh.llm.v1.KvHandleB\x04\xe2\x41\x01\x02\x12\x1e\n\x10prompt_token_ids\x18\x03 \x03(\rB\x04\xe2\x41\x01\x02\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\r\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.aimesh.llm.v1.SamplingParameters\x12\x1b\n\x13\x66irst_token_logprob\x18\x07 \x01(\x02\x12\x16\n\x0emax_new_tokens\x18\x08 \x01(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12<\n\x18\x66irst_token_top_logprobs\x18\n \x01(\x0b\x32\x1a.aimesh.llm.v1.TopLogprobsJ\x04\x08\x06\x10\x07R\x08stopping\"{\n\x0e\x44\x65\x63odeResponse\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x19.aimesh.llm.v1.TokenChunkH\x00\x12\x31\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x1d.aimesh.llm.v1.DecodeCompleteH\x00\x42\n\n\x08response\"c\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x30\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1a.aimesh.llm.v1.TopLogprobs\"\x88\x01\n\x0e\x44\x65\x63odeComplete\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.aimesh.llm.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x05\x12(\n\x06timing\x18\x03 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\"\x10\n\x0eGetLoadRequest\"\x94\x01\n\x0fGetLoadResponse\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\x05\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\x05\x32\xa7\x01\n\rDecodeService\x12G\n\x06\x44\x65\x63ode\x12\x1c.aimesh.llm.v1.DecodeRequest\x1a\x1d.aimesh.llm.v1.DecodeResponse0\x01\x12M\n\x07GetLoad\x12\x1d.aimesh.llm.v1.GetLoadRequest\x1a\x1e.aimesh.llm.v1.GetLoadResponse\"\x03\x90\x02\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,17 +42,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODESERVICE'].methods_by_name['GetLoad']._loaded_options = None
   _globals['_DECODESERVICE'].methods_by_name['GetLoad']._serialized_options = b'\220\002\001'
   _globals['_DECODEREQUEST']._serialized_start=170
-  _globals['_DECODEREQUEST']._serialized_end=453
-  _globals['_DECODERESPONSE']._serialized_start=455
-  _globals['_DECODERESPONSE']._serialized_end=578
-  _globals['_TOKENCHUNK']._serialized_start=580
-  _globals['_TOKENCHUNK']._serialized_end=629
-  _globals['_DECODECOMPLETE']._serialized_start=632
-  _globals['_DECODECOMPLETE']._serialized_end=768
-  _globals['_GETLOADREQUEST']._serialized_start=770
-  _globals['_GETLOADREQUEST']._serialized_end=786
-  _globals['_GETLOADRESPONSE']._serialized_start=789
-  _globals['_GETLOADRESPONSE']._serialized_end=937
-  _globals['_DECODESERVICE']._serialized_start=940
-  _globals['_DECODESERVICE']._serialized_end=1107
+  _globals['_DECODEREQUEST']._serialized_end=515
+  _globals['_DECODERESPONSE']._serialized_start=517
+  _globals['_DECODERESPONSE']._serialized_end=640
+  _globals['_TOKENCHUNK']._serialized_start=642
+  _globals['_TOKENCHUNK']._serialized_end=741
+  _globals['_DECODECOMPLETE']._serialized_start=744
+  _globals['_DECODECOMPLETE']._serialized_end=880
+  _globals['_GETLOADREQUEST']._serialized_start=882
+  _globals['_GETLOADREQUEST']._serialized_end=898
+  _globals['_GETLOADRESPONSE']._serialized_start=901
+  _globals['_GETLOADRESPONSE']._serialized_end=1049
+  _globals['_DECODESERVICE']._serialized_start=1052
+  _globals['_DECODESERVICE']._serialized_end=1219
 # @@protoc_insertion_point(module_scope)

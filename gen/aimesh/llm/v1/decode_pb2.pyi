@@ -11,7 +11,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "kv_handle", "prompt_token_ids", "first_token_id", "sampling", "first_token_logprob", "max_new_tokens", "ignore_eos")
+    __slots__ = ("request_id", "kv_handle", "prompt_token_ids", "first_token_id", "sampling", "first_token_logprob", "max_new_tokens", "ignore_eos", "first_token_top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class DecodeRequest(_message.Message):
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     kv_handle: _kv_cache_pb2.KvHandle
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -28,7 +29,8 @@ class DecodeRequest(_message.Message):
     first_token_logprob: float
     max_new_tokens: int
     ignore_eos: bool
-    def __init__(self, request_id: _Optional[str] = ..., kv_handle: _Optional[_Union[_kv_cache_pb2.KvHandle, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParameters, _Mapping]] = ..., first_token_logprob: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    first_token_top_logprobs: _sampling_pb2.TopLogprobs
+    def __init__(self, request_id: _Optional[str] = ..., kv_handle: _Optional[_Union[_kv_cache_pb2.KvHandle, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParameters, _Mapping]] = ..., first_token_logprob: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., first_token_top_logprobs: _Optional[_Union[_sampling_pb2.TopLogprobs, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("chunk", "complete")
@@ -39,12 +41,14 @@ class DecodeResponse(_message.Message):
     def __init__(self, chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., complete: _Optional[_Union[DecodeComplete, _Mapping]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "logprobs")
+    __slots__ = ("token_ids", "logprobs", "top_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_sampling_pb2.TopLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_sampling_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class DecodeComplete(_message.Message):
     __slots__ = ("finish_reason", "generated_tokens", "timing")
