@@ -2,7 +2,9 @@
 
 34 questions (loadtest/data/agent_questions.jsonl): 22 from the stdlib question set, each
 labelled with the passage ids that answer it, and 12 arithmetic questions with their
-values. The whole mesh runs as `aimesh up` (every service its own process, the default
+values. Then 8 two-turn sessions (loadtest/data/agent_sessions.jsonl): an arithmetic
+question, then a follow-up that needs its answer ("Add 100 to that."), labelled with the
+follow-up's value. The whole mesh runs as `aimesh up` (every service its own process, the default
 stdlib knowledge base ingested first, unchanged passages skipped), and each question is
 one Run with a fixed seed, greedy decoding and the default answer length.
 
@@ -10,6 +12,8 @@ one Run with a fixed seed, greedy decoding and the default answer length.
   (relative tolerance 1e-9); the calculator column says whether the tool computed it.
 - cite questions: citation precision is the share of cited ids that are labelled
   relevant; "hit" is a question where at least one cited id is relevant.
+- sessions: each in a session of its own (a fresh id per run of this script); a
+  follow-up is right as a number question is.
 
     python -m loadtest.agent_eval --out docs/benchmarks.md
 """
@@ -28,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +46,7 @@ from mesh.health import wait_until_serving
 from mesh.registry import discover
 
 QUESTIONS = Path(__file__).parent / "data" / "agent_questions.jsonl"
+SESSIONS = Path(__file__).parent / "data" / "agent_sessions.jsonl"
 BEGIN, END = "<!-- agent:begin -->", "<!-- agent:end -->"
 COMMAND = "python -m loadtest.agent_eval --out docs/benchmarks.md"
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -59,6 +65,7 @@ class Outcome:
     # call together).
     stages: dict[str, float]
     completion_tokens: int
+    notes: list[str]
 
 
 def numbers_in(text: str) -> list[float]:
@@ -76,13 +83,13 @@ def precision(outcome: Outcome) -> float:
     return sum(c in relevant for c in cited) / len(cited) if cited else 0.0
 
 
-async def ask(stub, question: dict) -> Outcome:
+async def ask(stub, question: dict, session_id: str = "") -> Outcome:
     request = agent_pb2.RunRequest(
-        question=question["question"], options=agent_pb2.RunOptions(seed=1)
+        question=question["question"], options=agent_pb2.RunOptions(seed=1), session_id=session_id
     )
     answer, citations, tools, value, by_model = "", [], [], None, False
     stages: dict[str, float] = {}
-    completion_tokens = 0
+    completion_tokens, notes = 0, []
     started = time.perf_counter()
     async for event in stub.Run(request, timeout=120):
         kind = event.WhichOneof("event")
@@ -93,6 +100,7 @@ async def ask(stub, question: dict) -> Outcome:
         elif kind == "final":
             by_model = event.final.planner == agent_pb2.PLANNER_LLM
             completion_tokens = event.final.usage.completion_tokens
+            notes = list(event.final.notes)
             for hop in event.final.timing.stages:
                 name = hop.name if hop.name in ("plan", "answer") else "tools"
                 stages[name] = stages.get(name, 0.0) + hop.duration_ns / 1e9
@@ -102,32 +110,58 @@ async def ask(stub, question: dict) -> Outcome:
                 value = json_format.MessageToDict(event.tool_result.structured)["value"]
     seconds = time.perf_counter() - started
     return Outcome(
-        question, answer, citations, tools, value, seconds, by_model, stages, completion_tokens
+        question,
+        answer,
+        citations,
+        tools,
+        value,
+        seconds,
+        by_model,
+        stages,
+        completion_tokens,
+        notes,
     )
 
 
-async def evaluate(target: str) -> list[Outcome]:
+async def follow_up(stub, session: dict, session_id: str) -> Outcome:
+    """The session's follow-up, asked after its first question in the same session."""
+    first, then = session["turns"]
+    await ask(stub, {"question": first}, session_id)
+    return await ask(stub, {"question": then, "number": session["number"]}, session_id)
+
+
+async def evaluate(target: str) -> tuple[list[Outcome], list[Outcome]]:
+    """The questions' outcomes, and the sessions' follow-ups'."""
     questions = [json.loads(line) for line in QUESTIONS.read_text().splitlines()]
+    sessions = [json.loads(line) for line in SESSIONS.read_text().splitlines()]
+    prefix = f"eval-{uuid.uuid4().hex[:8]}"
     async with create_channel(target, MeshSettings()) as channel:
         stub = agent_pb2_grpc.AgentServiceStub(channel)
-        return [await ask(stub, question) for question in questions]
+        outcomes = [await ask(stub, question) for question in questions]
+        follow_ups = [
+            await follow_up(stub, session, f"{prefix}-{k}") for k, session in enumerate(sessions)
+        ]
+    return outcomes, follow_ups
 
 
-def report(outcomes: list[Outcome]) -> str:
+def computed(outcome: Outcome) -> bool:
+    """The calculator computed the labelled value."""
+    value = outcome.calculator_value
+    return value is not None and math.isclose(value, outcome.question["number"], rel_tol=1e-9)
+
+
+def report(outcomes: list[Outcome], follow_ups: list[Outcome]) -> str:
     numbers = [o for o in outcomes if "number" in o.question]
     cites = [o for o in outcomes if "cite" in o.question]
-    tool_right = [
-        o for o in numbers
-        if o.calculator_value is not None
-        and math.isclose(o.calculator_value, o.question["number"], rel_tol=1e-9)
-    ]  # fmt: skip
+    tool_right = [o for o in numbers if computed(o)]
     hits = [o for o in cites if precision(o) > 0]
     lines = [
         BEGIN,
         "## Agent: answer accuracy and citation precision on labelled questions",
         "",
-        f"`{COMMAND}`: {len(outcomes)} questions through `aimesh up` (SmolLM2-135M plans and"
-        " answers, default stdlib knowledge base), one run, seed 1, greedy.",
+        f"`{COMMAND}`: {len(outcomes)} questions and {len(follow_ups)} two-turn sessions through"
+        " `aimesh up` (SmolLM2-135M plans with tool calls and answers, default stdlib"
+        " knowledge base), one run, seed 1, greedy.",
         "",
         "| questions | measure | result |",
         "|---|---|---:|",
@@ -149,6 +183,11 @@ def report(outcomes: list[Outcome]) -> str:
         + " |",
         f"| | generated tokens per run, p50 | "
         f"{statistics.median(o.completion_tokens for o in outcomes):.0f} |",
+        f"| {len(follow_ups)} follow-ups | answer states the right value | "
+        f"{sum(map(right_number, follow_ups))}/{len(follow_ups)} |",
+        f"| | calculator computed the right value | "
+        f"{sum(map(computed, follow_ups))}/{len(follow_ups)} |",
+        f"| | planned by the model | {sum(o.by_model for o in follow_ups)}/{len(follow_ups)} |",
         END,
     ]
     return "\n".join(lines)
@@ -173,14 +212,15 @@ def main() -> None:
             if not asyncio.run(wait_until_serving(address, name, timeout_s=300)):
                 raise SystemExit(f"{name} did not start; logs in {logs}")
         subprocess.run([str(aimesh), "ingest"], env=env, check=True)
-        outcomes = asyncio.run(evaluate(target))
+        outcomes, follow_ups = asyncio.run(evaluate(target))
     finally:
         mesh.send_signal(signal.SIGTERM)
         mesh.wait(timeout=60)
-    for outcome in outcomes:
+    for outcome in [*outcomes, *follow_ups]:
         print(json.dumps({**outcome.question, "answer": outcome.answer[:200],
-                          "citations": outcome.citations, "tools": outcome.tools}))  # fmt: skip
-    markdown = report(outcomes)
+                          "citations": outcome.citations, "tools": outcome.tools,
+                          "by_model": outcome.by_model, "notes": outcome.notes}))  # fmt: skip
+    markdown = report(outcomes, follow_ups)
     print(markdown)
     if args.out:
         write(markdown, args.out)

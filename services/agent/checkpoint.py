@@ -30,6 +30,7 @@ def dump(state: loop.RunState) -> bytes:
                 "is_error": o.is_error,
                 "text": o.text,
                 "structured": o.structured,
+                "call_id": o.call_id,
             }
             for o in state.observations
         ],
@@ -53,6 +54,8 @@ def load(blob: bytes) -> loop.RunState:
                 o["is_error"],
                 o["text"],
                 o["structured"],
+                # Checkpoints from before call ids were kept have none.
+                o.get("call_id", ""),
             )
             for o in body["observations"]
         ],

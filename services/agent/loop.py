@@ -17,8 +17,8 @@ import enum
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 from mesh.failures import FieldViolation, InvalidInput
 from services.agent import llm_planner, planner, prompts
@@ -28,6 +28,9 @@ from services.agent.settings import AgentSettings
 DEFAULT_ITERATIONS = 4
 # Below this, a model call for the plan would leave the tools nothing; rules are instant.
 MIN_PLAN_S = 0.5
+# A plan's tokens: a question-long search, or a calculation and a lookup at once, fit; a
+# model that rambles in an argument is cut short, and a call cut short is unusable.
+PLAN_TOKENS = 64
 # ListTools answers from memory: a tools service slower than this counts as down.
 LIST_TOOLS_S = 5.0
 # An unknown-tools error names at most this many.
@@ -53,8 +56,9 @@ class Sampling:
     seed: int | None = None
     max_new_tokens: int | None = None
     repetition_penalty: float | None = None
-    # The reply must be one of these (guided choice); empty: free text.
-    choices: tuple[str, ...] = ()
+    # Tools the model may call instead of answering (tool choice auto, several calls at
+    # once); empty: it answers.
+    tools: tuple[Tool, ...] = ()
     # Which registered model answers (its version picked by the router); "": the mesh's own.
     model: str = ""
 
@@ -77,10 +81,12 @@ class Tools(Protocol):
 
 class Generation(Protocol):
     def generate(
-        self, messages: list[dict[str, str]], sampling: Sampling, timeout_s: float
-    ) -> AsyncIterator[str | Usage]:
-        """The model's reply, as text chunks then its Usage, within timeout_s. Raises
-        Unavailable."""
+        self, messages: list[dict[str, Any]], sampling: Sampling, timeout_s: float
+    ) -> AsyncIterator[str | llm_planner.ModelCall | Usage]:
+        """The model's reply within timeout_s: its answer as text chunks, then the tool
+        calls it made (with sampling.tools), then its Usage. `messages` are chat turns as
+        dicts of ChatMessage's fields (an assistant's tool_calls, a tool turn's
+        tool_call_id). Raises Unavailable."""
 
 
 class Planner(enum.Enum):
@@ -263,44 +269,100 @@ class Loop:
     async def _plan(
         self, question: Question, tools: dict[str, Tool], state: RunState, window_s: float
     ) -> tuple[list[ToolStep], Planner]:
-        """The model picks the first tool; follow-ups, and any plan the model cannot make
-        usable, are the rules'. The model may use half of what is left for tools (at most
-        plan_timeout_s); with too little for that, the rules plan at once. Planning runs in
-        a worker thread: it is cheap but not free (a few calculator checks), and the event
-        loop serves every caller."""
-        text, notes = question.text, state.notes
-        rules = await asyncio.to_thread(planner.plan, text, tools, state.observations)
-        if state.observations or not tools:
-            return rules, Planner.RULES
+        """Each round, the model plans with tool calls (llm_planner), seeing the session,
+        the question and the rounds so far; it may answer instead, which ends the calls.
+        Calls already made are not made again (their results are in its conversation).
+        The rules plan, with a note, when the model cannot (too little time, a failure, a
+        timeout), when none of its calls is usable, and when it stops while no call has
+        succeeded (an answer from nothing helps no one); once they have planned, they
+        plan the run's later rounds too. The model may use half of what is left for
+        tools, at most plan_timeout_s."""
+        if not tools:
+            return [], Planner.RULES
+        if state.planner is Planner.RULES and state.observations:
+            # The model could not plan an earlier round: the rules go on, rather than spend
+            # the run's time asking it again.
+            return await self._by_rules(question, tools, state, "the model could not plan")
         plan_s = min(self.settings.plan_timeout_s, window_s / 2)
         if plan_s < MIN_PLAN_S:
-            notes.append("too little time to ask the model for a plan; planned by rules")
-            return rules, Planner.RULES
+            return await self._by_rules(
+                question, tools, state, "too little time to ask the model for a plan"
+            )
+        conversation, shown = llm_planner.messages(
+            question.text, tools, question.history, state.observations
+        )
         try:
             async with asyncio.timeout(plan_s):
-                choice = await self._choose(text, tools, plan_s)
+                calls = await self._calls(conversation, tools, plan_s)
         except (TimeoutError, Unavailable) as error:
             reason = error.reason if isinstance(error, Unavailable) else "DEADLINE_EXCEEDED"
-            notes.append(f"the planning model failed ({reason}); planned by rules")
-            return rules, Planner.RULES
-        if choice == llm_planner.ANSWER:
-            return [], Planner.MODEL
-        if choice not in tools:
-            notes.append(f"the model chose {choice[:64]!r}, not a tool of this run")
-            return rules, Planner.RULES
-        step = await asyncio.to_thread(llm_planner.step_for, tools[choice], text)
-        if step is None:
-            notes.append(f"the model chose {choice}, but the question gives it no arguments")
-            return rules, Planner.RULES
-        # Calls the rules find for other tools are independent of the model's pick.
-        return [step, *(s for s in rules if s.name != step.name)], Planner.MODEL
+            return await self._by_rules(
+                question, tools, state, f"the planning model failed ({reason})"
+            )
+        planned, unusable = llm_planner.steps(calls, tools, shown)
+        state.notes.extend(unusable)
+        made = {o.step.key() for o in state.observations}
+        fresh = list({s.key(): s for s in planned if s.key() not in made}.values())
+        if fresh:
+            return fresh + await self._beside(question, tools, state, fresh), Planner.MODEL
+        if unusable:
+            return await self._by_rules(question, tools, state, "no call of the model's is usable")
+        if state.observations and all(o.is_error for o in state.observations):
+            return await self._by_rules(
+                question, tools, state, "the model stopped with no call succeeded"
+            )
+        return [], Planner.MODEL
 
-    async def _choose(self, text: str, tools: dict[str, Tool], timeout_s: float) -> str:
-        """The model's pick among `tools` and llm_planner.ANSWER."""
-        sampling = Sampling(choices=llm_planner.choices(tools), model=self.settings.plan_model)
-        reply = self.generation.generate(llm_planner.messages(text, tools), sampling, timeout_s)
-        async with aclosing(reply) as pieces:
-            return "".join([piece async for piece in pieces if isinstance(piece, str)])
+    async def _beside(
+        self, question: Question, tools: dict[str, Tool], state: RunState, planned: list[ToolStep]
+    ) -> list[ToolStep]:
+        """In the first round, the rules' calls to tools the model did not call, noted: a
+        small model calls one tool where a question needs two ("What is 6*7, and what does
+        json.loads do?"), and independent calls cost nothing to run beside its own."""
+        if state.observations:
+            return []
+        rules = await asyncio.to_thread(
+            planner.plan, question.text, tools, [], _previous_answer(question)
+        )
+        called = {step.name for step in planned}
+        added = [step for step in rules if step.name not in called]
+        if added:
+            names = ", ".join(step.name for step in added)
+            state.notes.append(f"the rules added {names}, which the model did not call")
+        return added
+
+    async def _by_rules(
+        self, question: Question, tools: dict[str, Tool], state: RunState, why: str
+    ) -> tuple[list[ToolStep], Planner]:
+        """The rules' plan, noted as `why` when they plan calls or the run's first round
+        (a follow-up with nothing to call just answers). The rules run in a worker thread:
+        they are cheap but not free (a few calculator checks), and the event loop serves
+        every caller."""
+        seen = state.observations
+        rules = await asyncio.to_thread(
+            planner.plan, question.text, tools, seen, _previous_answer(question)
+        )
+        if rules or not seen:
+            state.notes.append(f"{why}; planned by rules")
+        return rules, Planner.RULES
+
+    async def _calls(
+        self, messages: list[dict[str, Any]], tools: dict[str, Tool], timeout_s: float
+    ) -> list[llm_planner.ModelCall]:
+        """The model's calls; none when it answers instead. Its answer is not read on (the
+        run's answer comes from the answer prompt, with the evidence): the stream is
+        closed at the answer's first text."""
+        sampling = Sampling(
+            tools=tuple(tools.values()), max_new_tokens=PLAN_TOKENS, model=self.settings.plan_model
+        )
+        calls = []
+        async with aclosing(self.generation.generate(messages, sampling, timeout_s)) as reply:
+            async for piece in reply:
+                if isinstance(piece, str) and piece:
+                    return []
+                if isinstance(piece, llm_planner.ModelCall):
+                    calls.append(piece)
+        return calls
 
     async def _act(
         self, question: Question, tools: dict[str, Tool], state: RunState, tools_until: float
@@ -375,7 +437,7 @@ class Loop:
             )
         if observation is None:
             observation = Observation(step, True, "the tool ended without a result")
-        return call_id, observation, time.monotonic() - started
+        return call_id, replace(observation, call_id=call_id), time.monotonic() - started
 
     async def _respond(
         self, question: Question, state: RunState, until: float
@@ -411,3 +473,8 @@ class Loop:
             state.answer += ("\n\n" if state.answer else "") + fallback
             yield Answered(fallback)
         state.hops.append(Hop("answer", time.monotonic() - answered, "generation"))
+
+
+def _previous_answer(question: Question) -> str:
+    """The session's last answer, which a follow-up ("Add 100 to that.") may build on."""
+    return question.history[-1][1] if question.history else ""

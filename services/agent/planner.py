@@ -7,11 +7,16 @@ validate and it is what acts whenever a model's plan is missing or unusable.
 Every extractor is linear in the question's length (no pattern here can backtrack over
 what it already matched), and the calculator, which prices each operation before it runs,
 only sees a few short candidates, so no question can hold a worker for long.
+
+One rule reads the session: a follow-up that computes on the previous answer ("Add 100 to
+that.") becomes a calculation on that answer's number. The 135M model does not resolve
+"that" itself (it calls python_doc with a made-up name), so the rules resolve it.
 """
 
 from __future__ import annotations
 
 import heapq
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -45,6 +50,27 @@ DIGIT_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "e
 # Only ASCII digits: int("²") fails, and the image tool takes "0" to "9".
 DIGIT_OR_WORD = re.compile(r"[a-z]+|\d", re.ASCII)
 IMAGE_WORDS = re.compile(r"\b(draw|image|picture|sketch|generate)\b", re.IGNORECASE | re.ASCII)
+# A number as an answer writes it (998,001 or -2.5).
+ANSWER_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?", re.ASCII)
+# A question that points back at the previous answer.
+BACK_REFERENCE = re.compile(r"\b(?:that|it|this|the result|the answer)\b", re.IGNORECASE)
+_NUMBER = r"(?P<n>\d+(?:\.\d+)?)"
+_WORDS = re.IGNORECASE | re.ASCII
+# Operations named in words, each with the expression it makes of the previous answer
+# (p) and the question's number (n); the first that matches is used, so "square root"
+# comes before "square".
+FOLLOW_UPS = (
+    (re.compile(rf"\b(?:add|plus)\s+{_NUMBER}", _WORDS), "{p} + {n}"),
+    (re.compile(rf"\b{_NUMBER}\s+more\b", _WORDS), "{p} + {n}"),
+    (re.compile(rf"\b(?:subtract|minus|take away)\s+{_NUMBER}", _WORDS), "{p} - {n}"),
+    (re.compile(rf"\b(?:times|multiplied by|multiply \w+ by)\s+{_NUMBER}", _WORDS), "{p} * {n}"),
+    (re.compile(rf"\b(?:divided by|divide \w+ by|over)\s+{_NUMBER}", _WORDS), "{p} / {n}"),
+    (re.compile(r"\bdouble\b", _WORDS), "{p} * 2"),
+    (re.compile(r"\btriple\b", _WORDS), "{p} * 3"),
+    (re.compile(r"\b(?:halve|half)\b", _WORDS), "{p} / 2"),
+    (re.compile(r"\bsquare root\b", _WORDS), "sqrt({p})"),
+    (re.compile(r"\bsquared?\b", _WORDS), "{p}^2"),
+)
 
 
 @dataclass(frozen=True)
@@ -84,6 +110,10 @@ class ToolStep:
     arguments: dict[str, Any]
     why: str
 
+    def key(self) -> str:
+        """The call's content: two steps with the same key are the same call."""
+        return json.dumps([self.name, self.arguments], sort_keys=True, separators=(",", ":"))
+
 
 @dataclass
 class Observation:
@@ -93,6 +123,8 @@ class Observation:
     is_error: bool
     text: str
     structured: dict[str, Any] = field(default_factory=dict)
+    # "<iteration>.<call>" as the run reported it: which round made the call.
+    call_id: str = ""
 
 
 def _candidates(question: str, max_length: int | None) -> list[str]:
@@ -108,19 +140,39 @@ def _candidates(question: str, max_length: int | None) -> list[str]:
 def arithmetic_in(question: str, max_length: int | None) -> str | None:
     """The longest arithmetic expression in the question, at most `max_length` characters,
     that actually calculates."""
-    for candidate in _candidates(question, max_length):
-        try:
-            calculate(candidate)
-        except CalculationError:
-            continue
-        return candidate
-    return None
+    return next((c for c in _candidates(question, max_length) if _calculates(c, None)), None)
 
 
 def dotted_name_in(question: str, max_length: int | None) -> str | None:
     """The first dotted name of at most `max_length` characters."""
     names = (m.group() for m in DOTTED_NAME.finditer(question))
     return next((n for n in names if max_length is None or len(n) <= max_length), None)
+
+
+def follow_up_arithmetic(question: str, previous: str, max_length: int | None) -> str | None:
+    """The calculation a follow-up asks for on the previous answer's last number ("Add
+    100 to that." after "... = 391." is 391 + 100); None when the question points back at
+    nothing, names no operation, or the previous answer holds no number."""
+    numbers = ANSWER_NUMBER.findall(previous)
+    if not numbers or not BACK_REFERENCE.search(question):
+        return None
+    p = numbers[-1].replace(",", "")
+    for pattern, template in FOLLOW_UPS:
+        found = pattern.search(question)
+        if found:
+            expression = template.format(p=p, n=found.groupdict().get("n"))
+            return expression if _calculates(expression, max_length) else None
+    return None
+
+
+def _calculates(expression: str, max_length: int | None) -> bool:
+    if max_length is not None and len(expression) > max_length:
+        return False
+    try:
+        calculate(expression)
+    except CalculationError:
+        return False
+    return True
 
 
 def digit_in(question: str) -> str | None:
@@ -134,12 +186,14 @@ def digit_in(question: str) -> str | None:
     return None
 
 
-def arguments_for(tool: Tool, question: str) -> dict[str, Any] | None:
-    """The tool's arguments taken from the question, within the limits its schema gives;
-    None when the question holds none (or the tool is not one the rules know)."""
+def arguments_for(tool: Tool, question: str, previous: str = "") -> dict[str, Any] | None:
+    """The tool's arguments taken from the question (for a follow-up calculation, with
+    the `previous` answer), within the limits its schema gives; None when the question
+    holds none (or the tool is not one the rules know)."""
     arguments: dict[str, Any] | None = None
     if tool.name == CALCULATOR:
-        expression = arithmetic_in(question, tool.max_length("expression"))
+        most = tool.max_length("expression")
+        expression = arithmetic_in(question, most) or follow_up_arithmetic(question, previous, most)
         arguments = {"expression": expression} if expression else None
     elif tool.name == PYTHON_DOC:
         name = dotted_name_in(question, tool.max_length("name"))
@@ -152,16 +206,19 @@ def arguments_for(tool: Tool, question: str) -> dict[str, Any] | None:
     return arguments if arguments is not None and tool.admits(arguments) else None
 
 
-def step(tools: Mapping[str, Tool], name: str, question: str, why: str) -> ToolStep | None:
+def step(
+    tools: Mapping[str, Tool], name: str, question: str, why: str, previous: str = ""
+) -> ToolStep | None:
     """A call of `name` with arguments from the question, if it is a tool of this run."""
     tool = tools.get(name)
-    arguments = arguments_for(tool, question) if tool is not None else None
+    arguments = arguments_for(tool, question, previous) if tool is not None else None
     return None if arguments is None else ToolStep(name, arguments, why.format(**arguments))
 
 
-def first_plan(question: str, tools: Mapping[str, Tool]) -> list[ToolStep]:
-    """Independent calls for the first iteration; the loop runs them in parallel."""
-    steps = [step(tools, CALCULATOR, question, "calculate {expression}")]
+def first_plan(question: str, tools: Mapping[str, Tool], previous: str = "") -> list[ToolStep]:
+    """Independent calls for the first iteration; the loop runs them in parallel.
+    `previous`: the session's previous answer, for a follow-up calculation."""
+    steps = [step(tools, CALCULATOR, question, "calculate {expression}", previous)]
     if IMAGE_WORDS.search(question):
         steps.append(step(tools, GENERATE_IMAGE, question, "draw the digit {prompt}"))
     steps.append(step(tools, PYTHON_DOC, question, "read the documentation of {name}"))
@@ -172,14 +229,28 @@ def first_plan(question: str, tools: Mapping[str, Tool]) -> list[ToolStep]:
     return [search] if search else []
 
 
-def next_plan(question: str, tools: Mapping[str, Tool], seen: list[Observation]) -> list[ToolStep]:
-    """Follow-up calls: a failed exact lookup becomes a search; otherwise none (answer)."""
+def next_plan(
+    question: str, tools: Mapping[str, Tool], seen: list[Observation], previous: str = ""
+) -> list[ToolStep]:
+    """Follow-up calls: while no call has succeeded, the first plan's calls not made yet
+    (the model's calls may have been other ones); a failed exact lookup becomes a search;
+    otherwise none (answer)."""
+    if all(o.is_error for o in seen):
+        made = {o.step.key() for o in seen}
+        fresh = [s for s in first_plan(question, tools, previous) if s.key() not in made]
+        if fresh:
+            return fresh
     searched = any(o.step.name == KNOWLEDGE_SEARCH for o in seen)
     failed_lookup = any(o.step.name == PYTHON_DOC and o.is_error for o in seen)
     search = step(tools, KNOWLEDGE_SEARCH, question, "search instead")
     return [search] if failed_lookup and not searched and search else []
 
 
-def plan(question: str, tools: Mapping[str, Tool], seen: list[Observation]) -> list[ToolStep]:
-    """The next calls to make, among `tools` (the run's, by name)."""
-    return first_plan(question, tools) if not seen else next_plan(question, tools, seen)
+def plan(
+    question: str, tools: Mapping[str, Tool], seen: list[Observation], previous: str = ""
+) -> list[ToolStep]:
+    """The next calls to make, among `tools` (the run's, by name). `previous`: the
+    session's previous answer, "" when there is none."""
+    if not seen:
+        return first_plan(question, tools, previous)
+    return next_plan(question, tools, seen, previous)

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import aclosing, contextmanager
 from dataclasses import asdict
 from itertools import islice
+from typing import Any
 
 import grpc
 from google.protobuf import json_format
@@ -28,7 +29,7 @@ from mesh.server import MeshServer
 from mesh.store_health import StoreHealth
 from mesh.timing import stage
 from mesh.validation import Violations
-from services.agent import checkpoint, loop, metrics, session_pages
+from services.agent import checkpoint, llm_planner, loop, metrics, session_pages
 from services.agent.planner import Observation, Tool, ToolStep
 from services.agent.run_store import Orphan, Turn, open_run_store
 from services.agent.runs import LiveRun, Runs
@@ -105,6 +106,17 @@ def question_of(
     )
 
 
+def as_written(value: Any) -> Any:
+    """A JSON value from a protobuf Struct with its whole numbers integers again: a Struct
+    carries every number as a double, and a schema's maxLength of 1000.0 is no JSON Schema
+    integer to a grammar compiler."""
+    if isinstance(value, dict):
+        return {key: as_written(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [as_written(item) for item in value]
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 @contextmanager
 def reported() -> Iterator[None]:
     """A failed call to the tools or the model raises loop.Unavailable, named by its status."""
@@ -129,7 +141,9 @@ class MeshTools:
             listed = await self.stub.ListTools(tools_pb2.ListToolsRequest(), timeout=timeout_s)
         return {
             tool.name: Tool(
-                tool.name, tool.description, json_format.MessageToDict(tool.input_schema)
+                tool.name,
+                tool.description,
+                as_written(json_format.MessageToDict(tool.input_schema)),
             )
             for tool in listed.tools
         }
@@ -154,18 +168,20 @@ class MeshTools:
 
 
 class MeshGeneration:
-    """loop.Generation over the generation service's Chat, for one request id."""
+    """loop.Generation over the generation service's Chat, for one request id. Tools are
+    offered with their input schemas, tool choice auto (the model may answer instead) and
+    parallel calls; the calls come whole with the stream's end."""
 
     def __init__(self, channel: grpc.aio.Channel, request_id: str) -> None:
         self.stub = generation_pb2_grpc.GenerationServiceStub(channel)
         self.request_id = request_id
 
     async def generate(
-        self, messages: list[dict[str, str]], sampling: loop.Sampling, timeout_s: float
-    ) -> AsyncIterator[str | loop.Usage]:
+        self, messages: list[dict[str, Any]], sampling: loop.Sampling, timeout_s: float
+    ) -> AsyncIterator[str | llm_planner.ModelCall | loop.Usage]:
         # None leaves an optional field (seed, max_new_tokens) unset: the model's default.
         parameters = sampling_pb2.SamplingParameters(
-            temperature=sampling.temperature, seed=sampling.seed, choices=sampling.choices
+            temperature=sampling.temperature, seed=sampling.seed
         )
         if sampling.repetition_penalty is not None:
             parameters.repetition_penalty = sampling.repetition_penalty
@@ -175,7 +191,18 @@ class MeshGeneration:
             messages=messages,
             sampling=parameters,
             stopping=sampling_pb2.StoppingCriteria(max_new_tokens=sampling.max_new_tokens),
+            tools=[
+                generation_pb2.ToolDefinition(
+                    name=tool.name,
+                    description=tool.description,
+                    parameters=json.dumps(tool.input_schema),
+                )
+                for tool in sampling.tools
+            ],
         )
+        if sampling.tools:
+            request.tool_choice.mode = generation_pb2.ToolChoice.MODE_AUTO
+            request.parallel_tool_calls = True
         with reported():
             # The budget applies to the call as it starts; the stream is read outside it.
             with deadline.budget(timeout_s):
@@ -185,6 +212,8 @@ class MeshGeneration:
                     if message.HasField("chunk"):
                         yield message.chunk.text
                     else:
+                        for call in message.complete.tool_calls:
+                            yield llm_planner.ModelCall(call.id, call.name, call.arguments)
                         usage = message.complete.usage
                         yield loop.Usage(
                             usage.prompt_tokens, usage.completion_tokens, usage.total_tokens

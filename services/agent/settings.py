@@ -24,7 +24,8 @@ class AgentSettings(ServiceOptions):
     # prompt too, and so pushes the model away from copying the evidence (at 1.1 it
     # answered "(17*23)+4" with 68 although the prompt said 395).
     max_new_tokens: int = Field(default=160, ge=1)
-    # The model's tool pick gets at most this long before the rules plan instead.
+    # Each round's plan (the model's tool calls) gets at most this long before the rules
+    # plan instead.
     plan_timeout_s: float = Field(default=5.0, gt=0)
     repetition_penalty: float = Field(default=1.0, ge=1)
     passages_in_prompt: int = Field(default=4, ge=1, le=20)

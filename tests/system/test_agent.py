@@ -56,11 +56,15 @@ async def test_a_knowledge_question_is_answered_with_citations(mesh):
     assert final.planner == agent_pb2.PLANNER_LLM or any("model" in n for n in final.notes)
 
 
-async def test_the_model_picks_the_tool_with_output_constrained_to_tool_names(mesh):
+async def test_the_model_plans_with_a_tool_call_held_to_the_tools_schema(mesh):
     events = await run(mesh.target("agent"), "What does json.loads return?")
-    (plan,) = of(events, "plan")
+    plan = of(events, "plan")[0]
     assert plan.planner == agent_pb2.PLANNER_LLM
-    assert [c.name for c in of(events, "tool_call")] == ["python_doc"]
+    call = of(events, "tool_call")[0]
+    assert (call.name, json_format.MessageToDict(call.arguments)) == (
+        "python_doc",
+        {"name": "json.loads"},
+    )
     assert of(events, "final")[0].planner == agent_pb2.PLANNER_LLM
 
 

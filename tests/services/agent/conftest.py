@@ -4,6 +4,7 @@ mesh's own channels: what the agent's service tests share."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -11,6 +12,7 @@ import pytest_asyncio
 from google.protobuf import json_format, struct_pb2
 
 from aimesh.agent.v1 import agent_pb2
+from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc
 from aimesh.tools.v1 import tools_pb2, tools_pb2_grpc
 from mesh.config import MeshSettings, ServiceSettings
@@ -80,25 +82,45 @@ class FakeTools(tools_pb2_grpc.ToolsServiceServicer):
             yield message
 
 
-class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
-    """Picks `choice` for a plan (or fails, when None); answers `answer` (or fails)."""
+# A plan as the fake model makes it: its calls, (tool, arguments) each; [] answers.
+Plan = list[tuple[str, dict]]
 
-    def __init__(self, choice: str | None = None, answer: str | None = "An answer.") -> None:
-        self.choice = choice
+
+class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
+    """Plans `plans` in turn, one per planning request (a request with tools), then
+    answers instead of calling; fails every plan when `plans` is None. Answers `answer`
+    (or fails, when None)."""
+
+    def __init__(self, plans: list[Plan] | None = None, answer: str | None = "An answer.") -> None:
+        self.plans = plans
         self.answer = answer
         self.answer_prompts: list[list[dict[str, str]]] = []
+        self.plan_requests: list[generation_pb2.ChatRequest] = []
         self.models: list[tuple[str, str]] = []  # (plan or answer, ChatRequest.model)
 
     async def Chat(self, request, context):
-        text = self.choice if request.sampling.choices else self.answer
-        self.models.append(("plan" if request.sampling.choices else "answer", request.model))
-        if not request.sampling.choices:
-            self.answer_prompts.append(
-                [{"role": m.role, "content": m.content} for m in request.messages]
-            )
-        if text is None:
+        planning = bool(request.tools)
+        self.models.append(("plan" if planning else "answer", request.model))
+        if planning:
+            self.plan_requests.append(request)
+            if self.plans is None:
+                await context.abort(grpc.StatusCode.INTERNAL, "the model broke")
+            calls = self.plans.pop(0) if self.plans else []
+            made = [
+                common_pb2.ToolCall(id=f"call_{k}", name=name, arguments=json.dumps(arguments))
+                for k, (name, arguments) in enumerate(calls)
+            ]
+            if not made:
+                yield generation_pb2.ChatResponse(chunk=generation_pb2.GenerationChunk(text="Hi"))
+            complete = generation_pb2.GenerationComplete(tool_calls=made)
+            yield generation_pb2.ChatResponse(complete=complete)
+            return
+        self.answer_prompts.append(
+            [{"role": m.role, "content": m.content} for m in request.messages]
+        )
+        if self.answer is None:
             await context.abort(grpc.StatusCode.INTERNAL, "the model broke")
-        yield generation_pb2.ChatResponse(chunk=generation_pb2.GenerationChunk(text=text))
+        yield generation_pb2.ChatResponse(chunk=generation_pb2.GenerationChunk(text=self.answer))
         yield generation_pb2.ChatResponse(complete=generation_pb2.GenerationComplete())
 
 

@@ -106,3 +106,34 @@ def observation(*ids: str) -> planner.Observation:
 def test_citations_follow_what_the_answer_shows(answer, cited):
     seen = [observation("shutil.rmtree", "os.rmdir", "os.remove")]
     assert prompts.cited(answer, seen, limit=4) == cited
+
+
+@pytest.mark.parametrize(
+    ("question", "expression"),
+    [
+        ("Add 100 to that.", "391 + 100"),
+        ("Divide that by 4.", "391 / 4"),
+        ("And what is that times 3?", "391 * 3"),
+        ("Double it.", "391 * 2"),
+        ("What is the square root of that?", "sqrt(391)"),
+    ],
+)
+def test_a_follow_up_calculates_on_the_previous_answer(question, expression):
+    steps = planner.plan(question, ALL, [], previous="17 * 23 = 391.")
+    assert [(s.name, s.arguments) for s in steps] == [("calculator", {"expression": expression})]
+
+
+def test_a_follow_up_needs_a_back_reference_and_a_previous_number():
+    assert planner.plan("Add 100 to the list.", ALL, [], "= 391")[0].name == "knowledge_search"
+    assert planner.plan("Add 100 to that.", ALL, [], "I do not know.")[0].name == "knowledge_search"
+    assert planner.plan("Add 100 to that.", ALL, [], "It is 998,001.")[0].arguments == {
+        "expression": "998001 + 100"
+    }
+
+
+def test_while_nothing_succeeded_the_rules_make_the_calls_not_made_yet():
+    made_up = planner.ToolStep("python_doc", {"name": "math.pi"}, "")
+    failed = [planner.Observation(made_up, True, "no such name")]
+    assert [s.name for s in planner.plan("What is 2+2?", ALL, failed)] == ["calculator"]
+    done = planner.ToolStep("calculator", {"expression": "2+2"}, "")
+    assert planner.plan("What is 2+2?", ALL, [planner.Observation(done, True, "broke")]) == []

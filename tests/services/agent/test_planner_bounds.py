@@ -6,6 +6,7 @@ loopback gRPC, reached through the mesh's own channels."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from collections.abc import AsyncIterator
@@ -72,9 +73,8 @@ ADVERSARIAL = {
 @pytest.mark.parametrize("question", ADVERSARIAL.values(), ids=ADVERSARIAL.keys())
 def test_adversarial_questions_plan_fast(question):
     started = time.monotonic()
-    for tool in ALL.values():
-        llm_planner.step_for(tool, question)
-    steps = planner.plan(question, ALL, [])
+    llm_planner.made_up({"query": question}, question)
+    steps = planner.plan(question, ALL, [], previous=question)
     assert time.monotonic() - started < 1.0
     assert_valid(steps)
 
@@ -123,14 +123,16 @@ ARITHMETIC_TEXT = st.text(alphabet=st.sampled_from(list("0123456789+-*/^%(). sqr
 
 
 @settings(max_examples=200, deadline=None)
-@given(question=st.one_of(st.text(), ARITHMETIC_TEXT), seen_lookup_failed=st.booleans())
-def test_any_text_plans_valid_calls(question, seen_lookup_failed):
+@given(
+    question=st.one_of(st.text(), ARITHMETIC_TEXT),
+    previous=st.one_of(st.text(), ARITHMETIC_TEXT),
+    seen_lookup_failed=st.booleans(),
+)
+def test_any_text_plans_valid_calls(question, previous, seen_lookup_failed):
     lookup = planner.ToolStep("python_doc", {"name": "json.dumps"}, "")
     seen = [planner.Observation(lookup, True, "no such name")] if seen_lookup_failed else []
-    assert_valid(planner.plan(question, ALL, seen))
-    for tool in ALL.values():
-        step = llm_planner.step_for(tool, question)
-        assert_valid([step] if step else [])
+    assert_valid(planner.plan(question, ALL, seen, previous))
+    assert_valid(planner.plan(f"Add 1 to that. {question}", ALL, seen, previous))
 
 
 # -- validation: INVALID_ARGUMENT naming the field -------------------------------------
@@ -262,7 +264,11 @@ async def test_malformed_passages_cost_evidence_not_the_answer(start_agent):
             "python_doc": result("doc", {"name": "x.y", "passage_ids": [], "text": "doc"}),
         }
     )
-    agent = await start_agent(tools, FakeGeneration(choice="knowledge_search", answer=None))
+    plan = [
+        ("knowledge_search", {"query": "How do I copy a list?"}),
+        ("python_doc", {"name": "x.y"}),
+    ]
+    agent = await start_agent(tools, FakeGeneration([plan], answer=None))
     events = await run_all(agent, "How do I copy a list? See x.y")
     answer = "".join(e.answer_delta.text for e in events)
     assert "[ok]" in answer
@@ -278,10 +284,16 @@ async def test_unreachable_tools_still_get_an_answer(start_agent, unused_tcp_por
 
 async def test_the_models_pick_outside_the_allowed_tools_is_not_called(start_agent):
     tools = FakeTools({"calculator": result("4"), "knowledge_search": result("found")})
-    agent = await start_agent(tools, FakeGeneration(choice="calculator"))
+    generation = FakeGeneration([[("calculator", {"expression": "2+2"})]])
+    agent = await start_agent(tools, generation)
     events = await run_all(agent, "What is 2+2?", allowed_tools=["knowledge_search"])
     assert tools.calls == ["knowledge_search"]
     assert final(events).planner == agent_pb2.PLANNER_FALLBACK
+    assert [t.name for t in generation.plan_requests[0].tools] == ["knowledge_search"]
+    assert final(events).notes[:2] == [
+        "the model's call of calculator is unusable: it names no tool of this run",
+        "no call of the model's is usable; planned by rules",
+    ]
 
 
 async def test_a_cancelled_run_cancels_and_awaits_its_tool_calls(start_agent):
@@ -300,7 +312,8 @@ async def test_a_cancelled_run_cancels_and_awaits_its_tool_calls(start_agent):
 
 async def test_a_closed_run_cancels_and_awaits_its_tool_calls(start_agent):
     tools = FakeTools({"calculator": result("4"), "knowledge_search": "hang"})
-    agent = await start_agent(tools, FakeGeneration(choice="knowledge_search"))
+    plan = [("knowledge_search", {"query": "What is 2+2?"}), ("calculator", {"expression": "2+2"})]
+    agent = await start_agent(tools, FakeGeneration([plan]))
     run = agent.Run(agent_pb2.RunRequest(question="What is 2+2?"), None)
     async for message in run:
         if message.HasField("tool_result"):
@@ -319,7 +332,9 @@ async def anext_until_stuck(run: AsyncIterator) -> None:
 
 async def test_the_callers_client_identity_reaches_the_tools(start_agent):
     tools = FakeTools({"calculator": result("4"), "python_doc": result("doc")})
-    agent = await start_agent(tools, FakeGeneration(choice="calculator"))
+    plan = [("calculator", {"expression": "2+2"}), ("python_doc", {"name": "json.loads"})]
+    generation = FakeGeneration([plan])
+    agent = await start_agent(tools, generation)
     # What the server interceptor does with the caller's metadata (mesh.caller).
     caller.adopt(SimpleNamespace(invocation_metadata=lambda: (("x-aimesh-client", "alice"),)))
     await run_all(agent, "What is 2+2, and json.loads?")
@@ -327,6 +342,7 @@ async def test_the_callers_client_identity_reaches_the_tools(start_agent):
     assert tools.clients == [["alice"], ["alice"]]
     # A call from inside the mesh (no client header) is sent on without one.
     caller.adopt(SimpleNamespace(invocation_metadata=lambda: None))
+    generation.plans = [[("calculator", {"expression": "2+2"})]]
     await run_all(agent, "What is 2+2?")
     assert tools.clients[2:] == [[]]
 
@@ -334,12 +350,21 @@ async def test_the_callers_client_identity_reaches_the_tools(start_agent):
 async def test_argument_limits_come_from_list_tools(start_agent):
     schemas = {"calculator": {"properties": {"expression": {"type": "string", "maxLength": 3}}}}
     tools = FakeTools({"calculator": result("4"), "knowledge_search": result("found")}, schemas)
-    agent = await start_agent(tools, FakeGeneration(choice="calculator"))
+    generation = FakeGeneration()
+    agent = await start_agent(tools, generation)
     events = await run_all(agent, "What is 20+22?")
-    # 20+22 is longer than this calculator takes: the rules search instead.
+    # The model is offered the schema as the tool wrote it, whole numbers as integers (a
+    # grammar compiler refuses a maxLength of 3.0).
+    (offered,) = [t for t in generation.plan_requests[0].tools if t.name == "calculator"]
+    assert json.loads(offered.parameters)["properties"]["expression"] == {
+        "type": "string",
+        "maxLength": 3,
+    }
+    assert "3.0" not in offered.parameters
+    # Its plan failed; for the rules 20+22 is longer than this calculator takes: they search.
     assert tools.calls == ["knowledge_search"]
     notes = final(events).notes
-    assert "the model chose calculator, but the question gives it no arguments" in notes
+    assert "the planning model failed (INTERNAL); planned by rules" in notes
     assert [c.name for c in (e.tool_call for e in events if e.HasField("tool_call"))] == [
         "knowledge_search"
     ]

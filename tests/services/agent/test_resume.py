@@ -11,6 +11,7 @@ moment is then a matter of waiting for an event, not of timing.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,6 +23,7 @@ import pytest
 import pytest_asyncio
 
 from aimesh.agent.v1 import agent_pb2, agent_pb2_grpc
+from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc
 from aimesh.tools.v1 import tools_pb2_grpc
 from mesh.client import create_channel
@@ -59,12 +61,18 @@ class KeyedTools(FakeTools):
 
 
 class SlowAnswer(generation_pb2_grpc.GenerationServiceServicer):
-    """Answers with ANSWER word by word, 50 ms apart; plans by guided choice."""
+    """Answers with ANSWER word by word, 50 ms apart; plans a search of the question, then
+    stops calling once results are in (the conversation ends in a tool turn)."""
 
     async def Chat(self, request, context):
-        if request.sampling.choices:
-            chunk = generation_pb2.GenerationChunk(text="knowledge_search")
-            yield generation_pb2.ChatResponse(chunk=chunk)
+        if request.tools and request.messages[-1].role == "user":
+            query = json.dumps({"query": request.messages[-1].content})
+            call = common_pb2.ToolCall(id="call_0", name="knowledge_search", arguments=query)
+            complete = generation_pb2.GenerationComplete(tool_calls=[call])
+            yield generation_pb2.ChatResponse(complete=complete)
+            return
+        if request.tools:
+            yield generation_pb2.ChatResponse(chunk=generation_pb2.GenerationChunk(text="Done"))
         else:
             for word in ANSWER:
                 await asyncio.sleep(0.05)

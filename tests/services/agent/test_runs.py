@@ -13,9 +13,11 @@ from contextlib import aclosing
 from types import SimpleNamespace
 
 import pytest
+from google.protobuf import json_format
 from prometheus_client import REGISTRY
 
 from aimesh.agent.v1 import agent_pb2
+from aimesh.llm.v1 import generation_pb2
 from mesh import caller
 from mesh.failures import InvalidInput, NotFound
 from services.agent import checkpoint, loop
@@ -252,7 +254,8 @@ def test_a_checkpoint_round_trips_the_loops_state_compactly():
     state = loop.RunState(iterations=2, planner=loop.Planner.RULES, shortfalls=["tool_failed"])
     step = ToolStep("knowledge_search", {"query": "deep copy"}, "search")
     passages = [{"id": f"p{n}", "text": "copy.deepcopy copies " * 20} for n in range(5)]
-    state.observations.append(Observation(step, False, "5 passages", {"passages": passages}))
+    found = Observation(step, False, "5 passages", {"passages": passages}, call_id="1.1")
+    state.observations.append(found)
     state.notes.append("calculator: failed")
     blob = checkpoint.dump(state)
     back = checkpoint.load(blob)
@@ -433,6 +436,26 @@ async def test_a_sessions_next_question_is_asked_after_its_earlier_turns(start_a
     assert list(got.turns) == []
 
 
+async def test_a_sessions_earlier_turns_are_in_the_planning_conversation(start_agent):
+    tools = FakeTools({"calculator": result("391")})
+    generation = FakeGeneration(answer="17 * 23 = 391.")
+    agent = await start_agent(tools, generation)
+    await ask_in(agent, "s", "What is 17 * 23?")
+    generation.plans = [[("calculator", {"expression": "391 + 100"})]]
+    events = await ask_in(agent, "s", "Add 100 to that.")
+    planning = generation.plan_requests[-2]  # the second run's first round
+    assert [(m.role, m.content) for m in planning.messages[-3:]] == [
+        ("user", "What is 17 * 23?"),
+        ("assistant", "17 * 23 = 391."),
+        ("user", "Add 100 to that."),
+    ]
+    assert planning.tool_choice.mode == generation_pb2.ToolChoice.MODE_AUTO
+    assert planning.parallel_tool_calls
+    (call,) = [e.tool_call for e in events if e.HasField("tool_call")]
+    assert json_format.MessageToDict(call.arguments) == {"expression": "391 + 100"}
+    assert final(events).planner == agent_pb2.PLANNER_LLM
+
+
 async def test_the_oldest_turns_that_do_not_fit_are_left_out_and_said(start_agent):
     generation = FakeGeneration(answer="a" * 40)
     agent = await start_agent(FakeTools({"calculator": result("4")}), generation, history_chars=110)
@@ -478,7 +501,8 @@ def runs_counted(state: str, reason: str) -> float:
 async def test_a_run_with_nothing_to_answer_from_goes_to_a_person(
     start_agent, outcomes, options, reason
 ):
-    agent = await start_agent(FakeTools(outcomes), FakeGeneration(choice="python_doc"))
+    lookup = [("python_doc", {"name": "json.loads"})]
+    agent = await start_agent(FakeTools(outcomes), FakeGeneration([lookup]))
     before = runs_counted("handed_off", reason)
     events = await run_all(agent, "What does json.loads return?", **options)
     assert final(events).state == HANDED_OFF
@@ -500,7 +524,7 @@ async def test_one_failing_round_still_answers_partially_and_is_counted(start_ag
 
 
 async def test_the_plan_and_the_answer_go_to_the_models_configured_for_them(start_agent):
-    generation = FakeGeneration(choice="calculator")
+    generation = FakeGeneration([[("calculator", {"expression": "2+2"})]])
     agent = await start_agent(
         FakeTools({"calculator": result("4")}),
         generation,
@@ -508,4 +532,5 @@ async def test_the_plan_and_the_answer_go_to_the_models_configured_for_them(star
         answer_model="chat",
     )
     await run_all(agent, "What is 2+2?")
-    assert generation.models == [("plan", "small-planner"), ("answer", "chat")]
+    # Two rounds of planning (the call, then the model stops), then the answer.
+    assert generation.models == [("plan", "small-planner")] * 2 + [("answer", "chat")]
