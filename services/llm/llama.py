@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -311,13 +312,29 @@ class Llama:
 
     @torch.inference_mode()
     def prefill(
-        self, token_ids: list[int], prefix: list[LayerKV] | None = None, cached: int = 0
+        self,
+        token_ids: list[int],
+        prefix: list[LayerKV] | None = None,
+        cached: int = 0,
+        cuts: Sequence[tuple[int, int]] | None = None,
     ) -> tuple[torch.Tensor, list[LayerKV]]:
         """Runs a prompt; returns the last position's logits [vocab] and its KV. With a
         `prefix` (an earlier prompt's KV from prefill's prefix cache), its first `cached`
-        positions stand for the prompt's first `cached` tokens, and only the rest run."""
-        c = self.config
+        positions stand for the prompt's first `cached` tokens, and only the rest run: in
+        one pass, or in the passes `cuts` gives (services/llm/passes.py)."""
         cached = cached if prefix is not None else 0
+        logits = torch.empty(0)
+        kv = prefix
+        for start, end in cuts or [(cached, len(token_ids))]:
+            logits, kv = self._pass(token_ids[:end], kv, start)
+        assert kv is not None
+        return logits, kv
+
+    def _pass(
+        self, token_ids: list[int], prefix: list[LayerKV] | None, cached: int
+    ) -> tuple[torch.Tensor, list[LayerKV]]:
+        """One forward pass over token_ids[cached:], after the prefix's first `cached`."""
+        c = self.config
         ids = torch.tensor(token_ids[cached:], dtype=torch.long, device=self.device)
         positions = torch.arange(cached, len(token_ids), device=self.device)
         # After a prefix, query i (position cached + i) sees keys 0 .. cached + i.

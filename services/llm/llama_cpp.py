@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 
 import llama_cpp as lib
@@ -150,12 +151,17 @@ class LlamaCpp:
     # ---- the calls prefill and decode make ----
 
     def prefill(
-        self, token_ids: list[int], prefix: SequenceState | None = None, cached: int = 0
+        self,
+        token_ids: list[int],
+        prefix: SequenceState | None = None,
+        cached: int = 0,
+        cuts: Sequence[tuple[int, int]] | None = None,
     ) -> tuple[torch.Tensor, SequenceState]:
         """Runs a prompt in slot 0; returns the last position's logits [vocab] and the
         prompt's sequence state, and leaves the slot empty. With a `prefix` (an earlier
         prompt's state from prefill's prefix cache), its first `cached` positions stand for
-        the prompt's first `cached` tokens, and only the rest run."""
+        the prompt's first `cached` tokens, and only the rest run: in passes of at most
+        PREFILL_CHUNK tokens, or in the passes `cuts` gives (services/llm/passes.py)."""
         try:
             if prefix is not None and cached:
                 self.load(0, prefix)
@@ -163,9 +169,12 @@ class LlamaCpp:
                     raise RuntimeError("llama.cpp could not cut a cached prefix short")
             else:
                 cached = 0
-            for start in range(cached, len(token_ids), PREFILL_CHUNK):
-                chunk = token_ids[start : start + PREFILL_CHUNK]
-                self._decode(chunk, range(start, start + len(chunk)), [0] * len(chunk), False)
+            if cuts is None:
+                starts = range(cached, len(token_ids), PREFILL_CHUNK)
+                cuts = [(start, min(start + PREFILL_CHUNK, len(token_ids))) for start in starts]
+            for start, end in cuts:
+                chunk = token_ids[start:end]
+                self._decode(chunk, range(start, end), [0] * len(chunk), False)
             logits = self._logits(1)[0]
             return logits, SequenceState(self._export(0), len(token_ids))
         finally:

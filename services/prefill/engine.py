@@ -27,6 +27,7 @@ from services.llm.guide import Guide
 from services.llm.kv_codec import KvState, kv_nbytes, kv_tokens
 from services.llm.kv_transfer import new_handle_id
 from services.llm.llama import Llama
+from services.llm.passes import cut_at_or_before, passes
 from services.llm.prefix import UNSCOPED
 from services.llm.sampling import SamplingParams, sample
 from services.prefill.prefix_cache import PrefixCache
@@ -173,9 +174,14 @@ class PrefillResult:
 
 
 class PrefillEngine:
-    def __init__(self, model: Llama | LlamaCpp, prefixes: PrefixCache) -> None:
+    def __init__(
+        self, model: Llama | LlamaCpp, prefixes: PrefixCache, fixed_passes: bool = True
+    ) -> None:
         self.model = model
         self.prefixes = prefixes
+        # Passes cut at fixed positions (services/llm/passes.py): the same KV and first
+        # token with or without a prefix-cache hit.
+        self.fixed_passes = fixed_passes
 
     def run(
         self,
@@ -188,11 +194,13 @@ class PrefillEngine:
         The prompt reads and feeds the prefix cache of `scope` alone; `guide` (a
         constrained request's matcher, at its start) masks the first token."""
         started = time.perf_counter()
-        hit = self.prefixes.lookup(token_ids, scope)
+        usable = cut_at_or_before if self.fixed_passes else None
+        hit = self.prefixes.lookup(token_ids, scope, usable)
         looked_up = time.perf_counter()
         cached = hit.tokens if hit else 0
+        cuts = passes(cached, len(token_ids)) if self.fixed_passes else None
         try:
-            logits, kv = self.model.prefill(token_ids, hit.kv if hit else None, cached)
+            logits, kv = self.model.prefill(token_ids, hit.kv if hit else None, cached, cuts)
         except Exception:
             if hit is None:
                 raise
@@ -201,7 +209,9 @@ class PrefillEngine:
             log.exception("a cached prefix failed to load; dropped")
             self.prefixes.discard(hit)
             hit, cached = None, 0
-            logits, kv = self.model.prefill(token_ids)
+            logits, kv = self.model.prefill(
+                token_ids, cuts=passes(0, len(token_ids)) if self.fixed_passes else None
+            )
         allowed = guide.allowed() if guide is not None else None
         draw = sample(logits, params, token_ids, index=0, allowed=allowed)
         computed = time.perf_counter()

@@ -21,6 +21,7 @@ Only the model thread touches it: no locks.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.llm import metrics
@@ -70,9 +71,16 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, token_ids: list[int], scope: int = UNSCOPED) -> Hit | None:
+    def lookup(
+        self,
+        token_ids: list[int],
+        scope: int = UNSCOPED,
+        usable: Callable[[int], int] | None = None,
+    ) -> Hit | None:
         """The cached prompt of `scope` sharing the longest prefix (at least one block)
-        with `token_ids`, up to all but its last token, whose logits prefill must compute."""
+        with `token_ids`, up to all but its last token, whose logits prefill must compute;
+        `usable` cuts the shared tokens to those prefill will use (services/llm/passes.py),
+        and the hit counts only those."""
         metrics.PREFIX_CACHE_QUERIES.inc(len(token_ids))
         limit = len(token_ids) - 1
         found: _Entry | None = None
@@ -86,6 +94,8 @@ class PrefixCache:
         matched = _common_prefix(found.tokens, token_ids, limit)
         if matched < BLOCK_TOKENS:  # a hash collision
             return None
+        if usable is not None and not (matched := usable(matched)):
+            return None
         self._entries.move_to_end((scope, found.tokens))
         metrics.PREFIX_CACHE_HITS.inc(matched)
         return Hit(found, matched)
@@ -95,9 +105,9 @@ class PrefixCache:
     ) -> None:
         """Caches a prompt's KV in `scope`; a `hit` this prompt extends (its every token
         matched) is dropped, since the new entry holds all of it."""
-        if hit is not None and hit.tokens == len(hit.entry.tokens):
-            self._remove(hit.entry)
         tokens = tuple(token_ids)
+        if hit is not None and tokens[: len(hit.entry.tokens)] == hit.entry.tokens:
+            self._remove(hit.entry)
         nbytes = kv_nbytes(kv)
         if len(tokens) < BLOCK_TOKENS or nbytes > self.capacity_bytes:
             return

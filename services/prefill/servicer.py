@@ -213,7 +213,9 @@ async def setup(server: MeshServer) -> None:
         # A model whose cache cannot be cut short (sliding window, recurrent) runs every
         # prompt whole, as llama-server does.
         cache_bytes = worker.options.prefix_cache_bytes if served.model.reuses_prefix else 0
-        engine = PrefillEngine(served.model, PrefixCache(cache_bytes))
+        engine = PrefillEngine(
+            served.model, PrefixCache(cache_bytes), fixed_passes=worker.options.fixed_passes
+        )
         engine.warm_up()
         worker.kv_format = served.kv_format
         worker.vocabularies = Vocabularies(

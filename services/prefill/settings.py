@@ -23,3 +23,9 @@ class PrefillOptions(ServiceOptions):
     # for an operator whose callers all trust each other (one tenant, or a shared system
     # prompt worth more than the side channel it opens).
     prefix_cache_scope: Literal["tenant", "mesh"] = "tenant"
+    # Prompts run in passes cut at fixed positions, a cached prefix used up to the last cut
+    # in it (services/llm/passes.py): greedy output is then the same with or without a
+    # prefix-cache hit. False: one pass from wherever the hit ends (reuses a hit to the
+    # token and runs a long prompt in fewer passes; docs/benchmarks.md says how much that
+    # saves), and greedy text may differ after a hit.
+    fixed_passes: bool = True

@@ -416,9 +416,9 @@ def test_a_cached_prefix_that_will_not_load_is_dropped_and_the_prompt_runs_whole
 
     model = LlamaCpp(gguf_path(), llama.config, sequences=1, max_seq_len=128, threads=1)
     try:
-        cache = PrefixCache(1 << 20)
-        prompt = list(range(100, 140))
-        cache.insert(prompt[:32], SequenceState(bytes(1000), 32))  # no state llama.cpp reads
+        cache = PrefixCache(1 << 24)
+        prompt = list(range(100, 200))
+        cache.insert(prompt[:64], SequenceState(bytes(1000), 64))  # no state llama.cpp reads
         result = PrefillEngine(model, cache).run(prompt, SamplingParams())
         whole_logits, _ = model.prefill(prompt)
     finally:
@@ -428,6 +428,50 @@ def test_a_cached_prefix_that_will_not_load_is_dropped_and_the_prompt_runs_whole
     assert len(cache) == 1  # the broken entry went; this prompt's came
     hit = cache.lookup([*prompt, 7])
     assert hit is not None and hit.tokens == len(prompt)
+
+
+def _same_kv(one: KvState, other: KvState) -> bool:
+    if isinstance(one, SequenceState) or isinstance(other, SequenceState):
+        return one == other
+    return all(
+        torch.equal(k, k2) and torch.equal(v, v2)
+        for (k, v), (k2, v2) in zip(one, other, strict=True)
+    )
+
+
+@pytest.mark.parametrize("kind", ["torch", "llama.cpp"])
+def test_a_prompt_gives_the_same_bits_with_or_without_a_prefix_cache_hit(llama, reference, kind):
+    """Run whole, then again with most of it cached (by itself, and by a longer prompt
+    sharing its start), a prompt gives the same first token, logprob and KV bit for bit:
+    prefill cuts its passes at fixed positions and uses a hit up to the last of them.
+    One pass from wherever the hit ended gave different bits, and llama.cpp's decode
+    different greedy text from there."""
+    from services.llm.llama_cpp import LlamaCpp
+
+    model = (
+        llama
+        if kind == "torch"
+        else LlamaCpp(gguf_path(), llama.config, sequences=1, max_seq_len=512, threads=1)
+    )
+    tokenizer = reference[1]
+    text = " ".join(f"Item {n}: the colour of the sky on day {n} was blue." for n in range(60))
+    ids = tokenizer(text)["input_ids"]
+    try:
+        for length in (70, 150, 300):
+            prompt = ids[:length]
+            whole = PrefillEngine(model, PrefixCache(0)).run(prompt, SamplingParams())
+            cache = PrefixCache(1 << 28)
+            engine = PrefillEngine(model, cache)
+            engine.run(ids[: length + 40], SamplingParams())  # a longer prompt, cached
+            from_longer = engine.run(prompt, SamplingParams())
+            from_itself = engine.run(prompt, SamplingParams())
+            assert 0 < from_longer.cached_tokens <= from_itself.cached_tokens < length
+            for result in (from_longer, from_itself):
+                assert (result.first_token, result.logprob) == (whole.first_token, whole.logprob)
+                assert _same_kv(result.kv, whole.kv), (kind, length, result.cached_tokens)
+    finally:
+        if kind == "llama.cpp":
+            model.close()
 
 
 def _constrained(

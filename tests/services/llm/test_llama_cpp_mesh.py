@@ -25,6 +25,7 @@ from services.llm.artifacts import gguf_path, load_tokenizer
 from services.llm.kv_codec import KvState
 from services.llm.llama import Llama, LlamaConfig
 from services.llm.llama_cpp import ENGINE_VERSION, LlamaCpp
+from services.llm.passes import cut_at_or_before, passes
 from tests.services.llm.conftest import (
     LlmMesh,
     decode_refusal,
@@ -79,9 +80,11 @@ def greedy_after(
 
 
 def greedy_alone(local: tuple[LlamaCpp, LlamaCpp], prompt_ids: list[int], count: int) -> list[int]:
-    """Greedy tokens of one sequence, prefilled and handed to a decode context alone."""
+    """Greedy tokens of one sequence, prefilled in prefill's fixed passes and handed to a
+    decode context alone."""
     prefill, decode = local
-    return greedy_after(decode, prompt_ids, *prefill.prefill(prompt_ids), count)
+    whole = prefill.prefill(prompt_ids, cuts=passes(0, len(prompt_ids)))
+    return greedy_after(decode, prompt_ids, *whole, count)
 
 
 async def still_decodes(decode, handle, prompt_ids: list[int], first_token_id: int) -> bool:
@@ -273,16 +276,21 @@ async def test_a_prompt_sharing_a_cached_prefix_computes_only_its_tail(
     llama_cpp_mesh, local, model_dir
 ):
     """Prefill's prefix cache across the processes: a second prompt with the first's
-    preamble reports the preamble as cached (Usage, the prefix_cache stage, the hit
-    metric), computes only its tail, and says what a whole prefill would."""
+    preamble reports the preamble, to its last fixed cut, as cached (Usage, the
+    prefix_cache stage, the hit metric), computes only the rest, and says what a whole
+    prefill would."""
     tokenizer = load_tokenizer(model_dir)
     preamble = (
         "You are the support assistant of a bicycle shop. Answer from the manual excerpts "
         "below, in two sentences at most, and name the excerpt you used.\n"
+        "Excerpt 1: a flat tyre is fixed by removing the wheel, levering the tyre off the "
+        "rim, patching or replacing the inner tube and pumping it to the pressure printed "
+        "on the tyre's side.\nExcerpt 2: rim brakes are adjusted at the barrel adjuster.\n"
     )
     first, second = (preamble + tail for tail in ("Q: How do I fix a flat?", "Q: Brakes?"))
     first_ids, second_ids = (tokenizer.encode(prompt).ids for prompt in (first, second))
-    shared = next(i for i, (a, b) in enumerate(zip(first_ids, second_ids, strict=False)) if a != b)
+    common = next(i for i, (a, b) in enumerate(zip(first_ids, second_ids, strict=False)) if a != b)
+    shared = cut_at_or_before(common)
     hits = llama_cpp_mesh.metrics_url("prefill")
     hits_before = metric_at(hits, "aimesh_llm_prefix_cache_hits_total")
     stub, channel = llama_cpp_mesh.stub()
@@ -290,7 +298,7 @@ async def test_a_prompt_sharing_a_cached_prefix_computes_only_its_tail(
         _, _, alone = await generate(stub, prompt=first, stopping=stopping(4))
         ids, _, after = await generate(stub, prompt=second, stopping=stopping(12, ignore_eos=True))
     assert alone.usage.cached_tokens == 0
-    assert after.usage.cached_tokens == shared
+    assert after.usage.cached_tokens == shared > 0
     stages = {stage.name: stage for stage in after.timing.stages}
     assert stages["prefix_cache"].tokens == shared
     assert stages["prefill"].tokens == len(second_ids) - shared

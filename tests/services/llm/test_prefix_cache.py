@@ -14,6 +14,7 @@ from mesh.config import MeshSettings
 from services.generation.workers import AFFINITY_SLACK, PrefillPicker
 from services.llm import metrics
 from services.llm.kv_codec import SequenceState
+from services.llm.passes import cut_at_or_before
 from services.llm.prefix import BLOCK_TOKENS, UNSCOPED, block_hashes, cache_scope
 from services.prefill.prefix_cache import PrefixCache
 
@@ -52,6 +53,24 @@ def test_the_same_prompt_again_leaves_its_last_token_to_compute():
     hit = cache.lookup(prompt)
     assert hit is not None and hit.tokens == len(prompt) - 1
     cache.insert(prompt, state(prompt), hit)
+    assert len(cache) == 1
+
+
+def test_a_hit_counts_only_the_tokens_prefill_will_use():
+    """With fixed passes a hit is used to its last cut: that is the hit, and all of it
+    a miss when no cut is covered; a prompt extending the entry still replaces it."""
+    cache = PrefixCache(1 << 20)
+    long_preamble = list(range(1000, 1100))  # 100 tokens: one cut (64) covered
+    first = [*long_preamble, 1, 2, 3]
+    cache.insert(first, state(first))
+    hits_before = metrics.PREFIX_CACHE_HITS._value.get()
+    hit = cache.lookup([*long_preamble, 7], usable=cut_at_or_before)
+    assert hit is not None and hit.tokens == 64
+    assert metrics.PREFIX_CACHE_HITS._value.get() - hits_before == 64
+    assert cache.lookup([*PREAMBLE, 7], usable=cut_at_or_before) is None  # 40 < 64
+    longer = [*first, 4, 5]
+    extended = cache.lookup(longer, usable=cut_at_or_before)
+    cache.insert(longer, state(longer), extended)
     assert len(cache) == 1
 
 

@@ -21,6 +21,7 @@ from aimesh.llm.v1 import generation_pb2
 from mesh import caller
 from mesh.errors import error_info, retry_delay_s
 from mesh.ledger import SqliteStore
+from services.llm.passes import cut_at_or_before
 from tests.conftest import eventually
 from tests.services.llm.conftest import LlmMesh, collected, metric_at, running_llm_mesh, stopping
 
@@ -39,7 +40,9 @@ token_budget = 100000
 RESERVE_TOKENS = 4
 SECRET = (
     "Internal memo for acme only: the launch code is 7-4-1-9 and the merger closes on "
-    "Friday; do not forward this paragraph to anyone outside the finance team."
+    "Friday; do not forward this paragraph to anyone outside the finance team. The board "
+    "meets on Monday at nine in the small room on the fourth floor, and the press release "
+    "stays in the legal team's drawer until the regulator has signed the last form."
 )
 
 
@@ -101,7 +104,7 @@ async def test_no_tenant_reuses_another_tenants_cached_prompt(tenancy_mesh):
         request = {"prompt": SECRET, "stopping": stopping(1)}
         first = await generate(stub, "acme", **request)
         prompt_tokens = first.usage.prompt_tokens
-        assert prompt_tokens > 32
+        assert prompt_tokens > 64  # past prefill's first fixed cut: a hit can be used
         # globex sends acme's prompt: nothing of it is cached for globex, so its count and
         # its prefill's work (every prompt token computed) are those of a new prompt.
         probe = await generate(stub, "globex", **request)
@@ -109,7 +112,7 @@ async def test_no_tenant_reuses_another_tenants_cached_prompt(tenancy_mesh):
         assert stage_tokens(probe, "prefill") == prompt_tokens
         # acme itself reuses its own prefix, and so does globex now, in its own scope.
         again = await generate(stub, "acme", **request)
-        assert again.usage.cached_tokens >= prompt_tokens - 16
+        assert again.usage.cached_tokens == cut_at_or_before(prompt_tokens - 1) > 0
         assert stage_tokens(again, "prefill") == prompt_tokens - again.usage.cached_tokens
         # A request's cache_salt narrows the scope further: a salt of its own is a miss.
         salted = await generate(stub, "acme", cache_salt="user-17", **request)
