@@ -439,6 +439,7 @@ def _same_kv(one: KvState, other: KvState) -> bool:
     )
 
 
+@pytest.mark.system  # ~12 s an engine: past make test-fast's budget, in the full run
 @pytest.mark.parametrize("kind", ["torch", "llama.cpp"])
 def test_a_prompt_gives_the_same_bits_with_or_without_a_prefix_cache_hit(llama, reference, kind):
     """Run whole, then again with most of it cached (by itself, and by a longer prompt
