@@ -153,6 +153,8 @@ def bases(models: Models) -> dict[str, dict[str, Any]]:
             "model": models.chat,
             "messages": [{"role": "user", "content": "Say hi"}],
             "max_tokens": 4,
+            "logprobs": True,
+            "top_logprobs": 3,
             "tools": [
                 {
                     "type": "function",
@@ -163,7 +165,12 @@ def bases(models: Models) -> dict[str, dict[str, Any]]:
                 }
             ],
         },
-        COMPLETIONS: {"model": models.chat, "prompt": "Once upon a time", "max_tokens": 4},
+        COMPLETIONS: {
+            "model": models.chat,
+            "prompt": "Once upon a time",
+            "max_tokens": 4,
+            "logprobs": 2,
+        },
         RESPONSES: {
             "model": models.chat,
             "input": [{"role": "user", "content": "Say hi"}],
@@ -195,10 +202,11 @@ FIELDS = {
         "model", "input", "input[0]", "input[0].type", "input[0].role", "input[0].content",
         "input[1]", "instructions", "tools", "tool_choice", "text", "text.format",
         "max_output_tokens", "temperature", "top_p", "stream", "previous_response_id",
+        "top_logprobs",
     ],
     COMPLETIONS: [
         "model", "prompt", "max_tokens", "echo", "best_of", "suffix", "stop", "seed",
-        "temperature", "stream", "user", "cache_salt",
+        "temperature", "stream", "user", "cache_salt", "logprobs",
     ],
     EMBEDDINGS: ["model", "input", "input[0]", "encoding_format", "dimensions", "user"],
     RERANK: [

@@ -16,16 +16,13 @@ import argparse
 import asyncio
 import platform
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from grpc import aio
 
-from aimesh.llm.v1 import generation_pb2_grpc, sampling_pb2
-from loadtest.constrained import itl
-from loadtest.llm import PORTS, start_mesh, wait_mesh
+from aimesh.llm.v1 import sampling_pb2
+from loadtest.constrained import itl_rows
 from loadtest.mesh_overhead import write
 from services.llm.sampling import SamplingParams, sample
 
@@ -55,37 +52,6 @@ def sampler_alone() -> list[str]:
             top = _median_us(lambda i, p=with_top, row=logits: sample(row, p, [], i))
             rows.append(f"| {vocabulary:,} | {name} | {plain:.0f} µs | {top:.0f} µs |")
     return rows
-
-
-async def in_the_mesh(rounds: int) -> list[str]:
-    root = Path(tempfile.mkdtemp(prefix="aimesh-logprobs-"))
-    processes = start_mesh(root)
-    try:
-        await wait_mesh()
-        async with aio.insecure_channel(f"127.0.0.1:{PORTS['generation']}") as channel:
-            stub = generation_pb2_grpc.GenerationServiceStub(channel)
-            plain = sampling_pb2.SamplingParameters()
-            with_logprobs = sampling_pb2.SamplingParameters(
-                logprobs=True, top_logprobs=ALTERNATIVES
-            )
-            await itl(stub, 1, plain, 1)  # warm every path once
-            await itl(stub, 1, with_logprobs, 1)
-            rows = []
-            for batch in (1, 16):
-                without, with_ = [], []
-                for _ in range(rounds):
-                    without.append(await itl(stub, batch, plain, 1))
-                    with_.append(await itl(stub, batch, with_logprobs, 1))
-                off, on = statistics.median(without), statistics.median(with_)
-                rows.append(
-                    f"| {batch} | {off * 1e3:.1f} | {on * 1e3:.1f} | {(on / off - 1) * 100:+.1f}% |"
-                )
-            return rows
-    finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.wait(timeout=30)
 
 
 def report(sampler_rows: list[str], mesh_rows: list[str], command: str) -> str:
@@ -118,7 +84,9 @@ def main() -> None:
     args = parser.parse_args()
     sampler_rows = sampler_alone()
     print("\n".join(sampler_rows))
-    mesh_rows = asyncio.run(in_the_mesh(args.rounds))
+    plain = sampling_pb2.SamplingParameters()
+    with_logprobs = sampling_pb2.SamplingParameters(logprobs=True, top_logprobs=ALTERNATIVES)
+    mesh_rows = asyncio.run(itl_rows(args.rounds, plain, with_logprobs))
     markdown = report(sampler_rows, mesh_rows, "python -m loadtest.logprobs")
     print(markdown)
     if args.out:

@@ -28,6 +28,9 @@ class TokenPieces:
         self._tokenizer = tokenizer
         self._reader: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
+        # Read once each: a streamed answer meets the same few thousand tokens again and
+        # again, and at batch 16 with alternatives the reads were a router's hot spot.
+        self._pieces: dict[int, tuple[bytes, str]] = {}
 
     def load(self) -> None:
         """Blocking the first time: call it off the event loop."""
@@ -38,6 +41,12 @@ class TokenPieces:
     def piece(self, token_id: int) -> tuple[bytes, str]:
         """The token's bytes and their text (U+FFFD for part of a character); a special
         token is its name."""
+        if (known := self._pieces.get(token_id)) is not None:
+            return known
+        self._pieces[token_id] = piece = self._read(token_id)
+        return piece
+
+    def _read(self, token_id: int) -> tuple[bytes, str]:
         self.load()
         assert self._reader is not None
         if token_id >= self._reader.vocab_size:  # a padded output row no text maps to
