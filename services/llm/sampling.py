@@ -138,4 +138,18 @@ def _draw(logits: torch.Tensor, params: SamplingParams, index: int) -> int:
     generator = torch.Generator().manual_seed(
         ((params.seed or 0) * _SEED_STRIDE + index) % _SEED_MOD
     )
-    return int(torch.multinomial(probabilities, 1, generator=generator))
+    return _inverse_cdf(probabilities, generator)
+
+
+def _inverse_cdf(probabilities: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw: the first token whose cumulative probability passes a uniform number.
+    torch.multinomial draws a random number per token (1.2 ms over 49k tokens here, most
+    of a sampled step's sampling); this draws one (0.1 ms). In float64, so that the sum
+    keeps the tail's mass. A token whose probability is 0 (filtered, masked) adds
+    nothing to the sum, so it is never the first to pass."""
+    cdf = probabilities.double().cumsum(-1)
+    target = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
+    token = int(torch.searchsorted(cdf, target, right=True))
+    if token == cdf.shape[-1]:  # rounding put the target on the total: the last token drawn
+        token = int(torch.nonzero(probabilities).max())
+    return token

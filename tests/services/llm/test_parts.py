@@ -38,6 +38,22 @@ def test_seeded_sampling_depends_only_on_seed_and_index():
     assert draws != other
 
 
+def test_sampled_draws_follow_the_distribution_and_never_a_filtered_token():
+    """20,000 draws (one seed, each step its own generator): every token comes up as
+    often as its probability says, within 5 standard deviations, and one top_k filtered
+    out never does."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0e-3, -9.0])
+    params = SamplingParams(temperature=1.0, top_k=6, seed=11)
+    draws = 20_000
+    counts = torch.bincount(
+        torch.tensor([sample(logits, params, [], i).token for i in range(draws)]), minlength=7
+    )
+    expected = torch.softmax(logits[:6], dim=-1)
+    assert counts[6] == 0
+    tolerance = 5 * torch.sqrt(expected * (1 - expected) / draws)
+    assert torch.all((counts[:6] / draws - expected).abs() <= tolerance), counts
+
+
 @pytest.mark.parametrize("temperature", [1e-40, 1e-45, 1e-8])
 def test_a_near_zero_temperature_is_greedy_not_nan(temperature):
     """1e-40 used to pass validation and overflow the logits to inf, then NaN."""
