@@ -29,6 +29,7 @@ def address_space_bytes(pid: int) -> int:
     return int(line.split()[1]) * 1024
 
 
+@pytest.mark.system  # ~9 s of a process under a memory limit: in the full run, not make test-fast
 async def test_an_allocation_failure_fails_one_job_and_the_worker_serves_on(serve_process):
     worker = await serve_process("diffusion")
     limit = address_space_bytes(worker.pid) + HEADROOM
