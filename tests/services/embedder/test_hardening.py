@@ -94,6 +94,7 @@ async def test_tokenizing_many_bytes_never_runs_on_the_event_loop(
     assert threads and threading.get_ident() not in threads
 
 
+@pytest.mark.system  # 5-7 s of the largest request: in the full run, not make test-fast
 async def test_health_answers_while_the_largest_request_runs(stub, server):
     """32 inputs of 64 KiB, cut to 256 tokens: 2 MiB to tokenize, 32 full passes."""
     unit = "naïve café 日本語 🙂 "

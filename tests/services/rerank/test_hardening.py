@@ -177,6 +177,7 @@ async def test_groups_score_as_one_request_would(servicer: RerankServicer):
         assert result.score == pytest.approx(alone[result.index], abs=1e-5)
 
 
+@pytest.mark.system  # 5-7 s of the largest request: in the full run, not make test-fast
 async def test_health_answers_while_the_largest_request_runs(stub, server):
     """1000 documents of ~16 KB (16 MB; twice that is the transport's limit) and the
     longest query: minutes of scoring, watched for a few seconds, then cancelled."""

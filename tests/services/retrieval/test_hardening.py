@@ -124,6 +124,7 @@ def _nested(depth: int) -> struct_pb2.Struct:
 # ---- CPU work stays off the event loop ----
 
 
+@pytest.mark.system  # 5-7 s of the largest request: in the full run, not make test-fast
 async def test_health_answers_while_a_large_upsert_is_processed(stub, fake_retrieval):
     await stub.CreateCollection(
         retrieval_pb2.CreateCollectionRequest(collection="big", sparse_enabled=True)
