@@ -156,18 +156,20 @@ def _texts(value: Any) -> Iterator[str]:
             yield from _texts(item)
 
 
+def _words(text: str) -> set[str]:
+    """The words of `text`; a sentence's final dot is not part of one."""
+    return {w.rstrip(".") for w in WORD.findall(text)}
+
+
 def _literals(text: str) -> set[str]:
     """The words of `text` that are numbers or code names (a digit, an underscore or an
-    inner dot): what a model can only have read or made up. A sentence's final dot is not
-    part of the word."""
-    words = (w.rstrip(".") for w in WORD.findall(text))
-    return {w for w in words if "." in w or "_" in w or any(c.isdigit() for c in w)}
+    inner dot): what a model can only have read or made up."""
+    return {w for w in _words(text) if "." in w or "_" in w or any(c.isdigit() for c in w)}
 
 
 def made_up(arguments: dict[str, Any], shown: str) -> list[str]:
     """The numbers and code names in the arguments' text that `shown` does not hold."""
-    seen = {w.rstrip(".") for w in WORD.findall(shown)}
-    return sorted({w for t in _texts(arguments) for w in _literals(t)} - seen)
+    return sorted({w for t in _texts(arguments) for w in _literals(t)} - _words(shown))
 
 
 def _problem(call: ModelCall, tools: Mapping[str, Tool], shown: str) -> tuple[str, dict]:

@@ -321,9 +321,7 @@ class Loop:
         json.loads do?"), and independent calls cost nothing to run beside its own."""
         if state.observations:
             return []
-        rules = await asyncio.to_thread(
-            planner.plan, question.text, tools, [], _previous_answer(question)
-        )
+        rules = await _rules(question, tools, [])
         called = {step.name for step in planned}
         added = [step for step in rules if step.name not in called]
         if added:
@@ -335,13 +333,9 @@ class Loop:
         self, question: Question, tools: dict[str, Tool], state: RunState, why: str
     ) -> tuple[list[ToolStep], Planner]:
         """The rules' plan, noted as `why` when they plan calls or the run's first round
-        (a follow-up with nothing to call just answers). The rules run in a worker thread:
-        they are cheap but not free (a few calculator checks), and the event loop serves
-        every caller."""
+        (a follow-up with nothing to call just answers)."""
         seen = state.observations
-        rules = await asyncio.to_thread(
-            planner.plan, question.text, tools, seen, _previous_answer(question)
-        )
+        rules = await _rules(question, tools, seen)
         if rules or not seen:
             state.notes.append(f"{why}; planned by rules")
         return rules, Planner.RULES
@@ -475,6 +469,11 @@ class Loop:
         state.hops.append(Hop("answer", time.monotonic() - answered, "generation"))
 
 
-def _previous_answer(question: Question) -> str:
-    """The session's last answer, which a follow-up ("Add 100 to that.") may build on."""
-    return question.history[-1][1] if question.history else ""
+async def _rules(
+    question: Question, tools: dict[str, Tool], seen: list[Observation]
+) -> list[ToolStep]:
+    """The rules' plan after `seen`, with the session's last answer, which a follow-up
+    ("Add 100 to that.") may build on. In a worker thread: the rules are cheap but not
+    free (a few calculator checks), and the event loop serves every caller."""
+    previous = question.history[-1][1] if question.history else ""
+    return await asyncio.to_thread(planner.plan, question.text, tools, seen, previous)

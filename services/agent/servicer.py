@@ -163,8 +163,7 @@ class MeshTools:
         return observation
 
     def _key(self, step: ToolStep) -> str:
-        content = json.dumps([step.name, step.arguments], sort_keys=True, separators=(",", ":"))
-        return f"{self.run_id}:{hashlib.sha256(content.encode()).hexdigest()[:32]}"
+        return f"{self.run_id}:{hashlib.sha256(step.key().encode()).hexdigest()[:32]}"
 
 
 class MeshGeneration:

@@ -10,6 +10,7 @@ would be lost. Concatenated, the generated tokens' bytes are then the output's t
 from __future__ import annotations
 
 import threading
+import weakref
 
 import llguidance
 from tokenizers import Tokenizer
@@ -81,3 +82,16 @@ class TokenPieces:
                 )
             )
         return entries
+
+
+# One TokenPieces per loaded tokenizer: registered versions of one vocabulary share their
+# tokenizer (services/generation/versions.py), and so its pieces, read once.
+_SHARED: weakref.WeakKeyDictionary[Tokenizer, TokenPieces] = weakref.WeakKeyDictionary()
+
+
+def pieces_of(tokenizer: Tokenizer) -> TokenPieces:
+    """The pieces of `tokenizer`, shared by every pool that serves with it."""
+    pieces = _SHARED.get(tokenizer)
+    if pieces is None:
+        _SHARED[tokenizer] = pieces = TokenPieces(tokenizer)
+    return pieces

@@ -46,7 +46,7 @@ from mesh.health import probe
 from mesh.info import get_info
 from mesh.store_health import StoreHealth
 from mesh.tls import TlsSettings
-from services.generation.logprobs import TokenPieces
+from services.generation.logprobs import TokenPieces, pieces_of
 from services.generation.pipeline import Outcome, Pipeline
 from services.generation.tokenize import TOKENIZER, TokenizerClient
 from services.generation.workers import DecodePicker, PrefillPicker
@@ -82,7 +82,7 @@ class Pool:
     pieces: TokenPieces = field(init=False)
 
     def __post_init__(self) -> None:
-        self.pieces = TokenPieces(self.text_tokenizer)
+        self.pieces = pieces_of(self.text_tokenizer)
 
     def enter(self) -> None:
         self.in_flight += 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from aimesh.llm.v1 import decode_pb2, sampling_pb2
-from services.generation.logprobs import TokenPieces
+from services.generation.logprobs import TokenPieces, pieces_of
 from services.llm.artifacts import load_tokenizer
 
 pytestmark = pytest.mark.unit
@@ -58,3 +58,8 @@ def test_entries_pair_each_token_with_its_alternatives(tokenizer):
         decode_pb2.TokenChunk(token_ids=ids, logprobs=[-0.5] * len(ids))
     )
     assert all(not e.top_logprobs for e in bare)
+
+
+def test_pools_of_one_tokenizer_share_its_pieces(tokenizer, model_dir):
+    assert pieces_of(tokenizer) is pieces_of(tokenizer)
+    assert pieces_of(load_tokenizer(model_dir)) is not pieces_of(tokenizer)
