@@ -34,7 +34,13 @@ from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 from mesh import caller, request_id
 from services.gateway.errors import ApiError, from_rpc
 from services.gateway.keys import Principal
-from services.gateway.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
+from services.gateway.openai_types import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    NamedToolChoice,
+    ResponsesNamedFunction,
+)
 from services.gateway.responses import Exchange, Guarded
 from services.gateway.shared import Shared
 from services.gateway.sse import (
@@ -145,15 +151,14 @@ def tool_definition(
 
 def choose_tools(
     request: generation_pb2.ChatRequest,
-    mode: str | None,
-    function: str | None,
+    choice: str | NamedToolChoice | ResponsesNamedFunction | None,
     parallel: bool | None,
 ) -> None:
     """tool_choice (a mode, or the function named) and parallel_tool_calls, where given."""
-    if mode is not None:
-        request.tool_choice.mode = TOOL_CHOICE_MODES[mode]
-    elif function is not None:
-        request.tool_choice.function = function
+    if isinstance(choice, str):
+        request.tool_choice.mode = TOOL_CHOICE_MODES[choice]
+    elif choice is not None:
+        request.tool_choice.function = choice.name
     if parallel is not None:
         request.parallel_tool_calls = parallel
 
@@ -189,10 +194,7 @@ def chat_request(body: ChatCompletionRequest) -> generation_pb2.ChatRequest:
             for t in body.tools or []
         ],
     )
-    choice = body.tool_choice
-    mode = choice if isinstance(choice, str) else None
-    function = choice.function.name if choice is not None and mode is None else None
-    choose_tools(request, mode, function, body.parallel_tool_calls)
+    choose_tools(request, body.tool_choice, body.parallel_tool_calls)
     return request
 
 

@@ -253,6 +253,11 @@ class NamedToolChoice(_Body):
     type: Literal["function"]
     function: NamedFunction
 
+    @property
+    def name(self) -> str:
+        """The function named, as the Responses API's tool_choice names it."""
+        return self.function.name
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)

@@ -129,10 +129,7 @@ def chat_request(body: ResponsesRequest) -> generation_pb2.ChatRequest:
     )
     if body.max_output_tokens is not None:
         request.stopping.max_new_tokens = body.max_output_tokens
-    choice = body.tool_choice
-    mode = choice if isinstance(choice, str) else None
-    function = choice.name if choice is not None and mode is None else None
-    choose_tools(request, mode, function, body.parallel_tool_calls)
+    choose_tools(request, body.tool_choice, body.parallel_tool_calls)
     return request
 
 
