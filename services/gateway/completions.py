@@ -16,12 +16,9 @@ limits with RESOURCE_EXHAUSTED, which becomes OpenAI's 429 here.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import string
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -53,12 +50,8 @@ from services.gateway.sse import (
     summed_usage,
 )
 
-log = logging.getLogger(__name__)
-
 GENERATION = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"]
 
-# SamplingParameters.seed is a uint64: choice i's seed + i wraps below this.
-MAX_SEED_EXCLUSIVE = 2**64
 # OpenAI's default temperature (the proto's unset 0 would be greedy).
 DEFAULT_TEMPERATURE = 1.0
 # The router's field paths in OpenAI's words (mesh field -> parameter).
@@ -69,6 +62,7 @@ PARAMS = {
     "sampling.temperature": "temperature",
     "sampling.top_p": "top_p",
     "sampling.seed": "seed",
+    "sampling.n": "n",
     "sampling.logprobs": "logprobs",
     "sampling.top_logprobs": "top_logprobs",
     "sampling.frequency_penalty": "frequency_penalty",
@@ -106,6 +100,8 @@ def sampling(body: Body) -> sampling_pb2.SamplingParameters:
         message.top_p = body.top_p
     if body.seed is not None:
         message.seed = body.seed
+    if body.n is not None and body.n > 1:
+        message.n = body.n
     if (alternatives := body.alternatives()) is not None:
         message.logprobs = True
         message.top_logprobs = alternatives
@@ -211,29 +207,14 @@ def completion_request(body: CompletionRequest) -> generation_pb2.GenerateReques
 
 @dataclass
 class _Run:
-    """One completion: its calls (one a choice, n of them), and how to answer it."""
+    """One completion: its call (every choice, sampling.n, in one stream), and how to
+    answer it."""
 
-    calls: list[Any]
+    call: Any
+    choices: int
     body: Body
     shape: Shape
     params: dict[str, str]
-
-
-def choices_of(request: Any, n: int) -> list[Any]:
-    """The request once a choice. Choice i samples with seed + i when a seed is given
-    (so n seeded choices differ and each reproduces), else with the fresh seed the router
-    gives each generation; the prompt's KV is computed for the first and found in the
-    prefix cache by the rest."""
-    if n == 1:
-        return [request]
-    copies = []
-    for index in range(n):
-        copy = type(request)()
-        copy.CopyFrom(request)
-        if request.sampling.HasField("seed"):
-            copy.sampling.seed = (request.sampling.seed + index) % MAX_SEED_EXCLUSIVE
-        copies.append(copy)
-    return copies
 
 
 class Completions:
@@ -275,16 +256,15 @@ class Completions:
         async def work(exchange: Exchange) -> None:
             async with self.shared.admitted(who, route, model=None, streaming=body.stream):
                 metadata = metadata_of(who, body.user)
-                calls = [method(r, metadata=metadata) for r in choices_of(request, body.n or 1)]
-                run = _Run(calls, body, shape, params_of(body))
+                call = method(request, metadata=metadata)
+                run = _Run(call, body.n or 1, body, shape, params_of(body))
                 try:
                     if body.stream:
                         await _stream(exchange, run)
                     else:
                         await _whole(exchange, run)
                 finally:
-                    for call in calls:
-                        call.cancel()  # a no-op once the call ended; else decode stops now
+                    call.cancel()  # a no-op once the call ended; else decode stops now
 
         return Guarded(work, route=route, send_timeout_s=self.shared.send_timeout_s)
 
@@ -298,102 +278,66 @@ def metadata_of(who: Principal, user: str | None) -> tuple[tuple[str, str], ...]
     return metadata
 
 
-async def collected(call: Any, params: dict[str, str]) -> Output:
-    """One choice's stream, whole; its failure as the API error it becomes."""
-    text: list[str] = []
-    logprobs: list[generation_pb2.TokenLogprob] = []
-    complete = None
+async def collected(call: Any, params: dict[str, str], choices: int = 1) -> list[Output]:
+    """Every choice of the stream, whole, in order; a failure as the API error it
+    becomes."""
+    text: list[list[str]] = [[] for _ in range(choices)]
+    logprobs: list[list[generation_pb2.TokenLogprob]] = [[] for _ in range(choices)]
+    completes: dict[int, generation_pb2.GenerationComplete] = {}
     try:
         async for message in call:
             if message.HasField("chunk"):
-                text.append(message.chunk.text)
-                logprobs.extend(message.chunk.logprobs)
+                text[message.chunk.index].append(message.chunk.text)
+                logprobs[message.chunk.index].extend(message.chunk.logprobs)
             else:
-                complete = message.complete
+                completes[message.complete.index] = message.complete
     except grpc.aio.AioRpcError as error:
         raise from_rpc(error, params) from None
-    if complete is None:
+    if len(completes) < choices:
         raise _unfinished()
-    return Output("".join(text), complete, logprobs)
+    return [Output("".join(text[i]), completes[i], logprobs[i]) for i in range(choices)]
 
 
 async def _whole(exchange: Exchange, run: _Run) -> None:
-    outputs = await asyncio.gather(*(collected(call, run.params) for call in run.calls))
+    outputs = await collected(run.call, run.params, run.choices)
     run.shape.fingerprint = outputs[0].complete.model_version or None
     await exchange.whole(JSONResponse(run.shape.whole(outputs)))
 
 
-async def _next(messages: AsyncIterator[Any]) -> Any | None:
-    return await anext(messages, None)
-
-
 async def _stream(exchange: Exchange, run: _Run) -> None:
-    """Every choice's first message is awaited before the response starts (a refusal is
-    its real status); then their events interleave as they come, each with its index."""
-    streams = [aiter(call) for call in run.calls]
+    """The first message is awaited before the response starts (a refusal is its real
+    status); then every choice opens, and their events go out as they come, each with
+    its choice's index."""
+    messages = aiter(run.call)
     try:
-        firsts = await asyncio.gather(*(_next(messages) for messages in streams))
+        message = await anext(messages, None)
     except grpc.aio.AioRpcError as error:
         raise from_rpc(error, run.params) from None
     await exchange.open_stream()
     shape = run.shape
-    for index in range(len(streams)):
+    for index in range(run.choices):
         if (opening := shape.opening(index)) is not None:
             await exchange.write(frame(opening))
-    # Bounded: a client that reads slowly slows its generations, as one stream's would.
-    events: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=4 * len(streams))
-
-    async def pump(index: int, first: Any, messages: AsyncIterator[Any]) -> None:
-        """One choice's messages into the queue, then how its stream ended: None, or the
-        error (any: a pump that ended unheard would leave the response waiting)."""
-        end: Exception | None = None
-        try:
-            message = first
-            while message is not None:
-                await events.put((index, message))
-                message = await _next(messages)
-        except asyncio.CancelledError:
-            raise  # the response is over; nobody reads the queue
-        except Exception as error:
-            end = error
-        await events.put((index, end))
-
-    pumps = [
-        asyncio.create_task(pump(i, first, messages))
-        for i, (first, messages) in enumerate(zip(firsts, streams, strict=True))
-    ]
     completes: dict[int, Any] = {}
     try:
-        open_choices = len(streams)
-        while open_choices:
-            index, message = await events.get()
-            if message is None:
-                open_choices -= 1
-                if index not in completes:
-                    await exchange.write(frame(_unfinished().body()))
-                    break
-            elif isinstance(message, grpc.aio.AioRpcError):
-                await exchange.write(frame(from_rpc(message, run.params).body()))
-                break
-            elif isinstance(message, Exception):
-                log.error("a generation stream failed", exc_info=message)
-                await exchange.write(frame(_unfinished().body()))
-                break
-            elif message.HasField("chunk"):
-                for event in shape.chunk_events(message.chunk, index):
+        while message is not None:
+            if message.HasField("chunk"):
+                for event in shape.chunk_events(message.chunk, message.chunk.index):
                     await exchange.write(frame(event))
             else:
+                index = message.complete.index
                 completes[index] = message.complete
                 shape.fingerprint = message.complete.model_version or None
                 reason = finish_reason(message.complete.finish_reason)
                 await exchange.write(frame(shape.finish_event(reason, index)))
-        else:
-            if shape.include_usage:
-                ordered = [completes[i] for i in range(len(streams))]
-                await exchange.write(frame(shape.usage_event(summed_usage(ordered))))
-    finally:
-        for task in pumps:
-            task.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
+            message = await anext(messages, None)
+    except grpc.aio.AioRpcError as error:
+        await exchange.write(frame(from_rpc(error, run.params).body()))
+    else:
+        if len(completes) < run.choices:
+            await exchange.write(frame(_unfinished().body()))
+        elif shape.include_usage:
+            ordered = [completes[i] for i in range(run.choices)]
+            await exchange.write(frame(shape.usage_event(summed_usage(ordered))))
     await exchange.write(DONE)
     await exchange.close()

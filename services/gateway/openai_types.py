@@ -23,7 +23,7 @@ from pydantic_core import PydanticCustomError
 from services.gateway.errors import encodable, invalid, unsupported
 
 MAX_STOP_SEQUENCES = 4
-# n: each choice is a generation of its own (its prompt found in the prefix cache).
+# n: the choices share one prefill and decode side by side (SamplingParameters.n).
 MAX_CHOICES = 16
 # OpenAI's bound on top_logprobs, and the engines' (services.llm.requests).
 MAX_TOP_LOGPROBS = 20

@@ -375,7 +375,7 @@ def respond(completions: Completions, body: ResponsesRequest, who: Principal) ->
                 if body.stream:
                     await _stream(exchange, body, named, call)
                     return
-                output = await collected(call, RESPONSE_PARAMS)
+                (output,) = await collected(call, RESPONSE_PARAMS)
             finally:
                 call.cancel()
             items = whole_output(output.text, output.complete)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from aimesh.llm.v1 import decode_pb2, sampling_pb2
 from mesh.triton import TritonModel
 from mesh.validation import Violations
 from services.generation.pipeline import Outcome
-from services.llm.requests import Stopping
+from services.llm.requests import Stopping, for_choice
 
 OUTPUTS = ("output_ids", "finish_reason")
 _FINISH = {b"length": sampling_pb2.FINISH_REASON_LENGTH, b"eos": sampling_pb2.FINISH_REASON_EOS}
@@ -40,18 +40,38 @@ class TritonGeneration:
         violations.check(not sampling.HasField("constraint"), "sampling.constraint", reason)
         violations.check(not sampling.logprobs, "sampling.logprobs", reason)
 
-    async def run(
+    @asynccontextmanager
+    async def choices(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: sampling_pb2.SamplingParameters,
+        limits: Stopping,
+        outcomes: list[Outcome],
+        *,
+        cache_salt: str = "",
+    ) -> AsyncIterator[list[AsyncIterator[decode_pb2.TokenChunk]]]:
+        """As Engine.choices. The model runs one sequence a request, so each choice is
+        a request of its own (its prompt computed again), seeded as the choice's decode
+        would be; Triton's model keeps no prefix cache, so `cache_salt` scopes nothing."""
+        streams = [
+            self._run(request_id, prompt_ids, for_choice(sampling, index), limits, outcome)
+            for index, outcome in enumerate(outcomes)
+        ]
+        try:
+            yield streams
+        finally:
+            for stream in streams:
+                await stream.aclose()
+
+    async def _run(
         self,
         request_id: str,
         prompt_ids: list[int],
         sampling: sampling_pb2.SamplingParameters,
         limits: Stopping,
         outcome: Outcome,
-        *,
-        cache_salt: str = "",
     ) -> AsyncIterator[decode_pb2.TokenChunk]:
-        """As Engine.run; Triton's model keeps no prefix cache, so `cache_salt` scopes
-        nothing here."""
         inputs = {
             "input_ids": np.array(prompt_ids, dtype=np.int64),
             "max_new_tokens": np.array([limits.max_new_tokens], dtype=np.int32),

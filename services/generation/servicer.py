@@ -6,12 +6,14 @@ and per-stage timing."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import functools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterable
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import AbstractAsyncContextManager, aclosing
 from typing import Protocol
 
 import grpc
@@ -34,6 +36,7 @@ from mesh.metering import Meter, MeterUnavailable
 from mesh.rpc import incoming
 from mesh.server import MeshServer
 from mesh.store_health import StoreHealth
+from mesh.streams import interleaved
 from mesh.timing import stage
 from mesh.triton import TritonModel
 from mesh.validation import Violations
@@ -79,19 +82,20 @@ class Engine(Protocol):
     ) -> None:
         """Adds a violation for each option of the request this engine cannot honour."""
 
-    def run(
+    def choices(
         self,
         request_id: str,
         prompt_ids: list[int],
         sampling: sampling_pb2.SamplingParameters,
         limits: Stopping,
-        outcome: Outcome,
+        outcomes: list[Outcome],
         *,
         cache_salt: str = "",
-    ) -> AsyncIterator[decode_pb2.TokenChunk]:
-        """Token ids (with their logprobs) as they are generated; `outcome` is filled in
-        as it goes. Closing the stream early cancels the generation. A prefix cache below
-        is scoped by the caller's client and `cache_salt`."""
+    ) -> AbstractAsyncContextManager[list[AsyncIterator[decode_pb2.TokenChunk]]]:
+        """A stream of token ids (with their logprobs) per choice (sampling.n, one
+        Outcome each, filled in as it goes), open for the block. Closing a stream early
+        cancels its generation. A prefix cache below is scoped by the caller's client and
+        `cache_salt`."""
         ...
 
 
@@ -263,7 +267,9 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
             prompt_ids = await pool.tokenizer.apply_chat_template(rid, list(request.messages))
             events = self._judged(rid, prompt_ids, request, "messages", received, route)
             if tooling is not None and tooling.constraint is not None:
-                events = _calls_apart(events, tool_calls.CallParser(tooling.answer_is_text))
+                events = _calls_apart(
+                    events, functools.partial(tool_calls.CallParser, tooling.answer_is_text)
+                )
             async for event in events:
                 yield generation_pb2.ChatResponse(**event)
 
@@ -312,7 +318,6 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         pool = route.pool
         limits = self._limits(request, prompt_ids, field)
         tokenize_s = time.perf_counter() - received
-        text = TextStream(pool.text_tokenizer, limits.stop_sequences)
         sampling, limits = await self._guided(rid, request, len(prompt_ids), limits, pool)
         sampling = _seeded(sampling)
         tenant = caller.current()
@@ -323,22 +328,25 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
             # default works the same way against a quota).
             length = min(limits.max_new_tokens, self.meter.reserve_tokens)
             limits = dataclasses.replace(limits, max_new_tokens=length)
-        reservation = await self.meter.reserve(tenant, len(prompt_ids) + limits.max_new_tokens)
-        outcome = Outcome()
+        outcomes = [Outcome() for _ in range(sampling.n or 1)]
+        reservation = await self.meter.reserve(
+            tenant, len(prompt_ids) + len(outcomes) * limits.max_new_tokens
+        )
         clock = (received, tokenize_s)
         try:
             async for event in self._generated(
-                rid, prompt_ids, request, clock, route, text, sampling, limits, outcome
+                rid, prompt_ids, request, clock, route, sampling, limits, outcomes
             ):
                 yield event
         finally:
             # However the request ended: the prompt is paid for once it went to the
-            # engine, and every token the engine sent, the client gone or not.
+            # engine (once, however many choices share it), and every token the engine
+            # sent, the client gone or not.
             self.meter.settle(
                 reservation,
                 route.model,
-                prompt_tokens=len(prompt_ids) if outcome.prompt_sent else 0,
-                completion_tokens=outcome.generated_tokens,
+                prompt_tokens=len(prompt_ids) if any(o.prompt_sent for o in outcomes) else 0,
+                completion_tokens=sum(o.generated_tokens for o in outcomes),
             )
 
     async def _generated(
@@ -348,64 +356,94 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         request,
         clock: tuple[float, float],
         route: Route,
-        text: TextStream,
         sampling: sampling_pb2.SamplingParameters,
         limits: Stopping,
-        outcome: Outcome,
+        outcomes: list[Outcome],
     ) -> AsyncIterator[dict]:
-        """The engine's tokens as text chunks, then the complete message; `clock` is when
-        the request was received and how long its tokenizing took."""
+        """Each choice's tokens as text chunks, then its complete message, the choices
+        interleaved as they come; `clock` is when the request was received and how long
+        its tokenizing took."""
         received, tokenize_s = clock
         pool = route.pool
-        last_token_at: float | None = None
-        received_tokens = 0
-        detokenize_s = 0.0
         engine: Engine = pool.engine  # type: ignore[assignment]
         version_itl = metrics.VERSION_INTER_TOKEN_LATENCY.labels(route.model, route.version)
         pieces = pool.pieces if sampling.logprobs else None
         if pieces is not None:
             await asyncio.to_thread(pieces.load)
-        run = engine.run(rid, prompt_ids, sampling, limits, outcome, cache_salt=request.cache_salt)
-        async with aclosing(run) as generated:
-            async for tokens in generated:
-                ids = list(tokens.token_ids)
-                logprobs = pieces.entries(tokens) if pieces is not None else ()
-                now = time.perf_counter()
-                if last_token_at is None:
-                    metrics.TIME_TO_FIRST_TOKEN.observe(now - received)
-                else:
-                    gap = (now - last_token_at) / len(ids)
-                    for _ in ids:
-                        metrics.INTER_TOKEN_LATENCY.observe(gap)
-                        if route.version:
-                            version_itl.observe(gap)
-                last_token_at = now
-                received_tokens += len(ids)
-                # Counted as they come, so a generation that ends early reports (and pays
-                # for) every token it received.
-                outcome.generated_tokens = max(outcome.generated_tokens, received_tokens)
-                piece = text.push(ids)
-                detokenize_s += time.perf_counter() - now
-                if text.stopped:
-                    # Leaving the block closes the engine's stream: decode (or Triton) is
-                    # cancelled before the last text goes out.
-                    break
-                yield {"chunk": _chunk(piece, ids, logprobs)}
-        if text.stopped:
-            outcome.finish_reason = sampling_pb2.FINISH_REASON_STOP_SEQUENCE
-            yield {"chunk": _chunk(piece, ids, logprobs)}
-        else:
-            started = time.perf_counter()
-            tail = text.finish()
-            detokenize_s += time.perf_counter() - started
-            if tail:
-                yield {"chunk": generation_pb2.GenerationChunk(text=tail)}
-        outcome.stages["detokenize"] = detokenize_s
+        first_token_seen = False
+
+        async def choice(
+            index: int, tokens: AsyncIterator[decode_pb2.TokenChunk]
+        ) -> AsyncIterator[dict]:
+            nonlocal first_token_seen
+            outcome = outcomes[index]
+            text = TextStream(pool.text_tokenizer, limits.stop_sequences)
+            last_token_at: float | None = None
+            received_tokens = 0
+            detokenize_s = 0.0
+            async with aclosing(tokens) as generated:
+                async for chunk in generated:
+                    ids = list(chunk.token_ids)
+                    logprobs = pieces.entries(chunk) if pieces is not None else ()
+                    now = time.perf_counter()
+                    if not first_token_seen:
+                        first_token_seen = True
+                        metrics.TIME_TO_FIRST_TOKEN.observe(now - received)
+                    if last_token_at is not None:
+                        gap = (now - last_token_at) / len(ids)
+                        for _ in ids:
+                            metrics.INTER_TOKEN_LATENCY.observe(gap)
+                            if route.version:
+                                version_itl.observe(gap)
+                    last_token_at = now
+                    received_tokens += len(ids)
+                    # Counted as they come, so a generation that ends early reports (and
+                    # pays for) every token it received.
+                    outcome.generated_tokens = max(outcome.generated_tokens, received_tokens)
+                    piece = text.push(ids)
+                    detokenize_s += time.perf_counter() - now
+                    if text.stopped:
+                        # Leaving the block closes the engine's stream: this choice's
+                        # decode (or Triton request) is cancelled before its last text.
+                        break
+                    yield {"chunk": _chunk(piece, ids, logprobs, index)}
+            if text.stopped:
+                outcome.finish_reason = sampling_pb2.FINISH_REASON_STOP_SEQUENCE
+                yield {"chunk": _chunk(piece, ids, logprobs, index)}
+            else:
+                started = time.perf_counter()
+                tail = text.finish()
+                detokenize_s += time.perf_counter() - started
+                if tail:
+                    yield {"chunk": generation_pb2.GenerationChunk(text=tail, index=index)}
+            outcome.stages["detokenize"] = detokenize_s
+            yield {
+                "complete": self._complete(
+                    outcome, len(prompt_ids), received, tokenize_s, route, index
+                )
+            }
+
+        async with engine.choices(
+            rid, prompt_ids, sampling, limits, outcomes, cache_salt=request.cache_salt
+        ) as streams:
+            choices = [choice(index, tokens) for index, tokens in enumerate(streams)]
+            try:
+                async with aclosing(interleaved(choices)) as events:
+                    async for _, event in events:
+                        yield event
+            finally:
+                for each in choices:
+                    await each.aclose()
         metrics.E2E_REQUEST_LATENCY.observe(time.perf_counter() - received)
-        yield {"complete": self._complete(outcome, len(prompt_ids), received, tokenize_s, route)}
 
     def _complete(
-        self, outcome: Outcome, prompt_tokens: int, received: float, tokenize_s: float, route: Route
+        self,
+        outcome: Outcome,
+        prompt_tokens: int,
+        received: float,
+        tokenize_s: float,
+        route: Route,
+        index: int,
     ) -> generation_pb2.GenerationComplete:
         stages = {"tokenize": tokenize_s, **outcome.stages}
         return generation_pb2.GenerationComplete(
@@ -427,6 +465,7 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
             decode_worker=outcome.decode_worker,
             model=route.model,
             model_version=route.version,
+            index=index,
         )
 
 
@@ -534,9 +573,9 @@ def registered_info(deployment: Deployment, settings: LlmSettings) -> ModelInfo:
 
 
 def _chunk(
-    text: str, ids: list[int], logprobs: Iterable[generation_pb2.TokenLogprob]
+    text: str, ids: list[int], logprobs: Iterable[generation_pb2.TokenLogprob], index: int
 ) -> generation_pb2.GenerationChunk:
-    return generation_pb2.GenerationChunk(text=text, token_ids=ids, logprobs=logprobs)
+    return generation_pb2.GenerationChunk(text=text, token_ids=ids, logprobs=logprobs, index=index)
 
 
 def _seeded(sampling: sampling_pb2.SamplingParameters) -> sampling_pb2.SamplingParameters:
@@ -566,26 +605,28 @@ def _with_tools_planned(
 
 
 async def _calls_apart(
-    events: AsyncIterator[dict], parser: tool_calls.CallParser
+    events: AsyncIterator[dict], parser: Callable[[], tool_calls.CallParser]
 ) -> AsyncIterator[dict]:
-    """The constrained output taken apart as it streams: each chunk's text becomes the
-    answer's text and the calls' deltas; the end carries the calls, whole, and says the
-    turn ended in them."""
+    """The constrained output taken apart as it streams, each choice by a `parser` of
+    its own: each chunk's text becomes the answer's text and the calls' deltas; the end
+    carries the calls, whole, and says the turn ended in them."""
+    parsers: dict[int, tool_calls.CallParser] = collections.defaultdict(parser)
     async for event in events:
         if "chunk" in event:
             chunk = event["chunk"]
-            text, deltas = parser.feed(chunk.text)
+            text, deltas = parsers[chunk.index].feed(chunk.text)
             event = {
                 "chunk": generation_pb2.GenerationChunk(
                     text=text,
                     token_ids=chunk.token_ids,
                     tool_calls=deltas,
                     logprobs=chunk.logprobs,
+                    index=chunk.index,
                 )
             }
-        elif parser.calls:
+        elif calls := parsers[event["complete"].index].calls:
             complete = event["complete"]
-            complete.tool_calls.extend(parser.calls)
+            complete.tool_calls.extend(calls)
             if complete.finish_reason == sampling_pb2.FINISH_REASON_EOS:
                 complete.finish_reason = sampling_pb2.FINISH_REASON_TOOL_CALLS
         yield event

@@ -394,7 +394,7 @@ async def warm_generation(pool: Pool, request_id: str) -> None:
     real request then finds every connection open and every kernel run once."""
     ids = await pool.tokenizer.tokenize(WARM_PROMPT, request_id)
     engine: Pipeline = pool.engine  # type: ignore[assignment]
-    async for _ in engine.run(
-        request_id, ids, sampling_pb2.SamplingParameters(), warm_stopping(), Outcome()
-    ):
-        pass
+    sampling = sampling_pb2.SamplingParameters()
+    async with engine.choices(request_id, ids, sampling, warm_stopping(), [Outcome()]) as (stream,):
+        async for _ in stream:
+            pass

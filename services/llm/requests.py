@@ -26,6 +26,28 @@ MAX_STOP_SEQUENCES = 4
 # OpenAI's bound on top_logprobs; each costs a top-k over the vocabulary per token.
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_BYTES = 64
+# OpenAI's bound on n (choices of one prompt); each is a decode sequence.
+MAX_N = 16
+SEED_SPACE = 2**64
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded `seed` (SamplingParameters.n):
+    seeded choices differ, and each reproduces alone with its own seed."""
+    return (seed + index) % SEED_SPACE
+
+
+def for_choice(
+    sampling: sampling_pb2.SamplingParameters, index: int
+) -> sampling_pb2.SamplingParameters:
+    """Choice `index`'s own sampling, as its decode (or a Triton request) takes it: its
+    seed, and n left out."""
+    own = sampling_pb2.SamplingParameters()
+    own.CopyFrom(sampling)
+    own.ClearField("n")
+    if sampling.HasField("seed") or index:  # an unset seed samples as 0
+        own.seed = choice_seed(sampling.seed, index)
+    return own
 
 
 def sampling_params(
@@ -66,6 +88,7 @@ def sampling_params(
         "cannot be combined with sampling.choices",
     )
     violations.in_range(message.top_logprobs, "sampling.top_logprobs", 0, MAX_TOP_LOGPROBS)
+    violations.in_range(message.n, "sampling.n", 0, MAX_N)
     violations.check(
         message.logprobs or not message.top_logprobs,
         "sampling.top_logprobs",

@@ -18,7 +18,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from mesh.failures import NotFound, Overloaded
@@ -29,7 +29,8 @@ from services.llm.kv_transfer import new_handle_id
 from services.llm.llama import Llama
 from services.llm.passes import cut_at_or_before, passes
 from services.llm.prefix import UNSCOPED
-from services.llm.sampling import SamplingParams, sample
+from services.llm.requests import choice_seed
+from services.llm.sampling import Draw, SamplingParams, sample
 from services.prefill.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
@@ -49,6 +50,10 @@ class Lease:
     traceparent: str = ""
     owner: str = ""
     release_token: str = ""
+    # Every handle that reads this KV, this one included: one per choice of the prompt
+    # (SamplingParameters.n). Shared by those leases; the KV's bytes are held until the
+    # last of them is released.
+    readers: set[str] = field(default_factory=set)
 
 
 # How long a release by token for a KV not made yet is remembered: longer than any prefill
@@ -67,7 +72,7 @@ class KvStore:
     capacity_bytes: int
     clock: Callable[[], float] = time.monotonic
     _leases: dict[str, Lease] = field(default_factory=dict)
-    _by_token: dict[TokenKey, str] = field(default_factory=dict)
+    _by_token: dict[TokenKey, list[str]] = field(default_factory=dict)
     # Tokens released before their KV existed -> when they are forgotten (expiry order).
     _tombstones: OrderedDict[TokenKey, float] = field(default_factory=OrderedDict)
     used_bytes: int = 0
@@ -85,6 +90,20 @@ class KvStore:
     ) -> Lease:
         """Leases `kv` to `owner` under a new id; not at all if `release_token` was
         released already (its caller gave up before the KV was made)."""
+        return self.put_shared(kv, ttl_s, 1, traceparent, owner, release_token)[0]
+
+    def put_shared(
+        self,
+        kv: KvState,
+        ttl_s: float,
+        readers: int,
+        traceparent: str = "",
+        owner: str = "",
+        release_token: str = "",
+    ) -> list[Lease]:
+        """As put, under `readers` handles, each released apart (the choices of one
+        prompt each pull it); its bytes count once, until the last is released.
+        `release_token` frees them all."""
         nbytes = kv_nbytes(kv)
         if self.used_bytes + nbytes > self.capacity_bytes:
             self.expire()
@@ -95,25 +114,32 @@ class KvStore:
                 retry_after_s=max(soonest - self.clock(), 0.05),
                 reason="KV_STORE_FULL",
             )
-        lease = Lease(
-            handle_id=new_handle_id(),
-            kv=kv,
-            num_tokens=kv_tokens(kv),
-            nbytes=nbytes,
-            expires_at=self.clock() + ttl_s,
-            expires_unix_ms=int((time.time() + ttl_s) * 1000),
-            traceparent=traceparent,
-            owner=owner,
-            release_token=release_token,
-        )
+        handles = [new_handle_id() for _ in range(readers)]
+        shared = set(handles)
+        leases = [
+            Lease(
+                handle_id=handle_id,
+                kv=kv,
+                num_tokens=kv_tokens(kv),
+                nbytes=nbytes,
+                expires_at=self.clock() + ttl_s,
+                expires_unix_ms=int((time.time() + ttl_s) * 1000),
+                traceparent=traceparent,
+                owner=owner,
+                release_token=release_token,
+                readers=shared,
+            )
+            for handle_id in handles
+        ]
         if release_token and self._tombstones.pop((owner, release_token), None) is not None:
-            return lease
+            return leases
         if release_token:
-            self._by_token[owner, release_token] = lease.handle_id
-        self._leases[lease.handle_id] = lease
+            self._by_token[owner, release_token] = list(handles)
+        for lease in leases:
+            self._leases[lease.handle_id] = lease
         self.used_bytes += nbytes
         metrics.PREFILL_KV_LEASED_BYTES.set(self.used_bytes)
-        return lease
+        return leases
 
     def get(self, handle_id: str, owner: str = "") -> Lease:
         lease = self._leases.get(handle_id)
@@ -133,17 +159,19 @@ class KvStore:
         if lease is None or lease.owner != owner:
             return False
         del self._leases[handle_id]
-        self._by_token.pop((owner, lease.release_token), None)
-        self.used_bytes -= lease.nbytes
-        metrics.PREFILL_KV_LEASED_BYTES.set(self.used_bytes)
+        lease.readers.discard(handle_id)
+        if not lease.readers:
+            self._by_token.pop((owner, lease.release_token), None)
+            self.used_bytes -= lease.nbytes
+            metrics.PREFILL_KV_LEASED_BYTES.set(self.used_bytes)
         return True
 
     def release_by_token(self, release_token: str, owner: str = "") -> bool:
         """Frees `owner`'s KV made with `release_token`; one not made yet is remembered
         (bounded in time and number) and dropped when it is made."""
-        handle_id = self._by_token.get((owner, release_token))
-        if handle_id is not None:
-            return self.release(handle_id, owner)
+        handle_ids = self._by_token.get((owner, release_token))
+        if handle_ids is not None:
+            return any([self.release(handle_id, owner) for handle_id in list(handle_ids)])
         self._tombstones[owner, release_token] = self.clock() + TOMBSTONE_S
         self._tombstones.move_to_end((owner, release_token))
         while len(self._tombstones) > MAX_TOMBSTONES:
@@ -171,6 +199,9 @@ class PrefillResult:
     lookup_s: float = 0.0
     # The most likely first tokens, when the request asked for them.
     top: tuple[tuple[int, float], ...] = ()
+    # The first tokens of choices 1 to n-1 (SamplingParameters.n), each drawn with its
+    # own seed from the same last position.
+    others: tuple[Draw, ...] = ()
 
 
 class PrefillEngine:
@@ -189,10 +220,12 @@ class PrefillEngine:
         params: SamplingParams,
         scope: int = UNSCOPED,
         guide: Guide | None = None,
+        choices: int = 1,
     ) -> PrefillResult:
         """Blocking: call it on the model thread, the only one that touches the cache.
         The prompt reads and feeds the prefix cache of `scope` alone; `guide` (a
-        constrained request's matcher, at its start) masks the first token."""
+        constrained request's matcher, at its start) masks the first token. Each of
+        `choices` draws a first token from the one pass, choice i with seed + i."""
         started = time.perf_counter()
         usable = cut_at_or_before if self.fixed_passes else None
         hit = self.prefixes.lookup(token_ids, scope, usable)
@@ -213,7 +246,10 @@ class PrefillEngine:
                 token_ids, cuts=passes(0, len(token_ids)) if self.fixed_passes else None
             )
         allowed = guide.allowed() if guide is not None else None
-        draw = sample(logits, params, token_ids, index=0, allowed=allowed)
+        draw, *others = [
+            sample(logits, _choice(params, i), token_ids, index=0, allowed=allowed)
+            for i in range(choices)
+        ]
         computed = time.perf_counter()
         self.prefixes.insert(token_ids, kv, hit, scope)
         return PrefillResult(
@@ -224,9 +260,17 @@ class PrefillEngine:
             cached_tokens=cached,
             lookup_s=(looked_up - started) + (time.perf_counter() - computed),
             top=draw.top,
+            others=tuple(others),
         )
 
     def warm_up(self) -> None:
         """One prompt through the engine, not cached: it is no one's prefix."""
         prompt = [self.model.config.bos_token_id or 0] * 8
         self.model.prefill(prompt)
+
+
+def _choice(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice `index`'s sampling: its own seed, the rest shared."""
+    if index == 0 or params.greedy:
+        return params
+    return replace(params, seed=choice_seed(params.seed or 0, index))

@@ -25,7 +25,7 @@ from services.llm.kv_transfer import HANDLE_ID, HANDLE_ID_RULE
 from services.llm.prefix import MAX_CACHE_SALT_BYTES, cache_scope
 from services.llm.requests import check_prompt, end_token, sampling_params, top_logprobs
 from services.llm.settings import LlmSettings, llm_settings
-from services.prefill.engine import KvStore, PrefillEngine
+from services.prefill.engine import KvStore, Lease, PrefillEngine
 from services.prefill.prefix_cache import PrefixCache
 from services.prefill.settings import PrefillOptions
 
@@ -92,36 +92,51 @@ class PrefillWorker(
         owner = caller.current()
         client = owner if self.options.prefix_cache_scope == "tenant" else ""
         scope = cache_scope(client, request.cache_salt)
+        choices = request.sampling.n or 1
         result = await loop.run_in_executor(
-            self.model_thread, engine.run, token_ids, params, scope, guide
+            self.model_thread, engine.run, token_ids, params, scope, guide, choices
         )
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
-        lease = self.store.put(
-            result.kv, ttl_s, carrier.get("traceparent", ""), owner, request.release_token
+        lease, *others = self.store.put_shared(
+            result.kv, ttl_s, choices, carrier.get("traceparent", ""), owner, request.release_token
         )
 
-        # A caller that gave up before this answer was sent never learns the id: the KV
+        # A caller that gave up before this answer was sent never learns the ids: the KV
         # goes now instead of at the end of its lease. (One that gives up while the answer
         # is on its way releases by its release token.)
         def drop_if_undelivered(call: grpc.aio.ServicerContext) -> None:
             if call.cancelled():
-                self.store.release(lease.handle_id, owner)
+                for handle_id in list(lease.readers):
+                    self.store.release(handle_id, owner)
 
         context.add_done_callback(drop_if_undelivered)
-        waited = time.perf_counter() - queued - result.compute_s - result.lookup_s
-        return prefill_pb2.PrefillResponse(
-            first_token_id=result.first_token,
-            first_token_logprob=result.logprob,
-            first_token_top_logprobs=top_logprobs(result.top) if result.top else None,
-            kv_handle=kv_cache_pb2.KvHandle(
+
+        def handle(lease: Lease) -> kv_cache_pb2.KvHandle:
+            return kv_cache_pb2.KvHandle(
                 id=lease.handle_id,
                 address=self.address,
                 num_tokens=lease.num_tokens,
                 lease_expires_unix_ms=lease.expires_unix_ms,
                 traceparent=lease.traceparent,
                 **kv_codec.handle_fields(result.kv, self.kv_format),
-            ),
+            )
+
+        waited = time.perf_counter() - queued - result.compute_s - result.lookup_s
+        return prefill_pb2.PrefillResponse(
+            first_token_id=result.first_token,
+            first_token_logprob=result.logprob,
+            first_token_top_logprobs=top_logprobs(result.top) if result.top else None,
+            kv_handle=handle(lease),
+            other_choices=[
+                prefill_pb2.ChoiceStart(
+                    first_token_id=draw.token,
+                    first_token_logprob=draw.logprob,
+                    first_token_top_logprobs=top_logprobs(draw.top) if draw.top else None,
+                    kv_handle=handle(other),
+                )
+                for draw, other in zip(result.others, others, strict=True)
+            ],
             prompt_tokens=len(token_ids),
             cached_tokens=result.cached_tokens,
             timing=common_pb2.Timing(

@@ -44,10 +44,11 @@ async def test_requests_per_minute_is_one_bucket_across_the_gateway_and_the_edge
 
 
 async def test_a_budget_spent_through_the_gateway_is_spent_at_the_edge(edge: Edge):
-    """frugal spends part of its budget on a chat completion through the gateway; the
-    edge's JSON /v1/generate asking for more than is left is refused (it used to be served
-    whatever the gateway had counted), a request that fits is served, and the ledger is the
-    sum of the usage both doors reported."""
+    """frugal spends part of its budget on a chat completion through the gateway, two
+    choices of one prompt (billed once: one prefill computed it); the edge's JSON
+    /v1/generate asking for more than is left is refused (it used to be served whatever
+    the gateway had counted), a request that fits is served, and the ledger is the sum
+    of the usage both doors reported."""
     async with http(edge, "sk-frugal") as client:
         chat = await client.post(
             "/v1/chat/completions",
@@ -55,10 +56,13 @@ async def test_a_budget_spent_through_the_gateway_is_spent_at_the_edge(edge: Edg
                 "model": DEFAULT_NAME,
                 "messages": [{"role": "user", "content": "Say hi."}],
                 "max_tokens": 8,
+                "n": 2,
             },
         )
         assert chat.status_code == 200, chat.text
-        spent = chat.json()["usage"]["total_tokens"]
+        usage = chat.json()["usage"]
+        spent = usage["total_tokens"]
+        assert spent == usage["prompt_tokens"] + usage["completion_tokens"]
         left = FRUGAL_BUDGET - spent
         assert left > 10
         too_much = await client.post(

@@ -11,7 +11,8 @@ The last message (chat) or the prompt (completions) picks the script:
   "forever"        a chunk every 20 ms until cancelled
   "stall"          nothing until cancelled
   anything else    "Hello, world!" in four chunks (two with max_new_tokens=2), with
-                   made-up logprobs when sampling.logprobs asks
+                   made-up logprobs when sampling.logprobs asks; each of sampling.n
+                   choices so, their chunks interleaved, their ends in reverse order
 
 The fake diffusion draws `num_images` tiny PNGs whose pixel is its seed's low byte, after
 a queued and a progress event; a prompt that is not a single digit is refused as the
@@ -116,30 +117,34 @@ class FakeGeneration(generation_pb2_grpc.GenerationServiceServicer):
             request.stopping.max_new_tokens if request.stopping.HasField("max_new_tokens") else 9
         )
         words = WORDS[:limit]
+        choices = range(request.sampling.n or 1)
         for word in words:
-            chunk = generation_pb2.GenerationChunk(text=word, token_ids=[7])
-            if request.sampling.logprobs:
-                chunk.logprobs.append(token_logprob(word, request.sampling.top_logprobs))
-            yield {"chunk": chunk}
+            for index in choices:
+                chunk = generation_pb2.GenerationChunk(text=word, token_ids=[7], index=index)
+                if request.sampling.logprobs:
+                    chunk.logprobs.append(token_logprob(word, request.sampling.top_logprobs))
+                yield {"chunk": chunk}
         reason = (
             sampling_pb2.FINISH_REASON_LENGTH
             if len(words) < len(WORDS)
             else sampling_pb2.FINISH_REASON_EOS
         )
         prompt_tokens = len(text.split())
-        yield {
-            "complete": generation_pb2.GenerationComplete(
-                finish_reason=reason,
-                usage=common_pb2.Usage(
-                    prompt_tokens=prompt_tokens,
-                    completion_tokens=len(words),
-                    total_tokens=prompt_tokens + len(words),
-                    # As if every prompt token but the last had been in prefill's cache.
-                    cached_tokens=max(prompt_tokens - 1, 0),
-                ),
-                model=LLM,
-            )
-        }
+        for index in reversed(choices):  # out of order: the gateway answers in order
+            yield {
+                "complete": generation_pb2.GenerationComplete(
+                    finish_reason=reason,
+                    usage=common_pb2.Usage(
+                        prompt_tokens=prompt_tokens,
+                        completion_tokens=len(words),
+                        total_tokens=prompt_tokens + len(words),
+                        # As if every prompt token but the last had been in prefill's cache.
+                        cached_tokens=max(prompt_tokens - 1, 0),
+                    ),
+                    model=LLM,
+                    index=index,
+                )
+            }
 
 
 def token_logprob(word: str, alternatives: int) -> generation_pb2.TokenLogprob:

@@ -30,7 +30,7 @@ from mesh.errors import field_violations
 from mesh.info import get_info
 from services.llm.artifacts import load_tokenizer, resolve_model
 from services.llm.kv_transfer import new_handle_id
-from tests.conftest import VENV_BIN
+from tests.conftest import VENV_BIN, eventually
 from tests.services.llm.conftest import (
     MAX_SEQ_LEN,
     decode_refusal,
@@ -160,6 +160,58 @@ async def test_seeded_sampling_reproduces(llm_mesh):
         ]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
+
+
+def _prefill_calls(url: str) -> float:
+    """Prefill RPCs the worker completed with OK, from its /metrics."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    pattern = r"^aimesh_rpc_server_handled_total\{([^}]*)\} ([0-9.e+-]+)$"
+    return sum(
+        float(value)
+        for labels, value in re.findall(pattern, text, re.MULTILINE)
+        if 'grpc_method="Prefill"' in labels and 'grpc_code="OK"' in labels
+    )
+
+
+async def test_n_choices_share_one_prefill_and_each_reproduces_alone(llm_mesh):
+    """sampling.n = 3, seeded: one Prefill for the three; choice i's tokens are exactly
+    those of a request of its own seeded seed + i; every choice ends with its own
+    complete, each counting the prompt; the three handles to the KV are all released."""
+    stub, channel = llm_mesh.stub()
+    url = llm_mesh.metrics_url("prefill")
+    prompt = "Tell me a story about a dragon:"
+
+    def sampled(seed: int, n: int = 0) -> sampling_pb2.SamplingParameters:
+        return sampling_pb2.SamplingParameters(temperature=0.9, top_k=50, seed=seed, n=n)
+
+    async with channel:
+        before = _prefill_calls(url)
+        call = stub.Generate(
+            generation_pb2.GenerateRequest(
+                prompt=prompt, sampling=sampled(41, n=3), stopping=stopping(16)
+            ),
+            timeout=120,
+        )
+        ids: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        completes: dict[int, generation_pb2.GenerationComplete] = {}
+        async for message in call:
+            if message.HasField("chunk"):
+                ids[message.chunk.index] += message.chunk.token_ids
+            else:
+                completes[message.complete.index] = message.complete
+        assert _prefill_calls(url) - before == 1
+        alone = [
+            await generate(stub, prompt=prompt, sampling=sampled(41 + i), stopping=stopping(16))
+            for i in range(3)
+        ]
+    assert [ids[i] for i in range(3)] == [tokens for tokens, _, _ in alone]
+    assert len({tuple(tokens) for tokens, _, _ in alone}) == 3
+    assert sorted(completes) == [0, 1, 2]
+    assert [completes[i].usage for i in range(3)] == [complete.usage for *_, complete in alone]
+    await eventually(
+        lambda: metric_at(url, "aimesh_llm_prefill_kv_leased_bytes") == 0, timeout_s=10
+    )
 
 
 async def test_sampling_without_a_seed_differs_from_request_to_request(llm_mesh):
@@ -339,8 +391,12 @@ async def test_no_leaks_after_200_streams_cancelled_at_random_points(llm_mesh, p
     rng = random.Random(7)
 
     async def one(i: int) -> None:
+        # Half the requests ask for several choices (one prefill, a handle each).
+        choices = sampling_pb2.SamplingParameters(n=(1, 2, 1, 3)[i % 4])
         call = stub.Generate(
-            generation_pb2.GenerateRequest(prompt=prompts[i % len(prompts)], stopping=stopping(12)),
+            generation_pb2.GenerateRequest(
+                prompt=prompts[i % len(prompts)], sampling=choices, stopping=stopping(12)
+            ),
             timeout=60,
         )
 

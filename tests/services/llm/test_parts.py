@@ -268,6 +268,34 @@ def test_a_release_token_frees_its_clients_kv_even_before_it_is_made():
     assert len(store) == 0 and store.used_bytes == 0
 
 
+def test_the_choices_of_one_prompt_each_hold_the_kv_until_the_last_lets_go():
+    """sampling.n: one KV under a handle per choice. Its bytes count once; a choice's
+    decode that released its handle leaves the KV for the others; the last release frees
+    it, and the release token frees every handle at once."""
+    from mesh.failures import NotFound
+    from services.llm.kv_transfer import new_handle_id
+    from services.prefill.engine import KvStore
+
+    store = KvStore(capacity_bytes=10**9)
+    kv = _kv(8)
+    first, second, third = store.put_shared(kv, 30, 3, owner="acme")
+    assert len({first.handle_id, second.handle_id, third.handle_id}) == 3
+    one_kv = store.used_bytes
+    assert one_kv == first.nbytes and len(store) == 3
+    assert store.release(first.handle_id, "acme") and store.used_bytes == one_kv
+    assert store.release(first.handle_id, "acme") is False  # once per handle
+    with pytest.raises(NotFound):
+        store.get(first.handle_id, "acme")
+    assert store.get(second.handle_id, "acme").kv is kv
+    assert store.release(second.handle_id, "acme") and store.release(third.handle_id, "acme")
+    assert len(store) == 0 and store.used_bytes == 0
+
+    token = new_handle_id()
+    store.put_shared(_kv(8), 30, 4, owner="acme", release_token=token)
+    assert store.release_by_token(token, "acme") is True
+    assert len(store) == 0 and store.used_bytes == 0
+
+
 def test_a_local_model_directory_is_used_as_given_and_checked(tmp_path, model_dir):
     from mesh.failures import NotReady
 

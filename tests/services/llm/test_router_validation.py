@@ -76,6 +76,8 @@ BAD_REQUESTS = [
         {"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(top_logprobs=2)},
         "sampling.top_logprobs",
     ),
+    ({"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(n=17)}, "sampling.n"),
+    ({"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(n=2**32 - 1)}, "sampling.n"),
     ({"prompt": "hi", "model": "gpt-17"}, "model"),
     (
         {"prompt": "hi", "sampling": sampling_pb2.SamplingParameters(repetition_penalty=1e-30)},

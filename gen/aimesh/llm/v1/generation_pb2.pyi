@@ -94,16 +94,18 @@ class ChatResponse(_message.Message):
     def __init__(self, chunk: _Optional[_Union[GenerationChunk, _Mapping]] = ..., complete: _Optional[_Union[GenerationComplete, _Mapping]] = ...) -> None: ...
 
 class GenerationChunk(_message.Message):
-    __slots__ = ("text", "token_ids", "tool_calls", "logprobs")
+    __slots__ = ("text", "token_ids", "tool_calls", "logprobs", "index")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    index: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "token", "bytes", "logprob", "top_logprobs")
@@ -144,7 +146,7 @@ class ToolCallDelta(_message.Message):
     def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class GenerationComplete(_message.Message):
-    __slots__ = ("finish_reason", "usage", "timing", "prefill_worker", "decode_worker", "model", "model_version", "tool_calls")
+    __slots__ = ("finish_reason", "usage", "timing", "prefill_worker", "decode_worker", "model", "model_version", "tool_calls", "index")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +155,7 @@ class GenerationComplete(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _sampling_pb2.FinishReason
     usage: _common_pb2.Usage
     timing: _common_pb2.Timing
@@ -161,4 +164,5 @@ class GenerationComplete(_message.Message):
     model: str
     model_version: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolCall]
-    def __init__(self, finish_reason: _Optional[_Union[_sampling_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[_common_pb2.ToolCall, _Mapping]]] = ...) -> None: ...
+    index: int
+    def __init__(self, finish_reason: _Optional[_Union[_sampling_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[_common_pb2.ToolCall, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...

@@ -28,7 +28,7 @@ from aimesh.llm.v1 import sampling_pb2 as aimesh_dot_llm_dot_v1_dot_sampling__pb
 from google.api import field_behavior_pb2 as google_dot_api_dot_field__behavior__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61imesh/llm/v1/prefill.proto\x12\raimesh.llm.v1\x1a\x1d\x61imesh/common/v1/common.proto\x1a\x1c\x61imesh/llm/v1/kv_cache.proto\x1a\x1c\x61imesh/llm/v1/sampling.proto\x1a\x1fgoogle/api/field_behavior.proto\"\xca\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\ttoken_ids\x18\x02 \x03(\rB\x04\xe2\x41\x01\x02\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.aimesh.llm.v1.SamplingParameters\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\x03\x12\x15\n\thandle_id\x18\x05 \x01(\tB\x02\x18\x01\x12\x15\n\rrelease_token\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"\x88\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x1b\n\x13\x66irst_token_logprob\x18\x02 \x01(\x02\x12*\n\tkv_handle\x18\x03 \x01(\x0b\x32\x17.aimesh.llm.v1.KvHandle\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12(\n\x06timing\x18\x05 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12<\n\x18\x66irst_token_top_logprobs\x18\x07 \x01(\x0b\x32\x1a.aimesh.llm.v1.TopLogprobs2Z\n\x0ePrefillService\x12H\n\x07Prefill\x12\x1d.aimesh.llm.v1.PrefillRequest\x1a\x1e.aimesh.llm.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x61imesh/llm/v1/prefill.proto\x12\raimesh.llm.v1\x1a\x1d\x61imesh/common/v1/common.proto\x1a\x1c\x61imesh/llm/v1/kv_cache.proto\x1a\x1c\x61imesh/llm/v1/sampling.proto\x1a\x1fgoogle/api/field_behavior.proto\"\xca\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\ttoken_ids\x18\x02 \x03(\rB\x04\xe2\x41\x01\x02\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.aimesh.llm.v1.SamplingParameters\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\x03\x12\x15\n\thandle_id\x18\x05 \x01(\tB\x02\x18\x01\x12\x15\n\rrelease_token\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"\xbb\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x1b\n\x13\x66irst_token_logprob\x18\x02 \x01(\x02\x12*\n\tkv_handle\x18\x03 \x01(\x0b\x32\x17.aimesh.llm.v1.KvHandle\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12(\n\x06timing\x18\x05 \x01(\x0b\x32\x18.aimesh.common.v1.Timing\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12<\n\x18\x66irst_token_top_logprobs\x18\x07 \x01(\x0b\x32\x1a.aimesh.llm.v1.TopLogprobs\x12\x31\n\rother_choices\x18\x08 \x03(\x0b\x32\x1a.aimesh.llm.v1.ChoiceStart\"\xac\x01\n\x0b\x43hoiceStart\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x1b\n\x13\x66irst_token_logprob\x18\x02 \x01(\x02\x12<\n\x18\x66irst_token_top_logprobs\x18\x03 \x01(\x0b\x32\x1a.aimesh.llm.v1.TopLogprobs\x12*\n\tkv_handle\x18\x04 \x01(\x0b\x32\x17.aimesh.llm.v1.KvHandle2Z\n\x0ePrefillService\x12H\n\x07Prefill\x12\x1d.aimesh.llm.v1.PrefillRequest\x1a\x1e.aimesh.llm.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,7 +42,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=171
   _globals['_PREFILLREQUEST']._serialized_end=373
   _globals['_PREFILLRESPONSE']._serialized_start=376
-  _globals['_PREFILLRESPONSE']._serialized_end=640
-  _globals['_PREFILLSERVICE']._serialized_start=642
-  _globals['_PREFILLSERVICE']._serialized_end=732
+  _globals['_PREFILLRESPONSE']._serialized_end=691
+  _globals['_CHOICESTART']._serialized_start=694
+  _globals['_CHOICESTART']._serialized_end=866
+  _globals['_PREFILLSERVICE']._serialized_start=868
+  _globals['_PREFILLSERVICE']._serialized_end=958
 # @@protoc_insertion_point(module_scope)

@@ -29,7 +29,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParameters, _Mapping]] = ..., lease_ttl_ms: _Optional[int] = ..., handle_id: _Optional[str] = ..., release_token: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_token_logprob", "kv_handle", "prompt_tokens", "timing", "cached_tokens", "first_token_top_logprobs")
+    __slots__ = ("first_token_id", "first_token_logprob", "kv_handle", "prompt_tokens", "timing", "cached_tokens", "first_token_top_logprobs", "other_choices")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class PrefillResponse(_message.Message):
     TIMING_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    OTHER_CHOICES_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_token_logprob: float
     kv_handle: _kv_cache_pb2.KvHandle
@@ -44,4 +45,17 @@ class PrefillResponse(_message.Message):
     timing: _common_pb2.Timing
     cached_tokens: int
     first_token_top_logprobs: _sampling_pb2.TopLogprobs
-    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., kv_handle: _Optional[_Union[_kv_cache_pb2.KvHandle, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., first_token_top_logprobs: _Optional[_Union[_sampling_pb2.TopLogprobs, _Mapping]] = ...) -> None: ...
+    other_choices: _containers.RepeatedCompositeFieldContainer[ChoiceStart]
+    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., kv_handle: _Optional[_Union[_kv_cache_pb2.KvHandle, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.Timing, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., first_token_top_logprobs: _Optional[_Union[_sampling_pb2.TopLogprobs, _Mapping]] = ..., other_choices: _Optional[_Iterable[_Union[ChoiceStart, _Mapping]]] = ...) -> None: ...
+
+class ChoiceStart(_message.Message):
+    __slots__ = ("first_token_id", "first_token_logprob", "first_token_top_logprobs", "kv_handle")
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    first_token_id: int
+    first_token_logprob: float
+    first_token_top_logprobs: _sampling_pb2.TopLogprobs
+    kv_handle: _kv_cache_pb2.KvHandle
+    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., first_token_top_logprobs: _Optional[_Union[_sampling_pb2.TopLogprobs, _Mapping]] = ..., kv_handle: _Optional[_Union[_kv_cache_pb2.KvHandle, _Mapping]] = ...) -> None: ...

@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61imesh/llm/v1/sampling.proto\x12\raimesh.llm.v1\"\xca\x02\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x0f\n\x07\x63hoices\x18\x07 \x03(\t\x12\x31\n\x10\x63hoice_token_ids\x18\x08 \x03(\x0b\x32\x17.aimesh.llm.v1.TokenIds\x12\x33\n\nconstraint\x18\t \x01(\x0b\x32\x1f.aimesh.llm.v1.OutputConstraint\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\x05\x42\x08\n\x06_top_pB\x07\n\x05_seed\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"q\n\x10OutputConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x16\n\x0clark_grammar\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"n\n\x10StoppingCriteria\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x16\n\x0estop_sequences\x18\x02 \x03(\t\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x42\x11\n\x0f_max_new_tokens*\xba\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61imesh/llm/v1/sampling.proto\x12\raimesh.llm.v1\"\xd5\x02\n\x12SamplingParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x0f\n\x07\x63hoices\x18\x07 \x03(\t\x12\x31\n\x10\x63hoice_token_ids\x18\x08 \x03(\x0b\x32\x17.aimesh.llm.v1.TokenIds\x12\x33\n\nconstraint\x18\t \x01(\x0b\x32\x1f.aimesh.llm.v1.OutputConstraint\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\x05\x12\t\n\x01n\x18\x0c \x01(\rB\x08\n\x06_top_pB\x07\n\x05_seed\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"q\n\x10OutputConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x16\n\x0clark_grammar\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"n\n\x10StoppingCriteria\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x16\n\x0estop_sequences\x18\x02 \x03(\t\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x42\x11\n\x0f_max_new_tokens*\xba\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'aimesh.llm.v1.sampling_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=685
-  _globals['_FINISHREASON']._serialized_end=871
+  _globals['_FINISHREASON']._serialized_start=696
+  _globals['_FINISHREASON']._serialized_end=882
   _globals['_SAMPLINGPARAMETERS']._serialized_start=48
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=378
-  _globals['_TOPLOGPROBS']._serialized_start=380
-  _globals['_TOPLOGPROBS']._serialized_end=430
-  _globals['_OUTPUTCONSTRAINT']._serialized_start=432
-  _globals['_OUTPUTCONSTRAINT']._serialized_end=545
-  _globals['_TOKENIDS']._serialized_start=547
-  _globals['_TOKENIDS']._serialized_end=570
-  _globals['_STOPPINGCRITERIA']._serialized_start=572
-  _globals['_STOPPINGCRITERIA']._serialized_end=682
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=389
+  _globals['_TOPLOGPROBS']._serialized_start=391
+  _globals['_TOPLOGPROBS']._serialized_end=441
+  _globals['_OUTPUTCONSTRAINT']._serialized_start=443
+  _globals['_OUTPUTCONSTRAINT']._serialized_end=556
+  _globals['_TOKENIDS']._serialized_start=558
+  _globals['_TOKENIDS']._serialized_end=581
+  _globals['_STOPPINGCRITERIA']._serialized_start=583
+  _globals['_STOPPINGCRITERIA']._serialized_end=693
 # @@protoc_insertion_point(module_scope)
