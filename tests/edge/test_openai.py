@@ -364,6 +364,42 @@ async def test_the_sdk_round_trips_a_tool_call_whole_and_streamed(edge):
     )
 
 
+async def test_each_of_n_choices_calls_its_tool_in_its_own_deltas(edge):
+    """n = 3 sampled choices of one required call: each choice's streamed deltas rebuild
+    its own call (the router takes each choice's output apart on its own), equal to the
+    call the whole response gives that choice under the same seed."""
+    call_it = {
+        "model": DEFAULT_NAME,
+        "messages": WEATHER_QUESTION,
+        "tools": [WEATHER_TOOL],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "temperature": 1.0,
+        "seed": 11,
+        "n": 3,
+        "max_tokens": 60,
+    }
+    async with sdk(edge) as client:
+        whole = await client.chat.completions.create(**call_it)
+        stream = await client.chat.completions.create(**call_it, stream=True)
+        rebuilt: dict[int, dict] = {}
+        async for chunk in stream:
+            for choice in chunk.choices:
+                for delta in choice.delta.tool_calls or []:
+                    assert delta.index == 0  # one call a choice
+                    call = rebuilt.setdefault(choice.index, {"name": "", "arguments": ""})
+                    call["name"] += delta.function.name or ""
+                    call["arguments"] += delta.function.arguments or ""
+    calls = {}
+    for choice in whole.choices:
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        json.loads(call.function.arguments)
+        calls[choice.index] = {"name": "get_weather", "arguments": call.function.arguments}
+    assert rebuilt == calls
+
+
 async def test_langchain_binds_tools_and_structures_output_unmodified(edge):
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
