@@ -314,21 +314,22 @@ WEATHER_TOOL = {
     },
 }
 WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+# A required call of the weather tool, one (parallel_tool_calls off).
+ONE_WEATHER_CALL = {
+    "model": DEFAULT_NAME,
+    "messages": WEATHER_QUESTION,
+    "tools": [WEATHER_TOOL],
+    "tool_choice": "required",
+    "parallel_tool_calls": False,
+    "max_tokens": 60,
+}
 
 
 async def test_the_sdk_round_trips_a_tool_call_whole_and_streamed(edge):
     """The SDK's tool flow: a required call (one: parallel_tool_calls off), whole and
     streamed (the deltas rebuilt as the SDK's docs do), the same greedy call both ways;
     then the result sent back in the history, and the turn after it well formed."""
-    call_it = {
-        "model": DEFAULT_NAME,
-        "messages": WEATHER_QUESTION,
-        "tools": [WEATHER_TOOL],
-        "tool_choice": "required",
-        "parallel_tool_calls": False,
-        "temperature": 0,
-        "max_tokens": 60,
-    }
+    call_it = {**ONE_WEATHER_CALL, "temperature": 0}
     async with sdk(edge) as client:
         whole = await client.chat.completions.create(**call_it)
         stream = await client.chat.completions.create(**call_it, stream=True)
@@ -368,17 +369,7 @@ async def test_each_of_n_choices_calls_its_tool_in_its_own_deltas(edge):
     """n = 3 sampled choices of one required call: each choice's streamed deltas rebuild
     its own call (the router takes each choice's output apart on its own), equal to the
     call the whole response gives that choice under the same seed."""
-    call_it = {
-        "model": DEFAULT_NAME,
-        "messages": WEATHER_QUESTION,
-        "tools": [WEATHER_TOOL],
-        "tool_choice": "required",
-        "parallel_tool_calls": False,
-        "temperature": 1.0,
-        "seed": 11,
-        "n": 3,
-        "max_tokens": 60,
-    }
+    call_it = {**ONE_WEATHER_CALL, "temperature": 1.0, "seed": 11, "n": 3}
     async with sdk(edge) as client:
         whole = await client.chat.completions.create(**call_it)
         stream = await client.chat.completions.create(**call_it, stream=True)
