@@ -79,9 +79,8 @@ _MINISTRAL3_ROPE = {
 }
 
 # Each family's published chat template, verbatim: Meta-Llama-3-8B-Instruct,
-# Mistral-7B-Instruct-v0.2 (Mistral's [INST] one), Qwen2-7B-Instruct (ChatML, a default
-# system prompt when none is given), gemma-3-*-it (a system message folded into the first
-# user turn) and Phi-3.5-mini-instruct.
+# Mistral-7B-Instruct-v0.2 (Mistral's [INST] one), gemma-3-*-it (a system message folded
+# into the first user turn) and Phi-3.5-mini-instruct; Qwen's in its tool-calling format.
 LLAMA3_TEMPLATE = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}"
     "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
@@ -99,11 +98,37 @@ MISTRAL_TEMPLATE = (
     "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}"
     "{% endif %}{% endfor %}"
 )
-QWEN_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
-    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+# The tool-calling format of Qwen 2.5 and 3 (Hermes's): tools listed in the system turn as
+# JSON within <tools></tools>, calls written as JSON between <tool_call> tags, results in
+# <tool_response> tags in a user turn. ChatML like Qwen2's; aimesh's own rendition, shorter
+# than Qwen's published ones (which also add a default system prompt or thinking tags).
+QWEN_TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}{{ '\\n</tools>' }}\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% elif messages[0]['role'] == 'system' %}"
+    "{{ '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{% elif message.role == 'assistant' %}{{ '<|im_start|>assistant' }}"
+    "{% if message.content %}{{ '\\n' + message.content }}{% endif %}"
+    "{% for call in message.tool_calls %}"
+    "{% if call.function is defined %}{% set call = call.function %}{% endif %}"
+    '{{ \'\\n<tool_call>\\n{"name": "\' + call.name + \'", "arguments": \' }}'
+    "{{ call.arguments | tojson }}{{ '}\\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{% elif message.role == 'tool' %}"
+    "{% if messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}"
+    "{% endif %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 GEMMA3_TEMPLATE = r"""{{ bos_token }}
 {%- if messages[0]['role'] == 'system' -%}
@@ -347,7 +372,7 @@ _RECIPES = {
         "tiny-mistral",
         {"head_dim": 16, "rope_parameters": _MINISTRAL3_ROPE},
     ),
-    "qwen3": _Recipe("Qwen3Config", QWEN_TEMPLATE, "tiny-qwen", {"head_dim": 16}),
+    "qwen3": _Recipe("Qwen3Config", QWEN_TOOLS_TEMPLATE, "tiny-qwen", {"head_dim": 16}),
     "gemma3": _Recipe(
         "Gemma3TextConfig", GEMMA3_TEMPLATE, "tiny-gemma", {"head_dim": 16}, vocabulary=_GEMMA
     ),

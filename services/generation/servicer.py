@@ -254,22 +254,28 @@ class GenerationRouter(generation_pb2_grpc.GenerationServiceServicer):
         tool_calls.check(request, violations)
         violations.raise_if_any()
         await self._check_constraint(request)
-        tooling = tool_calls.plan(request)
         assert route is not None
+        rid = request_id.ensure(request.request_id)
+        tooling = None
+        if tool_calls.uses_tools(request):
+            template = await route.pool.tokenizer.template(rid)
+            tooling = tool_calls.plan(request, template.tool_format, "system" in template.roles)
         if tooling is not None:
             await asyncio.to_thread(tool_calls.compile_problem, tooling, violations)
             request = _with_tools_planned(request, tooling)
             # The engine must enforce the envelope (Triton's does not take constraints).
             route.pool.engine.unsupported(request.sampling, violations)
             violations.raise_if_any()
-        rid = request_id.ensure(request.request_id)
         with self.versions.running(route) as pool:
-            prompt_ids = await pool.tokenizer.apply_chat_template(rid, list(request.messages))
+            prompt_ids = await pool.tokenizer.apply_chat_template(
+                rid, list(request.messages), tools=tooling.tools if tooling else ""
+            )
             events = self._judged(rid, prompt_ids, request, "messages", received, route)
             if tooling is not None and tooling.constraint is not None:
-                events = _calls_apart(
-                    events, functools.partial(tool_calls.CallParser, tooling.answer_is_text)
+                parser = functools.partial(
+                    tool_calls.CallParser, tooling.answer_is_text, tooling.format
                 )
+                events = _calls_apart(events, parser)
             async for event in events:
                 yield generation_pb2.ChatResponse(**event)
 

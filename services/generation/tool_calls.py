@@ -1,17 +1,24 @@
-"""Tool calls for any model: the tools described to it in the system turn, its output
-constrained to one JSON object that either answers or calls them, and that object taken
-apart again as it streams, into the answer's text and the calls' deltas.
+"""Tool calls: the tools offered to the model, its output constrained to calls of them
+(or an answer), and that output taken apart again as it streams, into the answer's text
+and the calls' deltas.
 
-The format is llama.cpp's generic one, for chat templates that know no tools (SmolLM2's
-among them): `{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}` to call, or
-`{"response": "..."}` to answer. The grammar (services/llm/guide.py) makes every call
-name one of the request's functions and every arguments object valid against that
-function's schema, so a call always parses, in `auto` mode too. Earlier turns are
-rendered the same way: an assistant's calls as the JSON it would have written, the tools'
-results as one user turn (`{"tool_results": [...]}`), so any template renders them.
+A chat template that knows tools renders them itself, and the model writes its calls in
+the format it was trained on; the tokenizer service says which (ToolFormat). Hermes's
+(Qwen 2.5 and 3, Hermes 2 Pro): the template gets the tools and the turns in OpenAI's
+shape, and the output is calls, each a JSON object `{"name": ..., "arguments": {...}}` on
+a line of its own between a `<tool_call>` and a `</tool_call>` line, or in `auto` mode an
+answer that does not begin with the tag.
 
-What stays to do: rendering through templates that do know tools (Qwen's `<tool_call>`,
-Llama 3.1's, Mistral's `[TOOL_CALLS]`), in their own formats.
+For templates that know no tools (SmolLM2's among them), llama.cpp's generic format: the
+tools described in the system turn, the output one JSON object,
+`{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}` to call or `{"response": "..."}`
+to answer, and earlier turns rendered the same way: an assistant's calls as the JSON it
+would have written, the tools' results as one user turn (`{"tool_results": [...]}`).
+
+Either way the grammar (services/llm/guide.py) makes every call name one of the request's
+functions and every arguments object valid against that function's schema, so a call
+always parses, in `auto` mode too. Not yet: Llama 3.1's and Mistral's formats (their
+templates fall back to the generic one).
 """
 
 from __future__ import annotations
@@ -25,8 +32,9 @@ from typing import Any
 
 from aimesh.common.v1 import common_pb2
 from aimesh.llm.v1 import generation_pb2, sampling_pb2
+from aimesh.tokenizer.v1 import tokenizer_pb2
 from mesh.validation import Violations
-from services.llm.guide import MAX_SCHEMA_BYTES, grammar_of
+from services.llm.guide import JSON_FORMAT, MAX_SCHEMA_BYTES, grammar_of
 
 MAX_TOOLS = 128
 MAX_DESCRIPTION_BYTES = 4096
@@ -37,11 +45,10 @@ MAX_TOOLS_BYTES = 256 * 1024
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 NAME_RULE = "must be 1 to 64 of a-z, A-Z, 0-9, _ and -"
 Mode = generation_pb2.ToolChoice.Mode
-_CALLS_OPEN = '{"tool_calls": ['
-_ANSWER_OPEN = '{"response": '
 _CALL_OPEN = '{"name": "'
 _ARGUMENTS_OPEN = '", "arguments": '
 _REF = re.compile(r"^#/(\$defs|definitions)/")
+_TAG_OPEN, _TAG_CLOSE = "<tool_call>", "</tool_call>"
 
 
 def _mode(request: generation_pb2.ChatRequest) -> tuple[int, str]:
@@ -196,6 +203,62 @@ def _closed(properties: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _call_schemas(
+    tools: Sequence[generation_pb2.ToolDefinition], function: str, defs: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """One schema per callable tool (`function` alone, when named): its name and its
+    arguments; their `$defs` go into `defs`."""
+    calls = []
+    for i, tool in enumerate(tools):
+        if function and tool.name != function:
+            continue
+        parameters = _loaded(tool.parameters) if tool.parameters else {"type": "object"}
+        arguments = _rehomed(parameters, f"tool{i}_", defs)
+        calls.append(_closed({"name": {"const": tool.name}, "arguments": arguments}))
+    return calls
+
+
+def hermes_grammar(
+    tools: Sequence[generation_pb2.ToolDefinition],
+    mode: int,
+    function: str,
+    parallel: bool,
+    answer: dict[str, Any] | None,
+) -> str:
+    """The Lark grammar (llguidance's) of every output allowed in Hermes's format: calls
+    of the tools the choice allows, one a line (one when not parallel or when a function
+    is named), or, in auto mode, an answer: text that does not begin with the tag, or
+    what `answer` (the response_format's schema) describes."""
+    defs: dict[str, Any] = {}
+    calls = _call_schemas(tools, function, defs)
+    call: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if defs:
+        call["$defs"] = defs
+    lines = [
+        "start: calls | answer" if mode == Mode.MODE_AUTO else "start: calls",
+        'calls: call ("\\n" call)*' if parallel and not function else "calls: call",
+        f'call: "{_TAG_OPEN}\\n" body "\\n{_TAG_CLOSE}"',
+        f"body: %json {json.dumps({**call, 'x-guidance': JSON_FORMAT})}",
+    ]
+    if mode == Mode.MODE_AUTO:
+        if answer is not None:
+            answer_defs: dict[str, Any] = {}
+            shaped = _rehomed(answer, "answer_", answer_defs)
+            if answer_defs:
+                shaped = {**shaped, "$defs": answer_defs}
+            lines.append(f"answer: %json {json.dumps({**shaped, 'x-guidance': JSON_FORMAT})}")
+        else:
+            lines.append(f"answer: /{_not_beginning_with(_TAG_OPEN)}/")
+    return "\n".join(lines)
+
+
+def _not_beginning_with(tag: str) -> str:
+    """A regex (Rust's syntax, no lookaround) of any non-empty text that does not begin
+    with `tag`: it differs from the tag at some character before the tag ends."""
+    differs = [re.escape(tag[:k]) + "[^" + re.escape(tag[k]) + "]" for k in range(len(tag))]
+    return "(?:" + "|".join(differs) + ")(?s:.*)"
+
+
 def envelope(
     tools: Sequence[generation_pb2.ToolDefinition],
     mode: int,
@@ -207,13 +270,7 @@ def envelope(
     (one when not parallel or when a function is named), or, in auto mode, an answer (a
     string, or what `answer`, the response_format's schema, describes)."""
     defs: dict[str, Any] = {}
-    calls = []
-    for i, tool in enumerate(tools):
-        if function and tool.name != function:
-            continue
-        parameters = _loaded(tool.parameters) if tool.parameters else {"type": "object"}
-        arguments = _rehomed(parameters, f"tool{i}_", defs)
-        calls.append(_closed({"name": {"const": tool.name}, "arguments": arguments}))
+    calls = _call_schemas(tools, function, defs)
     array: dict[str, Any] = {
         "type": "array",
         "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
@@ -269,11 +326,12 @@ def _call_text(calls: Sequence[common_pb2.ToolCall]) -> str:
 
 
 def conversation(
-    messages: Sequence[common_pb2.ChatMessage], instruction: str
+    messages: Sequence[common_pb2.ChatMessage], instruction: str, system_turn: bool = True
 ) -> list[common_pb2.ChatMessage]:
     """The turns as any chat template can render them: the instruction joined to the
-    system turn (or one made for it), calls as JSON text, consecutive tool results as one
-    user turn."""
+    system turn (or one made for it; for a template without system turns, Mistral's,
+    put before the first user turn's words, as llama.cpp does), calls as JSON text,
+    consecutive tool results as one user turn."""
     names = {call.id: call.name for m in messages for call in m.tool_calls}
     rendered: list[common_pb2.ChatMessage] = []
     results: list[dict[str, str]] = []
@@ -305,9 +363,31 @@ def conversation(
     if instruction:
         if rendered and rendered[0].role == "system":
             rendered[0].content = f"{rendered[0].content}\n\n{instruction}".lstrip()
-        else:
+        elif system_turn:
             rendered.insert(0, common_pb2.ChatMessage(role="system", content=instruction))
+        else:
+            first = next((m for m in rendered if m.role == "user"), None)
+            if first is None:
+                first = common_pb2.ChatMessage(role="user")
+                rendered.insert(0, first)
+            first.content = f"{instruction}\n\n{first.content}".rstrip()
     return rendered
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    """How an output opens its calls, goes from one to the next and closes them (each
+    call `{"name": "...", "arguments": {...}}` in between), and how it answers instead:
+    after `answer_open`, as a JSON value, or (None) as the text itself."""
+
+    calls_open: str
+    call_between: str
+    calls_close: str
+    answer_open: str | None
+
+
+GENERIC = CallFormat('{"tool_calls": [', "}, ", "}]}", '{"response": ')
+HERMES = CallFormat(f"{_TAG_OPEN}\n", f"}}\n{_TAG_CLOSE}\n{_TAG_OPEN}\n", f"}}\n{_TAG_CLOSE}", None)
 
 
 @dataclass(frozen=True)
@@ -316,18 +396,32 @@ class Plan:
 
     messages: list[common_pb2.ChatMessage]
     constraint: sampling_pb2.OutputConstraint | None
-    # The answer is a string the parser unescapes (else raw JSON of response_format's shape).
+    # The answer is text (else raw JSON of response_format's shape).
     answer_is_text: bool
+    format: CallFormat = GENERIC
+    # OpenAI's `tools` JSON for a template that renders them itself; "" when it does not.
+    tools: str = ""
 
 
-def plan(request: generation_pb2.ChatRequest) -> Plan | None:
-    """What a checked request becomes; None when it has no tool fields at all."""
-    has_tool_turns = any(m.tool_calls or m.role == "tool" for m in request.messages)
-    if not request.tools and not has_tool_turns:
+def uses_tools(request: generation_pb2.ChatRequest) -> bool:
+    """Whether the request offers tools or its conversation holds calls or results."""
+    return bool(request.tools) or any(m.tool_calls or m.role == "tool" for m in request.messages)
+
+
+def plan(
+    request: generation_pb2.ChatRequest, tool_format: int = 0, system_turn: bool = True
+) -> Plan | None:
+    """What a checked request becomes for a template whose tool format is `tool_format`
+    (tokenizer_pb2.ToolFormat) and which renders a system turn or not; None when it has
+    no tool fields at all."""
+    if not uses_tools(request):
         return None
+    native = tool_format == tokenizer_pb2.TOOL_FORMAT_HERMES
     mode, function = _mode(request)
     if not request.tools or mode == Mode.MODE_NONE:
-        return Plan(conversation(request.messages, ""), None, answer_is_text=True)
+        if native:
+            return Plan(list(request.messages), None, answer_is_text=True)
+        return Plan(conversation(request.messages, "", system_turn), None, answer_is_text=True)
     shape = request.sampling.constraint
     answer = None
     if shape.WhichOneof("kind") == "json_schema":
@@ -335,12 +429,28 @@ def plan(request: generation_pb2.ChatRequest) -> Plan | None:
     elif shape.WhichOneof("kind") == "json_object":
         answer = {"type": "object"}
     parallel = not request.HasField("parallel_tool_calls") or request.parallel_tool_calls
+    if native:
+        grammar = hermes_grammar(request.tools, mode, function, parallel, answer)
+        return Plan(
+            list(request.messages),
+            sampling_pb2.OutputConstraint(lark_grammar=grammar),
+            answer_is_text=answer is None,
+            format=HERMES,
+            tools=json.dumps([_openai_tool(tool) for tool in request.tools]),
+        )
     schema = envelope(request.tools, mode, function, parallel, answer)
     return Plan(
-        conversation(request.messages, _instruction(request.tools, mode, function)),
+        conversation(request.messages, _instruction(request.tools, mode, function), system_turn),
         sampling_pb2.OutputConstraint(json_schema=json.dumps(schema)),
         answer_is_text=answer is None,
     )
+
+
+def _openai_tool(tool: generation_pb2.ToolDefinition) -> dict[str, Any]:
+    """A tool as OpenAI's request gives it, the shape templates read."""
+    parameters = _loaded(tool.parameters) if tool.parameters else {"type": "object"}
+    function = {"name": tool.name, "description": tool.description, "parameters": parameters}
+    return {"type": "function", "function": function}
 
 
 def compile_problem(plan_: Plan, violations: Violations) -> None:
@@ -361,6 +471,7 @@ class CallParser:
     are written."""
 
     answer_is_text: bool = True
+    format: CallFormat = GENERIC
     calls: list[common_pb2.ToolCall] = field(default_factory=list)
     _buffer: str = ""
     _at: int = 0
@@ -390,13 +501,21 @@ class CallParser:
     def _step(self, answer: list[str], deltas: list[generation_pb2.ToolCallDelta]) -> bool:
         """One move of the scan; False when it needs more text."""
         state = self._state
+        form = self.format
         if state == "start":
-            for opening, after in ((_CALLS_OPEN, "call"), (_ANSWER_OPEN, "answer")):
-                if self._expect(opening):
-                    self._state = after
-                    if after == "answer" and self.answer_is_text:
-                        return self._expect('"') is True or self._back(_ANSWER_OPEN)
-                    return True
+            opens = self._expect(form.calls_open)
+            if opens:
+                self._state = "call"
+                return True
+            if form.answer_open is None:  # the answer is whatever else comes
+                if opens is False:
+                    self._state = "answer"
+                return opens is False
+            if self._expect(form.answer_open):
+                self._state = "answer"
+                if self.answer_is_text:
+                    return self._expect('"') is True or self._back(form.answer_open)
+                return True
             return False
         if state == "answer":
             return self._answer(answer)
@@ -433,10 +552,11 @@ class CallParser:
                 self._state = "call_close"
             return done
         if state == "call_close":
-            if self._expect("}, "):
+            between = self._expect(form.call_between)
+            if between:
                 self._state = "call"
                 return True
-            if self._expect("}]}"):
+            if between is False and self._expect(form.calls_close):
                 self._state = "end"
                 return True
             return False
@@ -481,6 +601,10 @@ class CallParser:
         return self._buffer[start:end], True
 
     def _answer(self, answer: list[str]) -> bool:
+        if self.answer_is_text and self.format.answer_open is None:
+            answer.append(self._buffer[self._at :])
+            self._at = len(self._buffer)
+            return False
         if not self.answer_is_text:
             fragment, done = self._value()
             answer.append(fragment)

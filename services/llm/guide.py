@@ -42,7 +42,7 @@ FIELD = "sampling.constraint"
 # JSON output the way OpenAI's structured outputs and json.dumps write it: a single space
 # after ':' and ',', no newlines (llguidance's default would allow any whitespace, which a
 # small model fills with newlines until max_tokens).
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # Bounds on one constraint's work, so that a hostile one costs its own request an error,
 # not every neighbour in the batch a stalled step. With llguidance's defaults a regex
 # such as (a{1000}){1000} took 2 s in one mask here, and a string pattern of a{100000}
@@ -67,13 +67,13 @@ def _grammar(kind: str, source: str) -> str:
     a JSON object."""
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema(
-            {"type": "object"}, overrides=_JSON_OPTIONS
+            {"type": "object"}, overrides=JSON_FORMAT
         )
     if kind == "json_schema":
         schema = json.loads(source)
         if not isinstance(schema, dict):
             raise ValueError(f"a JSON schema is a JSON object, got {type(schema).__name__}")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_FORMAT)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(source)
     return llguidance.LLMatcher.grammar_from_lark(source)

@@ -16,13 +16,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from jinja2 import TemplateError
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from aimesh.tokenizer.v1 import tokenizer_pb2
 from mesh.failures import FieldViolation, InvalidInput, NotReady
 from services.tokenizer.detokenize import IncrementalDetokenizer
 
+TOOL_FORMAT_UNSPECIFIED = tokenizer_pb2.TOOL_FORMAT_UNSPECIFIED
 # Accepted when the template does not say which roles it knows (it renders any role).
 DEFAULT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 # A role no template names: a template that renders it accepts every role.
@@ -58,6 +61,7 @@ class TokenizerEngine:
         self.vocab_size = len(tokenizer)
         self.eos_token_id: int | None = tokenizer.eos_token_id
         self.roles = _accepted_roles(tokenizer)
+        self.tool_format = tool_format_of(tokenizer.chat_template)
 
     @classmethod
     def load(cls, directory: Path, chat_template: Path | None = None) -> TokenizerEngine:
@@ -90,12 +94,15 @@ class TokenizerEngine:
 
     def apply_chat_template(
         self,
-        messages: Iterable[tuple[str, str]],
+        messages: Iterable[tuple[str, str] | dict[str, Any]],
         add_generation_prompt: bool,
         return_token_ids: bool,
+        tools: list[dict[str, Any]] | None = None,
     ) -> ChatPrompt:
-        """Renders (role, content) pairs; the ids never get special tokens added again,
-        because the template already wrote them into the text."""
+        """Renders the turns ((role, content) pairs, or messages in OpenAI's shape, tool
+        calls included) and, where the template knows tools, `tools` (OpenAI's shape);
+        the ids never get special tokens added again, because the template already wrote
+        them into the text."""
         if self._tokenizer.chat_template is None:
             violation = FieldViolation(
                 "messages",
@@ -103,10 +110,16 @@ class TokenizerEngine:
                 "[engines.llm] chat_template",
             )
             raise InvalidInput([violation])
-        conversation = [{"role": role, "content": content} for role, content in messages]
+        conversation = [
+            m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages
+        ]
+        offered = tools if tools and self.tool_format != TOOL_FORMAT_UNSPECIFIED else None
         try:
             text = self._tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+                conversation,
+                tools=offered,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
             )
         except TemplateError as error:
             # Only the template knows some of its rules (turns that must alternate, a
@@ -115,6 +128,18 @@ class TokenizerEngine:
             raise InvalidInput([violation]) from error
         ids = self.tokenize(text, False, False).ids if return_token_ids else []
         return ChatPrompt(text, ids)
+
+
+def tool_format_of(template: str | dict[str, str] | None) -> int:
+    """How a chat template has the model write tool calls, read from its source as
+    llama.cpp's common/chat.cpp tells templates apart: one that renders `tools` and
+    writes `<tool_call>` tags is Hermes's format (Qwen 2.5 and 3 among them)."""
+    if template is None:
+        return TOOL_FORMAT_UNSPECIFIED
+    source = template if isinstance(template, str) else " ".join(template.values())
+    if "<tool_call>" in source and "tools" in source:
+        return tokenizer_pb2.TOOL_FORMAT_HERMES
+    return TOOL_FORMAT_UNSPECIFIED
 
 
 def _accepted_roles(tokenizer: PreTrainedTokenizerBase) -> frozenset[str]:

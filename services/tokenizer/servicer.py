@@ -15,8 +15,9 @@ also all that one DetokenizeStream may carry (it detokenizes one generation).
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -36,6 +37,8 @@ MAX_TEXT_BYTES = 1024 * 1024
 THREAD_MIN_BYTES = 8 * 1024  # ~1.5 ms of tokenizing
 # Rendering one turn of the chat template costs about as much as tokenizing this much text.
 TURN_BYTES = 64
+# The router's bound on a request's tool descriptions and schemas (tool_calls.py).
+MAX_TOOLS_BYTES = 256 * 1024
 WARMUP_TEXT = "Hello, world! Tokenized once before readiness: naïve café 日本語 🙂"
 
 T = TypeVar("T")
@@ -47,6 +50,56 @@ async def _run(work: Callable[[], T], size: int) -> T:
     if size > THREAD_MIN_BYTES:
         return await asyncio.to_thread(work)
     return work()
+
+
+def _tools(text: str, violations: Violations) -> list[dict[str, Any]] | None:
+    """ApplyChatTemplateRequest.tools, parsed: a JSON array of objects, or None."""
+    if not text:
+        return None
+    if not violations.max_length(text.encode(), "tools", MAX_TOOLS_BYTES):
+        return None
+    try:
+        tools = json.loads(text)
+    except (ValueError, RecursionError):
+        tools = None
+    violations.check(
+        isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools),
+        "tools",
+        "must be a JSON array of objects (OpenAI's tools)",
+    )
+    return tools
+
+
+def openai_messages(messages: Sequence[common_pb2.ChatMessage]) -> list[dict[str, Any]]:
+    """The turns in OpenAI's shape, as templates that know tools read them: a call's
+    arguments as an object where they parse as one (templates write them with `tojson`),
+    a tool turn with the name of the function it answers."""
+    names = {call.id: call.name for message in messages for call in message.tool_calls}
+    shaped: list[dict[str, Any]] = []
+    for message in messages:
+        turn: dict[str, Any] = {"role": message.role, "content": message.content}
+        if message.tool_calls:
+            turn["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": _arguments(call.arguments)},
+                }
+                for call in message.tool_calls
+            ]
+        if message.tool_call_id:
+            turn["tool_call_id"] = message.tool_call_id
+            turn["name"] = names.get(message.tool_call_id, "")
+        shaped.append(turn)
+    return shaped
+
+
+def _arguments(text: str) -> Any:
+    try:
+        parsed = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return parsed if isinstance(parsed, dict) else text
 
 
 def _size_problem(size: int) -> str:
@@ -190,15 +243,22 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         violations = Violations()
         _check_request_id(violations, request.request_id)
         _check_messages(violations, request.messages, engine.roles, self.max_seq_len)
+        tools = _tools(request.tools, violations)
         violations.raise_if_any()
-        messages = [(message.role, message.content) for message in request.messages]
+        messages = openai_messages(request.messages)
+        size = sum(len(m.content.encode()) + TURN_BYTES for m in request.messages)
         prompt = await _run(
             lambda: engine.apply_chat_template(
-                messages, request.add_generation_prompt, request.return_token_ids
+                messages, request.add_generation_prompt, request.return_token_ids, tools
             ),
-            sum(len(content.encode()) + TURN_BYTES for _, content in messages),
+            size + len(request.tools),
         )
-        return tokenizer_pb2.ApplyChatTemplateResponse(text=prompt.text, token_ids=prompt.ids)
+        return tokenizer_pb2.ApplyChatTemplateResponse(
+            text=prompt.text,
+            token_ids=prompt.ids,
+            tool_format=engine.tool_format,
+            roles=sorted(engine.roles),
+        )
 
 
 def _load_engine(server: MeshServer, settings: LlmSettings) -> TokenizerEngine:

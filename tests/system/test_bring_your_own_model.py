@@ -10,12 +10,15 @@ the gateway and Envoy as processes - and checked against llama.cpp itself in thi
 - a stop string cuts the text where it first appears, a character whose bytes span several
   tokens comes out whole, and a request past the model's context (read from the GGUF) is
   refused naming the field;
-- chat and completions answer through the edge's gRPC and the OpenAI gateway behind it.
+- chat and completions answer through the edge's gRPC and the OpenAI gateway behind it;
+- tool calls come back through the SDK, in the template's own format where it knows tools
+  (Qwen's) and in the generic one elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -32,6 +35,7 @@ from aimesh.llm.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 from aimesh.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mesh.config import MeshSettings
 from mesh.edge.process import wait_ready
+from mesh.errors import field_violations
 from mesh.info import get_info
 from services.llm import llama_backend
 from tests.conftest import free_port, start_mesh, stop_mesh, subprocess_env, wait_all_serving
@@ -181,12 +185,29 @@ async def check_chat_template(mesh: Mesh) -> None:
     async with mesh.local("tokenizer") as channel:
         rendered = await tokenizer_pb2_grpc.TokenizerServiceStub(channel).ApplyChatTemplate(
             tokenizer_pb2.ApplyChatTemplateRequest(
-                messages=[common_pb2.ChatMessage(**turn) for turn in CONVERSATION],
+                messages=turns_of(CONVERSATION),
                 add_generation_prompt=True,
             ),
             timeout=60,
         )
     assert rendered.text == reference
+    if "system" in rendered.roles:
+        return
+    # A turn only the template refuses (Mistral's: no system turn) is the caller's error.
+    refused = [common_pb2.ChatMessage(role="system", content="Be brief."), *turns_of(CONVERSATION)]
+    async with mesh.local("generation") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await collected(
+                mesh.generation(channel).Chat(
+                    generation_pb2.ChatRequest(messages=refused), timeout=60
+                )
+            )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "messages[0].role" in {v.field for v in field_violations(caught.value)}
+
+
+def turns_of(conversation: list[dict[str, str]]) -> list[common_pb2.ChatMessage]:
+    return [common_pb2.ChatMessage(**turn) for turn in conversation]
 
 
 async def check_edge_and_gateway(mesh: Mesh) -> None:
@@ -196,7 +217,7 @@ async def check_edge_and_gateway(mesh: Mesh) -> None:
         ids, _, _ = await collected(stub.Generate(greedy(PROMPT, 4), metadata=AUTH, timeout=120))
         assert len(ids) == 4
         chat = generation_pb2.ChatRequest(
-            messages=[common_pb2.ChatMessage(**turn) for turn in CONVERSATION],
+            messages=turns_of(CONVERSATION),
             stopping=sampling_pb2.StoppingCriteria(max_new_tokens=4, ignore_eos=True),
         )
         ids, _, _ = await collected(stub.Chat(chat, metadata=AUTH, timeout=120))
@@ -218,6 +239,96 @@ async def check_edge_and_gateway(mesh: Mesh) -> None:
         assert completion.choices[0].text or completion.choices[0].finish_reason == "stop"
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                # Choices: a random model's free string may run on in bytes.
+                "city": {"enum": ["Oslo", "Paris"]},
+                "unit": {"enum": ["C", "F"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+async def check_tools(mesh: Mesh) -> None:
+    """A template that knows tools (Qwen's format) renders them itself, and the model's
+    calls come back whole and streamed as OpenAI's; one that does not keeps the generic
+    format. Either way, a call and its result in the history render and answer."""
+    question = [{"role": "user", "content": "Weather in Oslo?"}]
+    async with mesh.local("tokenizer") as channel:
+        rendered = await tokenizer_pb2_grpc.TokenizerServiceStub(channel).ApplyChatTemplate(
+            tokenizer_pb2.ApplyChatTemplateRequest(
+                messages=turns_of(question),
+                add_generation_prompt=True,
+                tools=json.dumps([WEATHER_TOOL]),
+            ),
+            timeout=60,
+        )
+    knows_tools = mesh.model.architecture == "qwen3"
+    expected = tokenizer_pb2.TOOL_FORMAT_HERMES if knows_tools else 0
+    assert rendered.tool_format == expected
+    if knows_tools:
+        reference = AutoTokenizer.from_pretrained(mesh.model.hf_dir).apply_chat_template(
+            question, tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True
+        )
+        assert rendered.text == reference and "<tools>" in reference
+    call_it = {
+        "model": mesh.model.gguf.stem,
+        "messages": question,
+        "tools": [WEATHER_TOOL],
+        "tool_choice": "required",
+        "temperature": 0,
+        # Room for the call in the generic envelope (~90 characters) in a vocabulary
+        # of mostly single characters (the SentencePiece test models').
+        "max_tokens": 200,
+    }
+    async with openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{mesh.edge_port}/v1", api_key=KEY, max_retries=0
+    ) as client:
+        whole = await client.chat.completions.create(**call_it)
+        rebuilt: dict[int, dict] = {}
+        async for chunk in await client.chat.completions.create(**call_it, stream=True):
+            deltas = chunk.choices[0].delta.tool_calls if chunk.choices else None
+            for delta in deltas or []:
+                call = rebuilt.setdefault(delta.index, {"name": "", "arguments": ""})
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+        choice = whole.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        calls = choice.message.tool_calls
+        assert {call.function.name for call in calls} == {"get_weather"}
+        for call in calls:
+            assert json.loads(call.function.arguments)["unit"] in ("C", "F")
+        assert rebuilt == {
+            i: {"name": c.function.name, "arguments": c.function.arguments}
+            for i, c in enumerate(calls)
+        }
+        answer = await client.chat.completions.create(
+            model=mesh.model.gguf.stem,
+            messages=[
+                *question,
+                choice.message.model_dump(exclude_none=True),
+                *(
+                    {"role": "tool", "tool_call_id": call.id, "content": "Rain, 4 C"}
+                    for call in calls
+                ),
+            ],
+            tools=[WEATHER_TOOL],
+            tool_choice="none",
+            max_tokens=4,
+            temperature=0,
+        )
+        assert answer.choices[0].finish_reason in ("stop", "length")
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 async def test_a_gguf_alone_serves_through_the_whole_mesh(architecture, tmp_path):
@@ -233,3 +344,4 @@ async def test_a_gguf_alone_serves_through_the_whole_mesh(architecture, tmp_path
         await check_generation(mesh)
         await check_chat_template(mesh)
         await check_edge_and_gateway(mesh)
+        await check_tools(mesh)

@@ -186,14 +186,15 @@ def test_each_architecture_renders_a_conversation_its_own_way(models, hf_tokeniz
         "<|start_header_id|>assistant<|end_header_id|>\n\nHi there<|eot_id|>" in rendered["llama"]
     )
     assert "[INST] Who are you? [/INST]" in rendered["mistral3"]
-    assert rendered["qwen3"].startswith("<|im_start|>system\nYou are a helpful assistant.")
+    assert rendered["qwen3"].startswith("<|im_start|>user\nHello<|im_end|>")
     assert "<start_of_turn>model\nHi there<end_of_turn>\n" in rendered["gemma3"]
     assert rendered["phi3"].endswith("<|user|>\nWho are you?<|end|>\n<|assistant|>\n")
 
 
 def test_family_rules_for_a_system_message_hold(hf_tokenizers):
     """Gemma folds a system message into the first user turn, Mistral's template refuses
-    one, Qwen puts the caller's in place of its default."""
+    one, Qwen's renders it as its own turn, and with tools it is the tools' turn's
+    opening."""
     from jinja2 import TemplateError
 
     with_system = [{"role": "system", "content": "Be brief."}, *CONVERSATION]
@@ -206,7 +207,12 @@ def test_family_rules_for_a_system_message_hold(hf_tokenizers):
     with pytest.raises(TemplateError, match="roles must alternate"):
         render("mistral3")
     assert render("qwen3").startswith("<|im_start|>system\nBe brief.<|im_end|>")
-    assert "helpful assistant" not in render("qwen3")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with_tools = hf_tokenizers["qwen3"].apply_chat_template(
+        with_system, tools=[tool], tokenize=False
+    )
+    assert with_tools.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    assert '\n<tools>\n{"type": "function", "function": {"name": "f"' in with_tools
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -1,6 +1,7 @@
-"""Tool calls in the generic format (services/generation/tool_calls.py) as unit calls:
-the envelope every output must fit, the conversation any template can render, and the
-streaming parser that takes an output apart, however its text is split. The model
+"""Tool calls in the generic and Hermes formats (services/generation/tool_calls.py) as
+unit calls: the envelope or grammar every output must fit, the conversation any template
+can render, and the streaming parser that takes an output apart, however its text is
+split. The model
 calling tools through the mesh and the SDKs: test_generation_mesh.py, tests/edge/."""
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def chunks(text: str, seed: int) -> list[str]:
     return pieces
 
 
-def parsed(output: str, seed: int, answer_is_text: bool = True):
-    parser = CallParser(answer_is_text=answer_is_text)
+def parsed(output: str, seed: int, answer_is_text: bool = True, form=tool_calls.GENERIC):
+    parser = CallParser(answer_is_text, form)
     answer, deltas = "", []
     for piece in chunks(output, seed):
         text, new = parser.feed(piece)
@@ -115,6 +116,114 @@ def test_an_answer_of_a_response_format_streams_as_its_json(value, seed):
     output = json.dumps({"response": value})
     _, answer, _ = parsed(output, seed, answer_is_text=False)
     assert json.loads(answer) == value
+
+
+def _hermes(calls: list[dict]) -> str:
+    return "\n".join(
+        f"<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>" for call in calls
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_hermes_calls_stream_back_as_deltas_that_join_into_the_calls(seed):
+    calls = [
+        {"name": "get_weather", "arguments": {"city": "Pa}\n</tool_call>", "unit": "C"}},
+        {"name": "add", "arguments": {"a": -4}},
+    ]
+    parser, answer, deltas = parsed(_hermes(calls), seed, form=tool_calls.HERMES)
+    assert answer == ""
+    assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [
+        (c["name"], c["arguments"]) for c in calls
+    ]
+    assert [(d.index, d.name) for d in deltas if d.id] == [(0, "get_weather"), (1, "add")]
+    for index, call in enumerate(parser.calls):
+        assert "".join(d.arguments for d in deltas if d.index == index) == call.arguments
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("text", ["Sunny in Oslo.", "<b>bold</b> and 🙂", "<tool_cal", "<"])
+def test_a_hermes_answer_is_its_text_as_written(text, seed):
+    """Text that does not begin with the tag is the answer, unescaped, streamed as it
+    comes (a tag's beginning is held back only while it could still be the tag)."""
+    parser, answer, deltas = parsed(text, seed, form=tool_calls.HERMES)
+    could_be_the_tag = text in ("<tool_cal", "<")  # held back: the stream stopped there
+    assert answer == ("" if could_be_the_tag else text)
+    assert deltas == [] and parser.calls == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_hermes_answer_of_a_response_format_streams_as_its_json(seed):
+    value = {"answer": [1, "}"], "ok": True}
+    _, answer, _ = parsed(json.dumps(value), seed, answer_is_text=False, form=tool_calls.HERMES)
+    assert json.loads(answer) == value
+
+
+def _matches(grammar: str, vocabulary: Vocabulary, output: str) -> bool:
+    """Whether `output`, tokenized, is a whole output of `grammar`."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(vocabulary.tokenizer, grammar)
+    ids = vocabulary.tokenizer.tokenize_str(output)
+    return matcher.consume_tokens(ids) and matcher.is_accepting()
+
+
+def test_the_hermes_grammar_takes_valid_calls_or_an_answer_and_nothing_else(model_dir: Path):
+    config = json.loads((model_dir / "config.json").read_text())
+    vocabulary = Vocabulary(model_dir / "tokenizer.json", config["vocab_size"], [2])
+    weather = {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C", "when": 3}}
+    add = {"name": "add", "arguments": {"a": 5}}
+
+    def grammar(mode, function="", parallel=True, answer=None) -> str:
+        source = tool_calls.hermes_grammar([WEATHER, ADD], mode, function, parallel, answer)
+        violations = Violations()
+        compiled = grammar_of(sampling_pb2.OutputConstraint(lark_grammar=source), violations)
+        assert not violations.items, violations.items
+        return compiled
+
+    auto, required = grammar(Mode.MODE_AUTO), grammar(Mode.MODE_REQUIRED)
+    assert _matches(auto, vocabulary, _hermes([weather, add]))
+    assert _matches(auto, vocabulary, "It is sunny.")
+    assert not _matches(auto, vocabulary, '<tool_call>\n{"name": "get_weather"}\n</tool_call>')
+    assert not _matches(auto, vocabulary, _hermes([{**add, "arguments": {"a": 500}}]))
+    assert _matches(required, vocabulary, _hermes([add]))
+    assert not _matches(required, vocabulary, "It is sunny.")
+    one = grammar(Mode.MODE_REQUIRED, parallel=False)
+    assert _matches(one, vocabulary, _hermes([add]))
+    assert not _matches(one, vocabulary, _hermes([add, add]))
+    named = grammar(Mode.MODE_REQUIRED, function="add")
+    assert not _matches(named, vocabulary, _hermes([weather]))
+    shaped = grammar(Mode.MODE_AUTO, answer={"type": "object", "required": ["ok"]})
+    assert _matches(shaped, vocabulary, '{"ok": true}')
+    assert not _matches(shaped, vocabulary, "It is sunny.")
+
+
+def test_a_template_that_knows_tools_gets_the_turns_and_tools_as_they_came():
+    messages = [
+        common_pb2.ChatMessage(role="user", content="2 + 2?"),
+        common_pb2.ChatMessage(
+            role="assistant",
+            tool_calls=[common_pb2.ToolCall(id="call_1", name="add", arguments='{"a": 2}')],
+        ),
+        common_pb2.ChatMessage(role="tool", tool_call_id="call_1", content="4"),
+    ]
+    request = generation_pb2.ChatRequest(messages=messages, tools=[WEATHER, ADD])
+    native = tool_calls.plan(request, tool_format=1)  # TOOL_FORMAT_HERMES
+    assert native.messages == messages and native.format is tool_calls.HERMES
+    assert native.constraint.WhichOneof("kind") == "lark_grammar"
+    offered = json.loads(native.tools)
+    assert [t["function"]["name"] for t in offered] == ["get_weather", "add"]
+    assert offered[1] == {
+        "type": "function",
+        "function": {"name": "add", "description": "", "parameters": json.loads(ADD.parameters)},
+    }
+    generic = tool_calls.plan(request, tool_format=0)
+    assert generic.format is tool_calls.GENERIC and generic.tools == ""
+    assert [m.role for m in generic.messages] == ["system", "user", "assistant", "user"]
+    # A template without system turns (Mistral's): the tools come before the question.
+    folded = tool_calls.plan(request, tool_format=0, system_turn=False)
+    assert [m.role for m in folded.messages] == ["user", "assistant", "user"]
+    assert folded.messages[0].content.startswith("You can call these tools")
+    assert folded.messages[0].content.endswith("\n\n2 + 2?")
 
 
 def test_only_schema_positions_are_rehomed():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import AutoTokenizer
 
 from services.tokenizer.engine import DEFAULT_ROLES, TokenizerEngine
 
@@ -50,3 +51,59 @@ def test_a_broken_tail_is_flushed_as_a_replacement(engine: TokenizerEngine):
 
 def test_a_template_that_renders_any_role_accepts_the_usual_ones(engine: TokenizerEngine):
     assert engine.roles == DEFAULT_ROLES
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_a_template_that_knows_tools_renders_them_and_the_calls_as_transformers_does(
+    model_dir, tmp_path
+):
+    """Qwen's tool format (Hermes's) is recognised; the tools, an assistant's calls and
+    the tool turns render exactly as transformers renders them, and SmolLM2's own
+    template, which knows no tools, says so and renders the turns as it always did."""
+    from aimesh.tokenizer.v1 import tokenizer_pb2
+    from tests.gguf_models import QWEN_TOOLS_TEMPLATE
+
+    template = tmp_path / "qwen.jinja"
+    template.write_text(QWEN_TOOLS_TEMPLATE)
+    qwen = TokenizerEngine.load(model_dir, template)
+    assert qwen.tool_format == tokenizer_pb2.TOOL_FORMAT_HERMES
+    turns = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Oslo"}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "Rain"},
+    ]
+    rendered = qwen.apply_chat_template(turns, True, False, [WEATHER_TOOL]).text
+    reference = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    reference.chat_template = QWEN_TOOLS_TEMPLATE
+    expected = reference.apply_chat_template(
+        turns, tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True
+    )
+    assert rendered == expected
+    assert '"name": "get_weather"' in rendered and "<tool_response>\nRain" in rendered
+
+    smol = TokenizerEngine.load(model_dir)
+    assert smol.tool_format == tokenizer_pb2.TOOL_FORMAT_UNSPECIFIED
+    plain = [("user", "Weather in Oslo?")]
+    assert (
+        smol.apply_chat_template(plain, True, False, [WEATHER_TOOL]).text
+        == smol.apply_chat_template(plain, True, False).text
+    )

@@ -119,6 +119,17 @@ async def test_a_conversation_of_more_turns_than_the_context(stub):
     ]
 
 
+@pytest.mark.parametrize(
+    "tools",
+    ["not json", '{"type": "function"}', "[1, 2]", "[" * 100_000, "[" + "{}," * 100_000 + "{}]"],
+)
+async def test_tools_that_are_not_an_array_of_objects_or_too_large(stub, tools):
+    (violation,) = await _violations(
+        stub.ApplyChatTemplate(_chat([("user", "hi")], tools=tools), timeout=10)
+    )
+    assert violation.field == "tools"
+
+
 async def test_contents_over_one_mib_in_all(stub):
     half = "x" * (MAX_TEXT_BYTES // 2 + 1)
     request = _chat([("user", half), ("assistant", half)], return_token_ids=True)
