@@ -72,7 +72,8 @@ class KvStore:
     capacity_bytes: int
     clock: Callable[[], float] = time.monotonic
     _leases: dict[str, Lease] = field(default_factory=dict)
-    _by_token: dict[TokenKey, list[str]] = field(default_factory=dict)
+    # A release token's handles: the readers set its leases share.
+    _by_token: dict[TokenKey, set[str]] = field(default_factory=dict)
     # Tokens released before their KV existed -> when they are forgotten (expiry order).
     _tombstones: OrderedDict[TokenKey, float] = field(default_factory=OrderedDict)
     used_bytes: int = 0
@@ -134,7 +135,7 @@ class KvStore:
         if release_token and self._tombstones.pop((owner, release_token), None) is not None:
             return leases
         if release_token:
-            self._by_token[owner, release_token] = list(handles)
+            self._by_token[owner, release_token] = shared
         for lease in leases:
             self._leases[lease.handle_id] = lease
         self.used_bytes += nbytes
