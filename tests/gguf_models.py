@@ -78,14 +78,44 @@ _MINISTRAL3_ROPE = {
     "llama_4_scaling_beta": 0.1,
 }
 
-# Each family's published chat template, verbatim: Meta-Llama-3-8B-Instruct,
-# Mistral-7B-Instruct-v0.2 (Mistral's [INST] one), gemma-3-*-it (a system message folded
-# into the first user turn) and Phi-3.5-mini-instruct; Qwen's in its tool-calling format.
-LLAMA3_TEMPLATE = (
-    "{% set loop_messages = messages %}{% for message in loop_messages %}"
-    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
-    "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
-    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+# Each family's published chat template, verbatim: Mistral-7B-Instruct-v0.2 (Mistral's
+# [INST] one), gemma-3-*-it (a system message folded into the first user turn) and
+# Phi-3.5-mini-instruct; Llama's and Qwen's in their tool-calling formats.
+#
+# Llama 3.1's (also 3.2's and 3.3's) tool-calling format, custom tools only: an
+# "Environment: ipython" system turn, the tools as JSON in the first user turn, a call
+# written as the whole assistant turn, `{"name": ..., "parameters": {...}}` (one a turn),
+# results in `ipython` turns. aimesh's own rendition, shorter than Meta's published one
+# (which also renders built-in tools after <|python_tag|>).
+LLAMA31_TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0].role == 'system' %}"
+    "{% set system_message = messages[0].content | trim %}{% set messages = messages[1:] %}"
+    "{% else %}{% set system_message = '' %}{% endif %}"
+    "{{ '<|start_header_id|>system<|end_header_id|>\n\n' }}"
+    "{% if tools %}{{ 'Environment: ipython\n' }}{% endif %}"
+    "{{ 'Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n' }}"
+    "{{ system_message + '<|eot_id|>' }}"
+    "{% if tools %}{% if not messages %}"
+    "{{ raise_exception('Cannot put tools in the first user message when there is none!') }}"
+    "{% endif %}{{ '<|start_header_id|>user<|end_header_id|>\n\n' }}"
+    "{{ 'Given the following functions, please respond with a JSON for a function call '"
+    " + 'with its proper arguments that best answers the given prompt.\n\n' }}"
+    '{{ \'Respond in the format {"name": function name, "parameters": dictionary of \''
+    " + 'argument name and its value}. Do not use variables.\n\n' }}"
+    "{% for tool in tools %}{{ tool | tojson(indent=4) }}{{ '\n\n' }}{% endfor %}"
+    "{{ messages[0].content | trim + '<|eot_id|>' }}{% set messages = messages[1:] %}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role in ('tool', 'ipython') %}"
+    "{{ '<|start_header_id|>ipython<|end_header_id|>\n\n' + message.content + '<|eot_id|>' }}"
+    "{% elif message.tool_calls %}{% if message.tool_calls | length != 1 %}"
+    "{{ raise_exception('This model only supports single tool-calls at once!') }}{% endif %}"
+    "{% set call = message.tool_calls[0].function %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    '{{ \'{"name": "\' + call.name + \'", "parameters": \' }}'
+    "{{ call.arguments | tojson }}{{ '}<|eot_id|>' }}"
+    "{% else %}{{ '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n'"
+    " + message.content | trim + '<|eot_id|>' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
     "{% endif %}"
 )
@@ -365,7 +395,7 @@ class _Recipe:
 
 
 _RECIPES = {
-    "llama": _Recipe("LlamaConfig", LLAMA3_TEMPLATE, "tiny-llama"),
+    "llama": _Recipe("LlamaConfig", LLAMA31_TOOLS_TEMPLATE, "tiny-llama"),
     "mistral3": _Recipe(
         "Ministral3Config",
         MISTRAL_TEMPLATE,

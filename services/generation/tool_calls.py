@@ -9,6 +9,12 @@ shape, and the output is calls, each a JSON object `{"name": ..., "arguments": {
 a line of its own between a `<tool_call>` and a `</tool_call>` line, or in `auto` mode an
 answer that does not begin with the tag.
 
+Llama 3.1's (and 3.2's and 3.3's, custom tools): the template gets the tools and the
+turns, results go in `ipython` turns, and the output is one call,
+`{"name": ..., "parameters": {...}}`, as the whole turn (the template renders one call a
+turn, so calls are never parallel), or in `auto` mode an answer that does not begin like
+one.
+
 For templates that know no tools (SmolLM2's among them), llama.cpp's generic format: the
 tools described in the system turn, the output one JSON object,
 `{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}` to call or `{"response": "..."}`
@@ -17,8 +23,9 @@ would have written, the tools' results as one user turn (`{"tool_results": [...]
 
 Either way the grammar (services/llm/guide.py) makes every call name one of the request's
 functions and every arguments object valid against that function's schema, so a call
-always parses, in `auto` mode too. Not yet: Llama 3.1's and Mistral's formats (their
-templates fall back to the generic one).
+always parses, in `auto` mode too. Not yet: Mistral's `[TOOL_CALLS]` format (its
+marker is a control token, which the grammar would have to name by id and the
+detokenizer keep); its templates fall back to the generic format.
 """
 
 from __future__ import annotations
@@ -46,7 +53,6 @@ NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 NAME_RULE = "must be 1 to 64 of a-z, A-Z, 0-9, _ and -"
 Mode = generation_pb2.ToolChoice.Mode
 _CALL_OPEN = '{"name": "'
-_ARGUMENTS_OPEN = '", "arguments": '
 _REF = re.compile(r"^#/(\$defs|definitions)/")
 _TAG_OPEN, _TAG_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -218,28 +224,38 @@ def _call_schemas(
     return calls
 
 
-def hermes_grammar(
+def native_grammar(
+    form: CallFormat,
     tools: Sequence[generation_pb2.ToolDefinition],
     mode: int,
     function: str,
     parallel: bool,
     answer: dict[str, Any] | None,
 ) -> str:
-    """The Lark grammar (llguidance's) of every output allowed in Hermes's format: calls
-    of the tools the choice allows, one a line (one when not parallel or when a function
-    is named), or, in auto mode, an answer: text that does not begin with the tag, or
-    what `answer` (the response_format's schema) describes."""
-    defs: dict[str, Any] = {}
-    calls = _call_schemas(tools, function, defs)
-    call: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    if defs:
-        call["$defs"] = defs
+    """The Lark grammar (llguidance's) of every output allowed in a template's own
+    format `form`: calls of the tools the choice allows (one when not parallel, when a
+    function is named or when the format writes one a turn), or, in auto mode, an
+    answer: text that does not begin like the calls, or what `answer` (the
+    response_format's schema) describes, for a format whose calls open with a tag."""
+    # The format's separators hold a call object's closing brace; here each call is
+    # written whole: its opening up to the arguments as a literal (so that the lexer
+    # tells a call from an answer's text as they are written, side by side), then the
+    # arguments as JSON of the tool's schema (its own root: its `$defs` resolve as
+    # written), then the brace.
+    opening, closing = _literal(form.calls_open), _literal(form.calls_close[1:])
+    many = parallel and not function and form.call_between is not None
+    repeated = f" ({_literal(form.call_between[1:])} call)*" if many else ""
     lines = [
         "start: calls | answer" if mode == Mode.MODE_AUTO else "start: calls",
-        'calls: call ("\\n" call)*' if parallel and not function else "calls: call",
-        f'call: "{_TAG_OPEN}\\n" body "\\n{_TAG_CLOSE}"',
-        f"body: %json {json.dumps({**call, 'x-guidance': JSON_FORMAT})}",
+        f"calls: {opening} call{repeated} {closing}",
     ]
+    callable_ = [(i, tool) for i, tool in enumerate(tools) if not function or tool.name == function]
+    lines.append("call: " + " | ".join(f"call{i}" for i, _ in callable_))
+    for i, tool in callable_:
+        head = _literal(f'{_CALL_OPEN}{tool.name}", "{form.arguments_key}": ')
+        arguments = _loaded(tool.parameters) if tool.parameters else {"type": "object"}
+        lines.append(f'call{i}: {head} arguments{i} "}}"')
+        lines.append(f"arguments{i}: %json {json.dumps({**arguments, 'x-guidance': JSON_FORMAT})}")
     if mode == Mode.MODE_AUTO:
         if answer is not None:
             answer_defs: dict[str, Any] = {}
@@ -248,8 +264,16 @@ def hermes_grammar(
                 shaped = {**shaped, "$defs": answer_defs}
             lines.append(f"answer: %json {json.dumps({**shaped, 'x-guidance': JSON_FORMAT})}")
         else:
-            lines.append(f"answer: /{_not_beginning_with(_TAG_OPEN)}/")
+            # Hermes's calls begin with the tag; a line break after it is not needed for
+            # text to read as a call.
+            marker = (form.calls_open or _CALL_OPEN).rstrip("\n")
+            lines.append(f"answer: /{_not_beginning_with(marker)}/")
     return "\n".join(lines)
+
+
+def _literal(text: str) -> str:
+    """`text` as a Lark string (JSON's escapes are Lark's), or nothing when empty."""
+    return json.dumps(text) if text else ""
 
 
 def _not_beginning_with(tag: str) -> str:
@@ -376,18 +400,26 @@ def conversation(
 
 @dataclass(frozen=True)
 class CallFormat:
-    """How an output opens its calls, goes from one to the next and closes them (each
-    call `{"name": "...", "arguments": {...}}` in between), and how it answers instead:
+    """How an output opens its calls ("": the first call's own `{"name": "` opens
+    them), goes from one to the next (None: one call only) and closes them, each call
+    `{"name": "...", "<arguments_key>": {...}}` in between, and how it answers instead:
     after `answer_open`, as a JSON value, or (None) as the text itself."""
 
     calls_open: str
-    call_between: str
+    call_between: str | None
     calls_close: str
     answer_open: str | None
+    arguments_key: str = "arguments"
 
 
 GENERIC = CallFormat('{"tool_calls": [', "}, ", "}]}", '{"response": ')
 HERMES = CallFormat(f"{_TAG_OPEN}\n", f"}}\n{_TAG_CLOSE}\n{_TAG_OPEN}\n", f"}}\n{_TAG_CLOSE}", None)
+LLAMA3 = CallFormat("", None, "}", None, arguments_key="parameters")
+# The formats of templates that render tools themselves, by tokenizer_pb2.ToolFormat.
+NATIVE_FORMATS = {
+    tokenizer_pb2.TOOL_FORMAT_HERMES: HERMES,
+    tokenizer_pb2.TOOL_FORMAT_LLAMA3: LLAMA3,
+}
 
 
 @dataclass(frozen=True)
@@ -416,10 +448,10 @@ def plan(
     no tool fields at all."""
     if not uses_tools(request):
         return None
-    native = tool_format == tokenizer_pb2.TOOL_FORMAT_HERMES
+    native = NATIVE_FORMATS.get(tool_format)
     mode, function = _mode(request)
     if not request.tools or mode == Mode.MODE_NONE:
-        if native:
+        if native is not None:
             return Plan(list(request.messages), None, answer_is_text=True)
         return Plan(conversation(request.messages, "", system_turn), None, answer_is_text=True)
     shape = request.sampling.constraint
@@ -429,13 +461,17 @@ def plan(
     elif shape.WhichOneof("kind") == "json_object":
         answer = {"type": "object"}
     parallel = not request.HasField("parallel_tool_calls") or request.parallel_tool_calls
-    if native:
-        grammar = hermes_grammar(request.tools, mode, function, parallel, answer)
+    if native is not None and not native.calls_open and answer and mode == Mode.MODE_AUTO:
+        # A call and a JSON answer would both begin with `{"`, which the grammar cannot
+        # keep apart as they are written: the generic format, as llama.cpp does.
+        native = None
+    if native is not None:
+        grammar = native_grammar(native, request.tools, mode, function, parallel, answer)
         return Plan(
             list(request.messages),
             sampling_pb2.OutputConstraint(lark_grammar=grammar),
             answer_is_text=answer is None,
-            format=HERMES,
+            format=native,
             tools=json.dumps([_openai_tool(tool) for tool in request.tools]),
         )
     schema = envelope(request.tools, mode, function, parallel, answer)
@@ -503,9 +539,9 @@ class CallParser:
         state = self._state
         form = self.format
         if state == "start":
-            opens = self._expect(form.calls_open)
+            opens = self._expect(form.calls_open or _CALL_OPEN)
             if opens:
-                self._state = "call"
+                self._state = "call" if form.calls_open else "name"
                 return True
             if form.answer_open is None:  # the answer is whatever else comes
                 if opens is False:
@@ -537,7 +573,7 @@ class CallParser:
             self._state = "arguments_open"
             return True
         if state == "arguments_open":
-            if self._expect(_ARGUMENTS_OPEN):
+            if self._expect(f'", "{form.arguments_key}": '):
                 self._state = "arguments"
                 return True
             return False
@@ -552,7 +588,7 @@ class CallParser:
                 self._state = "call_close"
             return done
         if state == "call_close":
-            between = self._expect(form.call_between)
+            between = False if form.call_between is None else self._expect(form.call_between)
             if between:
                 self._state = "call"
                 return True

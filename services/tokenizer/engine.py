@@ -132,13 +132,16 @@ class TokenizerEngine:
 
 def tool_format_of(template: str | dict[str, str] | None) -> int:
     """How a chat template has the model write tool calls, read from its source as
-    llama.cpp's common/chat.cpp tells templates apart: one that renders `tools` and
-    writes `<tool_call>` tags is Hermes's format (Qwen 2.5 and 3 among them)."""
+    llama.cpp's common/chat.cpp tells templates apart, in its order: one that renders
+    `tools` and writes `<tool_call>` tags is Hermes's format (Qwen 2.5 and 3 among
+    them); one with an `ipython` turn is Llama 3.1's (and 3.2's and 3.3's)."""
     if template is None:
         return TOOL_FORMAT_UNSPECIFIED
     source = template if isinstance(template, str) else " ".join(template.values())
     if "<tool_call>" in source and "tools" in source:
         return tokenizer_pb2.TOOL_FORMAT_HERMES
+    if "<|start_header_id|>ipython<|end_header_id|>" in source:
+        return tokenizer_pb2.TOOL_FORMAT_LLAMA3
     return TOOL_FORMAT_UNSPECIFIED
 
 

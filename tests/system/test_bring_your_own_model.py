@@ -258,10 +258,18 @@ WEATHER_TOOL = {
 }
 
 
+# The tool format of each family's template here; the others know no tools.
+NATIVE_TOOL_FORMATS = {
+    "qwen3": tokenizer_pb2.TOOL_FORMAT_HERMES,
+    "llama": tokenizer_pb2.TOOL_FORMAT_LLAMA3,
+}
+
+
 async def check_tools(mesh: Mesh) -> None:
-    """A template that knows tools (Qwen's format) renders them itself, and the model's
-    calls come back whole and streamed as OpenAI's; one that does not keeps the generic
-    format. Either way, a call and its result in the history render and answer."""
+    """A template that knows tools (Qwen's format, Llama 3.1's) renders them itself, and
+    the model's calls come back whole and streamed as OpenAI's; one that does not keeps
+    the generic format. Either way, a call and its result in the history render and
+    answer."""
     question = [{"role": "user", "content": "Weather in Oslo?"}]
     async with mesh.local("tokenizer") as channel:
         rendered = await tokenizer_pb2_grpc.TokenizerServiceStub(channel).ApplyChatTemplate(
@@ -272,14 +280,13 @@ async def check_tools(mesh: Mesh) -> None:
             ),
             timeout=60,
         )
-    knows_tools = mesh.model.architecture == "qwen3"
-    expected = tokenizer_pb2.TOOL_FORMAT_HERMES if knows_tools else 0
+    expected = NATIVE_TOOL_FORMATS.get(mesh.model.architecture, 0)
     assert rendered.tool_format == expected
-    if knows_tools:
+    if expected:
         reference = AutoTokenizer.from_pretrained(mesh.model.hf_dir).apply_chat_template(
             question, tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True
         )
-        assert rendered.text == reference and "<tools>" in reference
+        assert rendered.text == reference and '"get_weather"' in reference
     call_it = {
         "model": mesh.model.gguf.stem,
         "messages": question,

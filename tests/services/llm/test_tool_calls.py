@@ -1,4 +1,4 @@
-"""Tool calls in the generic and Hermes formats (services/generation/tool_calls.py) as
+"""Tool calls in the generic, Hermes and Llama 3.1 formats (services/generation/tool_calls.py) as
 unit calls: the envelope or grammar every output must fit, the conversation any template
 can render, and the streaming parser that takes an output apart, however its text is
 split. The model
@@ -167,34 +167,76 @@ def _matches(grammar: str, vocabulary: Vocabulary, output: str) -> bool:
     return matcher.consume_tokens(ids) and matcher.is_accepting()
 
 
-def test_the_hermes_grammar_takes_valid_calls_or_an_answer_and_nothing_else(model_dir: Path):
+def _llama3(calls: list[dict]) -> str:
+    (call,) = calls
+    return json.dumps({"name": call["name"], "parameters": call["arguments"]})
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_llama3_call_streams_back_as_deltas_that_join_into_the_call(seed):
+    call = {"name": "get_weather", "arguments": {"city": 'Pa"}ris', "unit": "C", "when": 1}}
+    parser, answer, deltas = parsed(_llama3([call]), seed, form=tool_calls.LLAMA3)
+    assert answer == ""
+    (made,) = parser.calls
+    assert (made.name, json.loads(made.arguments)) == (call["name"], call["arguments"])
+    assert "".join(d.arguments for d in deltas) == made.arguments
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("text", ["It is sunny.", '{"nam', '{"city": "Oslo"}', "{"])
+def test_a_llama3_answer_is_its_text_as_written(text, seed):
+    """Text that stops short of a call's opening, or leaves it, is the answer."""
+    parser, answer, deltas = parsed(text, seed, form=tool_calls.LLAMA3)
+    if '{"name": "'.startswith(text):  # could yet become a call: held back
+        assert answer == ""
+    else:
+        assert answer == text
+    assert deltas == [] and parser.calls == []
+
+
+@pytest.mark.parametrize(
+    ("form", "written"),
+    [(tool_calls.HERMES, _hermes), (tool_calls.LLAMA3, _llama3)],
+    ids=["hermes", "llama3"],
+)
+def test_a_native_grammar_takes_valid_calls_or_an_answer_and_nothing_else(
+    model_dir: Path, form, written
+):
     config = json.loads((model_dir / "config.json").read_text())
     vocabulary = Vocabulary(model_dir / "tokenizer.json", config["vocab_size"], [2])
     weather = {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C", "when": 3}}
     add = {"name": "add", "arguments": {"a": 5}}
+    one_a_turn = form.call_between is None
 
     def grammar(mode, function="", parallel=True, answer=None) -> str:
-        source = tool_calls.hermes_grammar([WEATHER, ADD], mode, function, parallel, answer)
+        source = tool_calls.native_grammar(form, [WEATHER, ADD], mode, function, parallel, answer)
         violations = Violations()
         compiled = grammar_of(sampling_pb2.OutputConstraint(lark_grammar=source), violations)
         assert not violations.items, violations.items
         return compiled
 
     auto, required = grammar(Mode.MODE_AUTO), grammar(Mode.MODE_REQUIRED)
-    assert _matches(auto, vocabulary, _hermes([weather, add]))
+    assert _matches(auto, vocabulary, written([weather]))
     assert _matches(auto, vocabulary, "It is sunny.")
-    assert not _matches(auto, vocabulary, '<tool_call>\n{"name": "get_weather"}\n</tool_call>')
-    assert not _matches(auto, vocabulary, _hermes([{**add, "arguments": {"a": 500}}]))
-    assert _matches(required, vocabulary, _hermes([add]))
+    assert not _matches(auto, vocabulary, written([{"name": "get_weather", "arguments": {}}]))
+    assert not _matches(auto, vocabulary, written([{**add, "arguments": {"a": 500}}]))
+    assert _matches(required, vocabulary, written([add]))
     assert not _matches(required, vocabulary, "It is sunny.")
-    one = grammar(Mode.MODE_REQUIRED, parallel=False)
-    assert _matches(one, vocabulary, _hermes([add]))
-    assert not _matches(one, vocabulary, _hermes([add, add]))
+    if one_a_turn:  # parallel or not, one call
+        assert not _matches(required, vocabulary, written([add]) + written([add]))
+        wrong_key = json.dumps({"name": "add", "arguments": {"a": 5}})
+        assert not _matches(required, vocabulary, wrong_key)
+    else:
+        assert _matches(auto, vocabulary, written([weather, add]))
+        one = grammar(Mode.MODE_REQUIRED, parallel=False)
+        assert _matches(one, vocabulary, written([add]))
+        assert not _matches(one, vocabulary, written([add, add]))
     named = grammar(Mode.MODE_REQUIRED, function="add")
-    assert not _matches(named, vocabulary, _hermes([weather]))
-    shaped = grammar(Mode.MODE_AUTO, answer={"type": "object", "required": ["ok"]})
-    assert _matches(shaped, vocabulary, '{"ok": true}')
-    assert not _matches(shaped, vocabulary, "It is sunny.")
+    assert not _matches(named, vocabulary, written([weather]))
+    if form.calls_open:  # a JSON answer beside calls: see the plan's test below
+        shaped = grammar(Mode.MODE_AUTO, answer={"type": "object", "required": ["ok"]})
+        assert _matches(shaped, vocabulary, '{"ok": true}')
+        assert not _matches(shaped, vocabulary, "It is sunny.")
 
 
 def test_a_template_that_knows_tools_gets_the_turns_and_tools_as_they_came():
@@ -216,6 +258,15 @@ def test_a_template_that_knows_tools_gets_the_turns_and_tools_as_they_came():
         "type": "function",
         "function": {"name": "add", "description": "", "parameters": json.loads(ADD.parameters)},
     }
+    llama = tool_calls.plan(request, tool_format=2)  # TOOL_FORMAT_LLAMA3
+    assert llama.messages == messages and llama.format is tool_calls.LLAMA3
+    assert '\\"parameters' in llama.constraint.lark_grammar and llama.tools == native.tools
+    # Llama's calls and a JSON answer both begin with `{"`: the generic format keeps them
+    # apart.
+    shaped = generation_pb2.ChatRequest(messages=messages, tools=[WEATHER, ADD])
+    shaped.sampling.constraint.json_object = True
+    assert tool_calls.plan(shaped, tool_format=2).format is tool_calls.GENERIC
+    assert tool_calls.plan(shaped, tool_format=1).format is tool_calls.HERMES
     generic = tool_calls.plan(request, tool_format=0)
     assert generic.format is tool_calls.GENERIC and generic.tools == ""
     assert [m.role for m in generic.messages] == ["system", "user", "assistant", "user"]

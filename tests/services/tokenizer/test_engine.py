@@ -63,19 +63,36 @@ WEATHER_TOOL = {
 }
 
 
+@pytest.mark.parametrize(
+    ("template_name", "tool_format", "markers"),
+    [
+        (
+            "QWEN_TOOLS_TEMPLATE",
+            "TOOL_FORMAT_HERMES",
+            ['<tool_call>\n{"name": "get_weather"', "<tool_response>\nRain"],
+        ),
+        (
+            "LLAMA31_TOOLS_TEMPLATE",
+            "TOOL_FORMAT_LLAMA3",
+            ['{"name": "get_weather", "parameters"', "ipython<|end_header_id|>\n\nRain"],
+        ),
+    ],
+)
 def test_a_template_that_knows_tools_renders_them_and_the_calls_as_transformers_does(
-    model_dir, tmp_path
+    model_dir, tmp_path, template_name, tool_format, markers
 ):
-    """Qwen's tool format (Hermes's) is recognised; the tools, an assistant's calls and
-    the tool turns render exactly as transformers renders them, and SmolLM2's own
-    template, which knows no tools, says so and renders the turns as it always did."""
+    """Qwen's tool format (Hermes's) and Llama 3.1's are recognised; the tools, an
+    assistant's calls and the tool turns render exactly as transformers renders them,
+    and SmolLM2's own template, which knows no tools, says so and renders the turns as
+    it always did."""
     from aimesh.tokenizer.v1 import tokenizer_pb2
-    from tests.gguf_models import QWEN_TOOLS_TEMPLATE
+    from tests import gguf_models
 
-    template = tmp_path / "qwen.jinja"
-    template.write_text(QWEN_TOOLS_TEMPLATE)
-    qwen = TokenizerEngine.load(model_dir, template)
-    assert qwen.tool_format == tokenizer_pb2.TOOL_FORMAT_HERMES
+    source = getattr(gguf_models, template_name)
+    template = tmp_path / "tools.jinja"
+    template.write_text(source)
+    engine = TokenizerEngine.load(model_dir, template)
+    assert engine.tool_format == tokenizer_pb2.ToolFormat.Value(tool_format)
     turns = [
         {"role": "user", "content": "Weather in Oslo?"},
         {
@@ -91,14 +108,14 @@ def test_a_template_that_knows_tools_renders_them_and_the_calls_as_transformers_
         },
         {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "Rain"},
     ]
-    rendered = qwen.apply_chat_template(turns, True, False, [WEATHER_TOOL]).text
+    rendered = engine.apply_chat_template(turns, True, False, [WEATHER_TOOL]).text
     reference = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    reference.chat_template = QWEN_TOOLS_TEMPLATE
+    reference.chat_template = source
     expected = reference.apply_chat_template(
         turns, tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True
     )
     assert rendered == expected
-    assert '"name": "get_weather"' in rendered and "<tool_response>\nRain" in rendered
+    assert all(marker in rendered for marker in markers), rendered
 
     smol = TokenizerEngine.load(model_dir)
     assert smol.tool_format == tokenizer_pb2.TOOL_FORMAT_UNSPECIFIED
@@ -107,3 +124,23 @@ def test_a_template_that_knows_tools_renders_them_and_the_calls_as_transformers_
         smol.apply_chat_template(plain, True, False, [WEATHER_TOOL]).text
         == smol.apply_chat_template(plain, True, False).text
     )
+
+
+def test_a_template_that_renders_one_call_a_turn_refuses_two_as_the_callers_error(
+    model_dir, tmp_path
+):
+    from mesh.failures import InvalidInput
+    from tests.gguf_models import LLAMA31_TOOLS_TEMPLATE
+
+    template = tmp_path / "llama.jinja"
+    template.write_text(LLAMA31_TOOLS_TEMPLATE)
+    llama = TokenizerEngine.load(model_dir, template)
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {}}}
+    turns = [
+        {"role": "user", "content": "Weather in Oslo and Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{**call, "id": i} for i in "ab"]},
+    ]
+    with pytest.raises(InvalidInput) as refused:
+        llama.apply_chat_template(turns, True, False, [WEATHER_TOOL])
+    (violation,) = refused.value.violations
+    assert violation.field == "messages" and "single tool-calls" in violation.description

@@ -14,8 +14,10 @@ class ToolFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TOOL_FORMAT_UNSPECIFIED: _ClassVar[ToolFormat]
     TOOL_FORMAT_HERMES: _ClassVar[ToolFormat]
+    TOOL_FORMAT_LLAMA3: _ClassVar[ToolFormat]
 TOOL_FORMAT_UNSPECIFIED: ToolFormat
 TOOL_FORMAT_HERMES: ToolFormat
+TOOL_FORMAT_LLAMA3: ToolFormat
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("request_id", "text", "add_special_tokens", "return_details")
