@@ -27,6 +27,7 @@ from services.gateway.errors import ApiError, from_validation, internal, model_n
 from services.gateway.front import PRINCIPAL, Front
 from services.gateway.images import Images
 from services.gateway.keys import KeyStore, OpenAccess, Principal
+from services.gateway.mcp_tools import PATH as MCP_PATH
 from services.gateway.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -72,8 +73,10 @@ def build_app(
     budget_s: float,
     body: BodyLimits,
     ready: Callable[[], bool],
+    mcp: ASGIApp,
 ) -> ASGIApp:
-    """The whole ASGI app; `ready()` says whether the gateway can serve now."""
+    """The whole ASGI app; `ready()` says whether the gateway can serve now; `mcp`
+    answers MCP's Streamable HTTP at its path (mcp_tools.py)."""
     app = FastAPI(
         title="aimesh gateway",
         docs_url=None,
@@ -156,6 +159,10 @@ def build_app(
             if everyone or tenant == principal.tenant
         ]
         return {"object": "list", "data": data}
+
+    # MCP's transport answers its own methods (POST messages, GET a stream where a
+    # revision has one, DELETE a session) and its own errors, in JSON-RPC's shape.
+    app.router.add_route(MCP_PATH, mcp, methods=["GET", "POST", "DELETE"])
 
     @app.get("/health/live")
     async def live() -> dict[str, str]:

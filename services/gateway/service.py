@@ -17,6 +17,7 @@ from aimesh.diffusion.v1 import diffusion_pb2_grpc
 from aimesh.llm.v1 import generation_pb2_grpc
 from aimesh.rerank.v1 import rerank_pb2_grpc
 from aimesh.retrieval.v1 import embedder_pb2_grpc
+from aimesh.tools.v1 import tools_pb2, tools_pb2_grpc
 from mesh.metering import Meter, warn_unenforced
 from mesh.server import MeshServer
 from services.gateway.admission import Slots
@@ -27,12 +28,14 @@ from services.gateway.embeddings import EMBEDDER, Embeddings
 from services.gateway.http_server import HttpServer
 from services.gateway.images import DIFFUSION, Images
 from services.gateway.keys import KeyStore, OpenAccess
+from services.gateway.mcp_tools import McpTools
 from services.gateway.request_body import BodyLimits
 from services.gateway.rerank import RERANK, Rerank
 from services.gateway.settings import GatewayOptions
 from services.gateway.shared import Shared
 
 log = logging.getLogger(__name__)
+TOOLS = tools_pb2.DESCRIPTOR.services_by_name["ToolsService"]
 
 
 async def setup(server: MeshServer) -> HttpServer:
@@ -60,6 +63,12 @@ async def setup(server: MeshServer) -> HttpServer:
     else:
         keys = KeyStore(options.api_keys_file)
         warn_unenforced(options.api_keys_file, server.settings.limits)
+    mcp = McpTools(
+        tools_pb2_grpc.ToolsServiceStub(server.channel_to("tools", TOOLS)),
+        call_timeout_s=options.request_timeout_s,
+        allowed_hosts=options.mcp_allowed_hosts,
+        allowed_origins=options.mcp_allowed_origins,
+    )
     service = server.settings.service(server.name)
     http = HttpServer(
         build_app(
@@ -73,6 +82,7 @@ async def setup(server: MeshServer) -> HttpServer:
             budget_s=options.request_timeout_s,
             body=BodyLimits(options.max_body_bytes, options.body_read_timeout_s),
             ready=lambda: catalog.ready and not http.draining,
+            mcp=mcp,
         ),
         service.host,
         options.http_port,
@@ -81,6 +91,7 @@ async def setup(server: MeshServer) -> HttpServer:
     )
 
     async def listen() -> None:
+        server.watch(mcp.start())
         server.watch(await http.start())
 
     async def wait_for_dependencies() -> None:
@@ -91,5 +102,6 @@ async def setup(server: MeshServer) -> HttpServer:
     server.add_warmup(wait_for_dependencies)
     server.add_readiness_probe(catalog.refresh)
     server.add_shutdown(http.stop)
+    server.add_shutdown(mcp.stop)
     server.add_shutdown(meter.close)
     return http

@@ -33,3 +33,14 @@ class GatewayOptions(HttpServiceOptions):
         description="time a request's whole body may take to arrive (408 past it): a full-size "
         "body needs about 1.1 Mbit/s",
     )
+    # MCP at /mcp answers only these Host and Origin headers (DNS-rebinding protection:
+    # a web page must not reach the tools through a name that resolves to loopback).
+    # Behind a public name, add it ("tools.example.com:*", "https://tools.example.com").
+    mcp_allowed_hosts: list[str] = Field(
+        default=["127.0.0.1:*", "localhost:*", "[::1]:*"],
+        description="Host headers /mcp answers (a port or :* after each)",
+    )
+    mcp_allowed_origins: list[str] = Field(
+        default=["http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*"],
+        description="Origin headers /mcp answers (requests without one are served)",
+    )

@@ -14,7 +14,8 @@ SPEC = ServiceSpec(
     exempt_methods=("/aimesh.tools.v1.ToolsService/ListTools",),
     edge_services=("aimesh.tools.v1.ToolsService",),
     dependencies=("retrieval", "diffusion"),
-    callers=(("aimesh.tools.v1.ToolsService", (EDGE, OPERATOR, "agent")),),
+    # The gateway serves the tools to MCP clients (services/gateway/mcp_tools.py).
+    callers=(("aimesh.tools.v1.ToolsService", (EDGE, OPERATOR, "agent", "gateway")),),
     scopes=(
         ("aimesh.tools.v1.ToolsService", "generate"),
         ("/aimesh.tools.v1.ToolsService/ListTools", "read"),

@@ -1,0 +1,248 @@
+"""MCP at the gateway's /mcp, driven by the official MCP SDK's client at both protocol
+revisions: the tools service's tools listed and called for the key's tenant, progress,
+a tool's own failure as isError, the caller's mistakes as INVALID_PARAMS naming the
+field, cancellation reaching the service the tool waits on, and keys, scopes and Host
+headers refused over plain HTTP. Every hop is real loopback: the SDK's client, the
+gateway, the tools service, and a scripted retrieval server where a tool needs one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+from mcp import Client, types
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
+from mcp.shared.exceptions import MCPError
+
+from aimesh.retrieval.v1 import retrieval_pb2, retrieval_pb2_grpc
+from mesh.config import MeshSettings, ServiceSettings
+from mesh.server import MeshServer
+from services.tools.builtin import BUILTIN
+from tests.conftest import free_port
+from tests.harness import InProcess
+from tests.services.gateway.conftest import Gateway, running_gateway
+
+pytestmark = pytest.mark.service
+
+KEYS = {
+    "sk-tools": ("acme", ["read", "generate"]),
+    "sk-reader": ("acme", ["read"]),
+    "sk-embed-only": ("embedco", ["embed"]),
+    "sk-other": ("otherco", ["read", "generate"]),
+}
+# The handshake revision (2025-11-25) and the stateless one (2026-07-28).
+MODES = ["legacy", "2026-07-28"]
+
+
+class StalledRetrieval(retrieval_pb2_grpc.RetrievalServiceServicer):
+    """A retrieval whose Search waits until its caller gives up, and says so."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.cancelled = asyncio.Event()
+
+    async def Search(self, request, context):
+        self.started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return retrieval_pb2.SearchResponse()
+
+
+@asynccontextmanager
+async def mcp_gateway(tmp_path, retrieval: str | None = None) -> AsyncIterator[Gateway]:
+    """The gateway in front of a tools service whose retrieval is `retrieval` (a closed
+    port unless given)."""
+    async with InProcess() as services:
+        if retrieval is None:
+            retrieval = f"127.0.0.1:{free_port()}"
+        dependencies = {"retrieval": retrieval, "diffusion": f"127.0.0.1:{free_port()}"}
+        settings = MeshSettings(services={"tools": ServiceSettings(dependencies=dependencies)})
+        tools = await services.start("tools", settings)
+        async with running_gateway(
+            tmp_path, keys=KEYS, dependencies={"tools": tools.target}
+        ) as gateway:
+            yield gateway
+
+
+@asynccontextmanager
+async def mcp_client(gateway: Gateway, mode: str, key: str = "sk-tools") -> AsyncIterator[Client]:
+    """The SDK's client on /mcp with `key`, speaking the revision `mode` names."""
+    http = create_mcp_http_client(headers={"authorization": f"Bearer {key}"})
+    async with http:
+        transport = streamable_http_client(f"{gateway.url}/mcp", http_client=http)
+        async with Client(transport, mode=mode) as client:
+            yield client
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_mcp_client_lists_and_calls_the_mesh_tools(tmp_path, mode):
+    async with mcp_gateway(tmp_path) as gateway, mcp_client(gateway, mode) as client:
+        listed = await client.list_tools()
+        assert sorted(t.name for t in listed.tools) == sorted(t.name for t in BUILTIN)
+        calculator = next(t for t in listed.tools if t.name == "calculator")
+        assert calculator.input_schema["required"] == ["expression"]
+        assert calculator.output_schema["properties"]["value"] == {"type": "number"}
+        hints = calculator.annotations
+        assert (hints.read_only_hint, hints.destructive_hint, hints.open_world_hint) == (
+            True,
+            False,
+            False,
+        )
+
+        result = await client.call_tool("calculator", {"expression": "17 * 23"})
+        assert not result.is_error
+        assert result.structured_content["value"] == 391
+        assert "391" in result.content[0].text
+
+        # The tool's own failure is a result the model reads, not a protocol error.
+        failed = await client.call_tool("calculator", {"expression": "1 / 0"})
+        assert failed.is_error and failed.content[0].type == "text"
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_progress_reaches_the_client_and_a_dead_backend_is_the_tools_error(tmp_path, mode):
+    """knowledge_search reports progress, then finds retrieval down: that is the tool's
+    failure (isError, saying which service), not the protocol's."""
+    seen: list[tuple[float, float | None, str | None]] = []
+
+    async def progress(value: float, total: float | None, message: str | None) -> None:
+        seen.append((value, total, message))
+
+    async with mcp_gateway(tmp_path) as gateway, mcp_client(gateway, mode) as client:
+        result = await client.call_tool(
+            "knowledge_search", {"query": "copy a list"}, progress_callback=progress
+        )
+    assert result.is_error and "UNAVAILABLE" in result.content[0].text
+    assert seen == [(0, 1, "searching the knowledge base")]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_the_callers_mistakes_are_invalid_params_naming_the_field(tmp_path, mode):
+    async with mcp_gateway(tmp_path) as gateway, mcp_client(gateway, mode) as client:
+        with pytest.raises(MCPError) as unknown:
+            await client.call_tool("no_such_tool", {})
+        assert unknown.value.code == types.INVALID_PARAMS
+        assert "no tool 'no_such_tool'" in unknown.value.message
+
+        with pytest.raises(MCPError) as refused:
+            await client.call_tool("calculator", {"expression": 42})
+        assert refused.value.code == types.INVALID_PARAMS
+        assert any(v["field"].startswith("arguments") for v in refused.value.data)
+
+        with pytest.raises(MCPError) as cursor:
+            await client.list_tools(cursor="not-a-cursor")
+        assert cursor.value.code == types.INVALID_PARAMS
+        # The endpoint serves on after each refusal.
+        assert (await client.call_tool("calculator", {"expression": "2+2"})).structured_content
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_client_that_cancels_a_call_cancels_the_tool_and_its_backend(
+    tmp_path, start_fake_retrieval, mode
+):
+    stalled = StalledRetrieval()
+    retrieval = await start_fake_retrieval(stalled)
+    async with mcp_gateway(tmp_path, retrieval) as gateway, mcp_client(gateway, mode) as client:
+        call = asyncio.create_task(client.call_tool("knowledge_search", {"query": "anything"}))
+        await asyncio.wait_for(stalled.started.wait(), timeout=30)
+        call.cancel()
+        # Well before the tool's own idle limit (10 s) would stop it.
+        await asyncio.wait_for(stalled.cancelled.wait(), timeout=5)
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        # The same client goes on.
+        assert (await client.call_tool("calculator", {"expression": "2+2"})).structured_content
+
+
+@pytest.fixture
+async def start_fake_retrieval():
+    async with InProcess() as services:
+
+        async def start(servicer: retrieval_pb2_grpc.RetrievalServiceServicer) -> str:
+            async def serve(server: MeshServer) -> None:
+                retrieval_pb2_grpc.add_RetrievalServiceServicer_to_server(
+                    servicer, server.grpc_server
+                )
+
+            return (await services.start("echo", setup=serve)).target
+
+        yield start
+
+
+INITIALIZE = {
+    "jsonrpc": "2.0",
+    "id": 1,
+    "method": "initialize",
+    "params": {
+        "protocolVersion": "2025-11-25",
+        "capabilities": {},
+        "clientInfo": {"name": "curl", "version": "1"},
+    },
+}
+HEADERS = {"accept": "application/json, text/event-stream", "content-type": "application/json"}
+
+
+def _call(name: str) -> dict:
+    arguments = {"expression": "1+1"}
+    return {
+        "jsonrpc": "2.0",
+        "id": 2,
+        "method": "tools/call",
+        "params": {"name": name, "arguments": arguments},
+    }
+
+
+async def test_keys_scopes_and_foreign_hosts_are_refused_before_any_tool_runs(tmp_path):
+    async with mcp_gateway(tmp_path) as gateway:
+        url = f"{gateway.url}/mcp"
+        async with httpx.AsyncClient(timeout=30) as http:
+            anonymous = await http.post(url, json=INITIALIZE, headers=HEADERS)
+            assert anonymous.status_code == 401
+
+            def keyed(key: str) -> dict[str, str]:
+                return {**HEADERS, "authorization": f"Bearer {key}"}
+
+            # A read key lists the tools but may not call one.
+            reader = await http.post(url, json=INITIALIZE, headers=keyed("sk-reader"))
+            assert reader.status_code == 200
+            called = await http.post(url, json=_call("calculator"), headers=keyed("sk-reader"))
+            assert called.status_code == 403
+            assert "'generate' scope" in called.json()["error"]["message"]
+            embedder = await http.post(
+                url, json=_call("calculator"), headers=keyed("sk-embed-only")
+            )
+            assert embedder.status_code == 403
+
+            # A session is its tenant's: another tenant's key cannot use its id.
+            session = {"mcp-session-id": reader.headers["mcp-session-id"]}
+            listing = {"jsonrpc": "2.0", "id": 3, "method": "tools/list"}
+            mine = await http.post(url, json=listing, headers={**keyed("sk-tools"), **session})
+            assert mine.status_code == 200 and "calculator" in mine.text
+            theirs = await http.post(url, json=listing, headers={**keyed("sk-other"), **session})
+            assert theirs.status_code == 404 and "calculator" not in theirs.text
+
+            # A page elsewhere, reaching loopback through a name of its own (DNS rebinding).
+            foreign = await http.post(
+                url, json=INITIALIZE, headers={**keyed("sk-tools"), "host": "evil.example:80"}
+            )
+            assert foreign.status_code in (400, 403, 421)
+            origin = await http.post(
+                url,
+                json=INITIALIZE,
+                headers={**keyed("sk-tools"), "origin": "http://evil.example"},
+            )
+            assert origin.status_code == 403
+
+            # A body that is not JSON is the SDK's parse error, not a crash.
+            garbage = await http.post(url, content=b"{not json", headers=keyed("sk-tools"))
+            assert garbage.status_code == 400
+            assert json.loads(garbage.text)["error"]["code"] == types.PARSE_ERROR
+            assert (await http.get(f"{gateway.url}/health/live")).status_code == 200
