@@ -30,7 +30,7 @@ SPEC = ServiceSpec(
         "/v1/rerank",
         # The ledger: a tenant reads its own usage where it sends its requests.
         "/v1/usage",
-        # MCP's Streamable HTTP: the mesh's tools for MCP clients (mcp_tools.py).
+        # MCP's Streamable HTTP: the mesh's tools for MCP clients (mcp_http.py).
         "/mcp",
     ),
 )

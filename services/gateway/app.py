@@ -27,7 +27,7 @@ from services.gateway.errors import ApiError, from_validation, internal, model_n
 from services.gateway.front import PRINCIPAL, Front
 from services.gateway.images import Images
 from services.gateway.keys import KeyStore, OpenAccess, Principal
-from services.gateway.mcp_tools import PATH as MCP_PATH
+from services.gateway.mcp_http import PATH as MCP_PATH
 from services.gateway.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -76,7 +76,7 @@ def build_app(
     mcp: ASGIApp,
 ) -> ASGIApp:
     """The whole ASGI app; `ready()` says whether the gateway can serve now; `mcp`
-    answers MCP's Streamable HTTP at its path (mcp_tools.py)."""
+    answers MCP's Streamable HTTP at its path (mcp_http.py)."""
     app = FastAPI(
         title="aimesh gateway",
         docs_url=None,

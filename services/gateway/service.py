@@ -28,7 +28,7 @@ from services.gateway.embeddings import EMBEDDER, Embeddings
 from services.gateway.http_server import HttpServer
 from services.gateway.images import DIFFUSION, Images
 from services.gateway.keys import KeyStore, OpenAccess
-from services.gateway.mcp_tools import McpTools
+from services.gateway.mcp_http import McpEndpoint
 from services.gateway.request_body import BodyLimits
 from services.gateway.rerank import RERANK, Rerank
 from services.gateway.settings import GatewayOptions
@@ -63,7 +63,7 @@ async def setup(server: MeshServer) -> HttpServer:
     else:
         keys = KeyStore(options.api_keys_file)
         warn_unenforced(options.api_keys_file, server.settings.limits)
-    mcp = McpTools(
+    mcp = McpEndpoint(
         tools_pb2_grpc.ToolsServiceStub(server.channel_to("tools", TOOLS)),
         call_timeout_s=options.request_timeout_s,
         allowed_hosts=options.mcp_allowed_hosts,

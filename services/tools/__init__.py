@@ -14,7 +14,7 @@ SPEC = ServiceSpec(
     exempt_methods=("/aimesh.tools.v1.ToolsService/ListTools",),
     edge_services=("aimesh.tools.v1.ToolsService",),
     dependencies=("retrieval", "diffusion"),
-    # The gateway serves the tools to MCP clients (services/gateway/mcp_tools.py).
+    # The gateway serves the tools to MCP clients (services/gateway/mcp_server.py).
     callers=(("aimesh.tools.v1.ToolsService", (EDGE, OPERATOR, "agent", "gateway")),),
     scopes=(
         ("aimesh.tools.v1.ToolsService", "generate"),

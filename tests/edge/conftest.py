@@ -1,8 +1,9 @@
-"""The LLM stack, the embedder, rerank, diffusion (digits) and the OpenAI gateway behind a
-real Envoy (`aimesh up --edge`), on free ports, with a real OTLP collector receiving the
-spans of every process, Envoy included. One key file (KEYS, digests only) serves the
-gateway, which checks its own keys (one tenant with a tiny quota), and the edge's
-authorizer for every other route, beside the edge's clear-text API_KEY (tenant key-1)."""
+"""The LLM stack, the embedder, rerank, diffusion (digits), the tools and the OpenAI (and
+MCP) gateway behind a real Envoy (`aimesh up --edge`), on free ports, with a real OTLP
+collector receiving the spans of every process, Envoy included. One key file (KEYS,
+digests only) serves the gateway, which checks its own keys (one tenant with a tiny
+quota), and the edge's authorizer for every other route, beside the edge's clear-text
+API_KEY (tenant key-1)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from tests.services.gateway.conftest import write_keys
 
 SERVICES = (
     "generation", "tokenizer", "prefill", "decode", "embedder", "rerank", "diffusion", "gateway",
+    "tools",
 )  # fmt: skip
 API_KEY = "test-edge-key"
 # The one browser origin the edge grants cross-origin calls (edge.cors_allow_origins).
@@ -45,6 +47,7 @@ GATEWAY_KEYS = {
     "sk-reader": ("reader", ["read", "embed"]),
     "sk-writer": ("writer", ["read", "write"]),
     "sk-admin": ("ops", ["admin", "read"]),
+    "sk-tools": ("toolco", ["read", "generate"]),
 }
 LIMIT_WINDOW_S = 6
 FRUGAL_BUDGET = 120

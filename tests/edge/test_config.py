@@ -44,7 +44,7 @@ def assert_envoy_accepts(path: Path) -> None:
 # What HTTP/2 carries for a gRPC call: /package.Service/Method.
 GRPC_PATH = re.compile(r"/\w+(?:\.\w+)+/\w+")
 # The gateway's OpenAI-compatible API, as the `openai` SDK calls it, and the rerank path
-# Cohere, Jina and vLLM share, and the ledger.
+# Cohere, Jina and vLLM share, the ledger, and MCP's endpoint.
 OPENAI_MATCHES = [
     {"path": "/v1/chat/completions"},
     {"path": "/v1/completions"},
@@ -55,6 +55,7 @@ OPENAI_MATCHES = [
     {"prefix": "/v1/models/"},
     {"path": "/v1/rerank"},
     {"path": "/v1/usage"},
+    {"path": "/mcp"},
 ]
 
 

@@ -2,19 +2,23 @@
 revisions: the tools service's tools listed and called for the key's tenant, progress,
 a tool's own failure as isError, the caller's mistakes as INVALID_PARAMS naming the
 field, cancellation reaching the service the tool waits on, and keys, scopes and Host
-headers refused over plain HTTP. Every hop is real loopback: the SDK's client, the
-gateway, the tools service, and a scripted retrieval server where a tool needs one."""
+headers refused over plain HTTP; and `aimesh mcp`, the same server over stdio, launched
+by the SDK's client as a desktop client launches it. Every hop is real: the SDK's
+client, the gateway, the tools service, and a scripted retrieval server where a tool
+needs one."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
 import pytest
-from mcp import Client, types
+from mcp import Client, StdioServerParameters, types
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
@@ -57,19 +61,25 @@ class StalledRetrieval(retrieval_pb2_grpc.RetrievalServiceServicer):
 
 
 @asynccontextmanager
-async def mcp_gateway(tmp_path, retrieval: str | None = None) -> AsyncIterator[Gateway]:
-    """The gateway in front of a tools service whose retrieval is `retrieval` (a closed
-    port unless given)."""
+async def tools_service(retrieval: str | None = None) -> AsyncIterator[str]:
+    """A tools service whose retrieval is `retrieval` (a closed port unless given); its
+    target."""
     async with InProcess() as services:
         if retrieval is None:
             retrieval = f"127.0.0.1:{free_port()}"
         dependencies = {"retrieval": retrieval, "diffusion": f"127.0.0.1:{free_port()}"}
         settings = MeshSettings(services={"tools": ServiceSettings(dependencies=dependencies)})
-        tools = await services.start("tools", settings)
-        async with running_gateway(
-            tmp_path, keys=KEYS, dependencies={"tools": tools.target}
-        ) as gateway:
-            yield gateway
+        yield (await services.start("tools", settings)).target
+
+
+@asynccontextmanager
+async def mcp_gateway(tmp_path, retrieval: str | None = None) -> AsyncIterator[Gateway]:
+    """The gateway in front of tools_service(retrieval)."""
+    async with (
+        tools_service(retrieval) as tools,
+        running_gateway(tmp_path, keys=KEYS, dependencies={"tools": tools}) as gateway,
+    ):
+        yield gateway
 
 
 @asynccontextmanager
@@ -246,3 +256,23 @@ async def test_keys_scopes_and_foreign_hosts_are_refused_before_any_tool_runs(tm
             assert garbage.status_code == 400
             assert json.loads(garbage.text)["error"]["code"] == types.PARSE_ERROR
             assert (await http.get(f"{gateway.url}/health/live")).status_code == 200
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_aimesh_mcp_serves_the_same_tools_over_stdio(mode):
+    """`aimesh mcp` as a desktop client starts it: a child process on stdin and stdout,
+    its key in the environment; it ends with the client."""
+    async with tools_service() as target:
+        launch = StdioServerParameters(
+            command=sys.executable,
+            args=["-m", "mesh.cli", "mcp", "--target", target],
+            env={**os.environ, "AIMESH_API_KEY": "sk-unused-without-an-edge"},
+        )
+        async with Client(launch, mode=mode) as client:
+            listed = await client.list_tools()
+            assert sorted(t.name for t in listed.tools) == sorted(t.name for t in BUILTIN)
+            result = await client.call_tool("calculator", {"expression": "6 * 7"})
+            assert result.structured_content["value"] == 42
+            with pytest.raises(MCPError) as unknown:
+                await client.call_tool("no_such_tool", {})
+            assert unknown.value.code == types.INVALID_PARAMS
