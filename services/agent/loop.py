@@ -70,9 +70,18 @@ class Usage:
     total_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class Catalogue:
+    """The tools a run can call, by name, and notes on what could not be listed (a
+    mounted MCP server down, a tool of it skipped)."""
+
+    tools: dict[str, Tool]
+    notes: tuple[str, ...] = ()
+
+
 class Tools(Protocol):
-    async def list(self, timeout_s: float) -> dict[str, Tool]:
-        """Every tool the tools service serves, by name. Raises Unavailable."""
+    async def list(self, timeout_s: float) -> Catalogue:
+        """Every tool the run can call. Raises Unavailable when there are none to list."""
 
     async def call(self, step: ToolStep, timeout_s: float) -> Observation | None:
         """The call's result (is_error when the tool failed); None when the call ended
@@ -264,7 +273,8 @@ class Loop:
                 "tools_unavailable", "the tools service was unavailable; answered without tools"
             )
             return {}
-        return select_tools(question.allowed_tools, available)
+        state.notes.extend(available.notes)
+        return select_tools(question.allowed_tools, available.tools)
 
     async def _plan(
         self, question: Question, tools: dict[str, Tool], state: RunState, window_s: float

@@ -40,11 +40,18 @@ def is_passage(value: object) -> bool:
     return isinstance(value, dict) and all(isinstance(value.get(k), str) for k in ("id", "text"))
 
 
+def finds_passages(observation: Observation) -> bool:
+    """Whether the tool answers in passages (knowledge_search, python_doc): those are
+    shown as passages with their ids; any other tool's result (the calculator's, an
+    image's, a mounted MCP server's) as its text."""
+    return any(key in observation.structured for key in ("passages", "passage_ids"))
+
+
 def evidence(observations: list[Observation], limit: int, chars: int = 600) -> str:
     lines = [
-        f"{o.step.name} failed: {o.text}" if o.is_error else f"{o.step.name}: {o.text}"
+        f"{o.step.name} failed: {o.text}" if o.is_error else f"{o.step.name}: {o.text[:chars]}"
         for o in observations
-        if o.is_error or o.step.name in (CALCULATOR, GENERATE_IMAGE)
+        if o.is_error or not finds_passages(o)
     ]
     lines += [f"[{p['id']}] {p['text'][:chars]}" for p in passages(observations)[:limit]]
     return "\n\n".join(lines) or "(no evidence: every tool failed or none applied)"
@@ -92,7 +99,15 @@ def fallback_answer(observations: list[Observation]) -> str:
     useful = [o for o in observations if not o.is_error]
     if not useful:
         return "I could not answer: every tool I tried failed or ran out of time."
-    parts = [f"The calculator gives {o.text}." for o in useful if o.step.name == CALCULATOR]
+    parts = [
+        (
+            f"The calculator gives {o.text}."
+            if o.step.name == CALCULATOR
+            else f"{o.step.name}: {o.text}"
+        )
+        for o in useful
+        if o.step.name != GENERATE_IMAGE and not finds_passages(o)
+    ]
     found = passages(useful)
     if found:
         parts.append(

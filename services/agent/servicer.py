@@ -30,6 +30,7 @@ from mesh.store_health import StoreHealth
 from mesh.timing import stage
 from mesh.validation import Violations
 from services.agent import checkpoint, llm_planner, loop, metrics, session_pages
+from services.agent.mcp_mounts import Mount, MountedTools
 from services.agent.planner import Observation, Tool, ToolStep
 from services.agent.run_store import Orphan, Turn, open_run_store
 from services.agent.runs import LiveRun, Runs
@@ -136,17 +137,19 @@ class MeshTools:
         self.stub = tools_pb2_grpc.ToolsServiceStub(channel)
         self.run_id = run_id
 
-    async def list(self, timeout_s: float) -> dict[str, Tool]:
+    async def list(self, timeout_s: float) -> loop.Catalogue:
         with reported():
             listed = await self.stub.ListTools(tools_pb2.ListToolsRequest(), timeout=timeout_s)
-        return {
-            tool.name: Tool(
-                tool.name,
-                tool.description,
-                as_written(json_format.MessageToDict(tool.input_schema)),
-            )
-            for tool in listed.tools
-        }
+        return loop.Catalogue(
+            {
+                tool.name: Tool(
+                    tool.name,
+                    tool.description,
+                    as_written(json_format.MessageToDict(tool.input_schema)),
+                )
+                for tool in listed.tools
+            }
+        )
 
     async def call(self, step: ToolStep, timeout_s: float) -> Observation | None:
         request = tools_pb2.CallToolRequest(
@@ -300,10 +303,13 @@ def check_run_id(run_id: str) -> None:
 
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, server: MeshServer, settings: AgentSettings, runs: Runs) -> None:
+    def __init__(
+        self, server: MeshServer, settings: AgentSettings, runs: Runs, mounts: Sequence[Mount]
+    ) -> None:
         self.server = server
         self.settings = settings
         self.runs = runs
+        self.mounts = mounts
 
     async def _history(self, client: str, session_id: str) -> tuple[list[tuple[str, str]], int]:
         if not session_id:
@@ -370,7 +376,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         ended. `sent`: the answer a resumed run had already sent, not sent again."""
         caller.act_for(run.client)
         runner = loop.Loop(
-            MeshTools(self.server.channel_to("tools", TOOLS), run.run_id),
+            MountedTools(
+                MeshTools(self.server.channel_to("tools", TOOLS), run.run_id), self.mounts
+            ),
             MeshGeneration(self.server.channel_to("generation", GENERATION), request.request_id),
             self.settings,
         )
@@ -483,13 +491,18 @@ def serve_agent(server: MeshServer, settings: AgentSettings) -> AgentServicer:
     store = open_run_store(settings.run_store, server.settings.cache_dir, settings.run_retention_s)
     health = StoreHealth("run_store", health=server.health, service=server.name)
     runs = Runs(store, settings.max_live_runs, settings.attach_poll_s, settings.lease_s, health)
-    servicer = AgentServicer(server, settings, runs)
+    mounts = [Mount(mcp, server.settings.client.breaker) for mcp in settings.mcp_servers]
+    servicer = AgentServicer(server, settings, runs, mounts)
 
     async def keep_up() -> None:
         server.watch(asyncio.create_task(runs.upkeep(servicer.resume), name="agent-run-upkeep"))
+        for mount in mounts:  # each reconnects on its own: its failures are not the process's
+            mount.start()
 
     async def close() -> None:
         await runs.close()
+        for mount in mounts:
+            await mount.stop()
         store.close()
 
     server.add_warmup(keep_up)

@@ -2,9 +2,42 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pathlib import Path
+
+from pydantic import BaseModel, Field, model_validator
 
 from mesh.config import ServiceOptions
+
+
+class McpServerSettings(BaseModel):
+    """One MCP server the agent mounts ([[services.agent.mcp_servers]]): over Streamable
+    HTTP (`url`, its bearer key read from `key_file`, a mounted Secret in Kubernetes)
+    or over stdio (`command`, started by the agent and kept running). Its tools join the
+    run's catalogue as `<name>__<tool>`, the allowed ones only when `allowed_tools`
+    names some."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,15}$")
+    url: str = ""
+    key_file: Path | None = None
+    command: list[str] = Field(default_factory=list)
+    # Added to the agent's own environment for a stdio server.
+    env: dict[str, str] = Field(default_factory=dict)
+    # The tools the agent may call, by the server's names; empty: every tool it lists.
+    allowed_tools: list[str] = Field(default_factory=list)
+    # One call's limit (the run's budget may cut it shorter), calls in flight at once,
+    # and the largest result taken (text and structured content, as JSON): more is the
+    # call's error, not the run's.
+    call_timeout_s: float = Field(default=30.0, gt=0)
+    max_concurrency: int = Field(default=4, ge=1)
+    max_result_bytes: int = Field(default=1024 * 1024, ge=1024)
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpServerSettings:
+        if bool(self.url) == bool(self.command):
+            raise ValueError(f"mcp server {self.name!r}: give either url or command")
+        if self.key_file is not None and not self.url:
+            raise ValueError(f"mcp server {self.name!r}: key_file is for a url")
+        return self
 
 
 class AgentSettings(ServiceOptions):
@@ -50,3 +83,13 @@ class AgentSettings(ServiceOptions):
     # "": the mesh's own model.
     plan_model: str = ""
     answer_model: str = ""
+    # MCP servers whose tools the agent may call beside the tools service's
+    # (services/agent/mcp_mounts.py).
+    mcp_servers: list[McpServerSettings] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique_servers(self) -> AgentSettings:
+        names = [server.name for server in self.mcp_servers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"mcp_servers: names must be unique, got {names}")
+        return self

@@ -33,10 +33,10 @@ class FakeTools:
         self.calls: list[ToolStep] = []
         self.cancelled: list[str] = []
 
-    async def list(self, timeout_s: float) -> dict[str, Tool]:
+    async def list(self, timeout_s: float) -> loop.Catalogue:
         if not self.listing:
             raise loop.Unavailable("UNAVAILABLE", "connection refused")
-        return {name: TOOLS[name] for name in self.outcomes}
+        return loop.Catalogue({name: TOOLS[name] for name in self.outcomes})
 
     async def call(self, step: ToolStep, timeout_s: float) -> Observation | None:
         self.calls.append(step)

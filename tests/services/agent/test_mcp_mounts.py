@@ -1,0 +1,164 @@
+"""MCP servers mounted in the agent (services/agent/mcp_mounts.py), with real servers: the
+index's `mcp-server-time` (stdio), aimesh's own /mcp (Streamable HTTP with a key file),
+and a scripted one for the faults (tests/services/agent/mcp_faults_server.py): a call
+that hangs, a 10 MB result, an invalid schema, a server killed mid-call, a server that
+never starts. The loop plans with a scripted model (tests/services/agent/test_loop.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+
+from mesh.config import BreakerSettings
+from services.agent import loop
+from services.agent.mcp_mounts import Mount, MountedTools
+from services.agent.planner import ToolStep
+from services.agent.settings import AgentSettings, McpServerSettings
+from tests.services.agent.test_loop import FakeGeneration, FakeTools, answer, run
+from tests.services.gateway.test_mcp import mcp_gateway
+
+pytestmark = pytest.mark.service
+
+TIME_SERVER = shutil.which("mcp-server-time") or f"{sys.prefix}/bin/mcp-server-time"
+FAULTS = [sys.executable, "-m", "tests.services.agent.mcp_faults_server"]
+# How long a mount may take to start its server and connect: a Python child importing the
+# SDK takes about a second here.
+CONNECT_S = 60
+
+
+@asynccontextmanager
+async def mounted(*servers: McpServerSettings) -> AsyncIterator[list[Mount]]:
+    mounts = [Mount(server, BreakerSettings()) for server in servers]
+    for mount in mounts:
+        mount.start()
+    try:
+        yield mounts
+    finally:
+        for mount in mounts:
+            await mount.stop()
+
+
+def time_server(**settings: object) -> McpServerSettings:
+    command = [TIME_SERVER, "--local-timezone", "UTC"]
+    return McpServerSettings(name="time", command=command, **settings)
+
+
+async def test_the_agent_answers_through_a_third_party_mcp_server():
+    """mcp-server-time, from the package index, mounted over stdio: its tools join the
+    tools service's, the model's call of one runs there, and the answer is made from
+    its result."""
+    async with mounted(time_server()) as mounts:
+        tools = MountedTools(FakeTools({"calculator": (False, "4", {"value": 4})}), mounts)
+        listed = await tools.list(CONNECT_S)
+        assert {"calculator", "time__get_current_time", "time__convert_time"} <= set(listed.tools)
+        schema = listed.tools["time__convert_time"].input_schema
+        assert schema["required"] == ["source_timezone", "time", "target_timezone"]
+        convert = {"source_timezone": "UTC", "time": "12:00", "target_timezone": "Asia/Tokyo"}
+        generation = FakeGeneration([[("time__convert_time", convert)]], answer="21:00 in Tokyo.")
+        events, state = await run(
+            tools, generation, "It is 12:00 in UTC. What time is it in Asia/Tokyo?"
+        )
+    (observation,) = state.observations
+    assert not observation.is_error, observation.text
+    assert observation.structured["target"]["datetime"].endswith("T21:00:00+09:00")
+    assert "21:00:00+09:00" in generation.prompts[0]
+    assert answer(events) == "21:00 in Tokyo."
+    assert state.planner == loop.Planner.MODEL and not state.shortfalls
+
+
+async def test_an_allow_list_offers_only_the_tools_it_names():
+    async with mounted(time_server(allowed_tools=["convert_time", "no_such"])) as mounts:
+        listed = await MountedTools(FakeTools({}), mounts).list(CONNECT_S)
+    assert set(listed.tools) == {"time__convert_time"}
+    assert listed.notes == ("MCP server time lists no tool no_such",)
+
+
+async def test_aimesh_tools_mount_over_streamable_http_with_a_key_file(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-tools\n")
+    async with mcp_gateway(tmp_path) as gateway:
+        server = McpServerSettings(name="aimesh", url=f"{gateway.url}/mcp", key_file=key_file)
+        async with mounted(server) as mounts:
+            tools = MountedTools(FakeTools({}), mounts)
+            listed = await tools.list(CONNECT_S)
+            assert "aimesh__calculator" in listed.tools
+            step = ToolStep("aimesh__calculator", {"expression": "17 * 23"}, "test")
+            observation = await tools.call(step, 30)
+    assert not observation.is_error and observation.structured["value"] == 391
+
+
+async def test_faults_cost_the_call_or_a_note_never_the_run():
+    faults = McpServerSettings(
+        name="faults", command=FAULTS, call_timeout_s=1.0, max_result_bytes=1024 * 1024
+    )
+    async with mounted(faults) as mounts:
+        tools = MountedTools(FakeTools({}), mounts)
+        listed = await tools.list(CONNECT_S)
+        assert {"faults__echo", "faults__hang", "faults__huge", "faults__die"} <= set(listed.tools)
+        # An invalid schema and a name no model may call are skipped, each with a note.
+        assert "faults__broken" not in listed.tools
+        assert any("broken: its input schema is invalid" in n for n in listed.notes)
+        assert any("not.a.function" in n and "no function name" in n for n in listed.notes)
+
+        def step(name: str, **arguments: object) -> ToolStep:
+            return ToolStep(f"faults__{name}", arguments, "test")
+
+        # A hung call ends at the server's limit, not the run's.
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(loop.Unavailable) as hung:
+            await tools.call(step("hang"), 30)
+        assert hung.value.reason == "DEADLINE_EXCEEDED"
+        assert asyncio.get_running_loop().time() - started < 10
+
+        too_large = await tools.call(step("huge"), 30)
+        assert too_large.is_error and "over the limit of 1048576" in too_large.text
+
+        failed = await tools.call(step("fail"), 30)
+        assert failed.is_error and failed.text == "the tool could not do it"
+
+        first = await tools.call(step("echo", text="one"), 30)
+        assert not first.is_error
+        with pytest.raises(loop.Unavailable) as died:
+            await tools.call(step("die"), 30)
+        assert died.value.reason == "UNAVAILABLE"
+
+        # The mount starts the server again; the next run's listing and calls find it.
+        async def echoed() -> str:
+            while True:
+                try:
+                    await tools.list(CONNECT_S)
+                    return (await tools.call(step("echo", text="two"), 30)).text
+                except loop.Unavailable:
+                    await asyncio.sleep(0.2)
+
+        again = await asyncio.wait_for(echoed(), CONNECT_S)
+        assert again.endswith(": two") and again.split(":")[0] != first.text.split(":")[0]
+
+
+async def test_a_server_that_never_starts_is_a_note_and_the_other_tools_serve():
+    never = McpServerSettings(name="never", command=["/nonexistent/mcp-server"])
+    settings = AgentSettings(mcp_servers=[never])
+    async with mounted(never) as mounts:
+        tools = MountedTools(FakeTools({"calculator": (False, "42", {"value": 42})}), mounts)
+        generation = FakeGeneration([[("calculator", {"expression": "6*7"})]])
+        events, state = await run(tools, generation, "What is 6*7?", 30, settings)
+    assert [o.step.name for o in state.observations] == ["calculator"]
+    (note,) = [n for n in state.notes if n.startswith("MCP server never unavailable")]
+    assert "its tools unused" in note
+    assert answer(events) == "An answer."
+
+
+def test_a_server_needs_exactly_one_transport_and_a_unique_name():
+    with pytest.raises(ValueError, match="either url or command"):
+        McpServerSettings(name="both", url="http://127.0.0.1:1/mcp", command=["x"])
+    with pytest.raises(ValueError, match="either url or command"):
+        McpServerSettings(name="neither")
+    with pytest.raises(ValueError, match="names must be unique"):
+        AgentSettings(mcp_servers=[time_server(), time_server()])
+    with pytest.raises(ValueError):
+        McpServerSettings(name="Has.Dots", command=["x"])
