@@ -67,13 +67,19 @@ def _authorize(keys: KeyStore | OpenAccess, path: str, headers: Mapping[str, str
         )
     needed = SCOPES.get(path)
     if needed is not None and needed not in principal.scopes:
-        raise ApiError(
-            403,
-            f"this key's tenant may not use {path} (it needs the {needed!r} scope)",
-            type="permission_error",
-            code="missing_scope",
-        )
+        raise missing_scope(path, needed)
     return principal
+
+
+def missing_scope(what: str, needed: str) -> ApiError:
+    """The 403 for a key whose tenant lacks the scope `what` (a path, an MCP method)
+    needs."""
+    return ApiError(
+        403,
+        f"this key's tenant may not use {what} (it needs the {needed!r} scope)",
+        type="permission_error",
+        code="missing_scope",
+    )
 
 
 def _route(scope: Scope, path: str) -> str:

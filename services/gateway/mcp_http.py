@@ -31,7 +31,7 @@ from starlette.types import Message, Receive, Scope, Send
 from aimesh.tools.v1 import tools_pb2_grpc
 from mesh import caller, request_id
 from services.gateway.errors import ApiError
-from services.gateway.front import PRINCIPAL
+from services.gateway.front import PRINCIPAL, missing_scope
 from services.gateway.keys import Principal
 from services.gateway.mcp_server import Metadata, ToolsOverMcp
 
@@ -155,12 +155,7 @@ class McpEndpoint:
         for method in _methods(body):
             needed = SCOPES.get(method)
             if needed is not None and needed not in principal.scopes:
-                raise ApiError(
-                    403,
-                    f"this key's tenant may not call {method} (it needs the {needed!r} scope)",
-                    type="permission_error",
-                    code="missing_scope",
-                )
+                raise missing_scope(method, needed)
         replayed = False
 
         async def replay() -> dict[str, Any]:

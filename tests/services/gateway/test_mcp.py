@@ -61,22 +61,27 @@ class StalledRetrieval(retrieval_pb2_grpc.RetrievalServiceServicer):
 
 
 @asynccontextmanager
-async def tools_service(retrieval: str | None = None) -> AsyncIterator[str]:
-    """A tools service whose retrieval is `retrieval` (a closed port unless given); its
-    target."""
+async def tools_service(
+    retrieval: str | None = None, **tools_settings: object
+) -> AsyncIterator[str]:
+    """A tools service whose retrieval is `retrieval` (a closed port unless given), with
+    [services.tools] settings; its target."""
     async with InProcess() as services:
         if retrieval is None:
             retrieval = f"127.0.0.1:{free_port()}"
         dependencies = {"retrieval": retrieval, "diffusion": f"127.0.0.1:{free_port()}"}
-        settings = MeshSettings(services={"tools": ServiceSettings(dependencies=dependencies)})
+        tools = ServiceSettings(dependencies=dependencies, **tools_settings)
+        settings = MeshSettings(services={"tools": tools})
         yield (await services.start("tools", settings)).target
 
 
 @asynccontextmanager
-async def mcp_gateway(tmp_path, retrieval: str | None = None) -> AsyncIterator[Gateway]:
-    """The gateway in front of tools_service(retrieval)."""
+async def mcp_gateway(
+    tmp_path, retrieval: str | None = None, **tools_settings: object
+) -> AsyncIterator[Gateway]:
+    """The gateway in front of tools_service(retrieval, **tools_settings)."""
     async with (
-        tools_service(retrieval) as tools,
+        tools_service(retrieval, **tools_settings) as tools,
         running_gateway(tmp_path, keys=KEYS, dependencies={"tools": tools}) as gateway,
     ):
         yield gateway
@@ -160,12 +165,16 @@ async def test_a_client_that_cancels_a_call_cancels_the_tool_and_its_backend(
 ):
     stalled = StalledRetrieval()
     retrieval = await start_fake_retrieval(stalled)
-    async with mcp_gateway(tmp_path, retrieval) as gateway, mcp_client(gateway, mode) as client:
+    # The tool's own limits far off: only the client's cancel can stop it in the wait.
+    limits = {"knowledge_search": 600}
+    async with (
+        mcp_gateway(tmp_path, retrieval, timeout_s=limits, idle_timeout_s=limits) as gateway,
+        mcp_client(gateway, mode) as client,
+    ):
         call = asyncio.create_task(client.call_tool("knowledge_search", {"query": "anything"}))
-        await asyncio.wait_for(stalled.started.wait(), timeout=30)
+        await asyncio.wait_for(stalled.started.wait(), timeout=60)
         call.cancel()
-        # Well before the tool's own idle limit (10 s) would stop it.
-        await asyncio.wait_for(stalled.cancelled.wait(), timeout=5)
+        await asyncio.wait_for(stalled.cancelled.wait(), timeout=60)
         with pytest.raises(asyncio.CancelledError):
             await call
         # The same client goes on.
