@@ -31,12 +31,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import jsonschema
+from grpc_health.v1 import health_pb2
+from grpc_health.v1._async import HealthServicer
 from mcp import Client, StdioServerParameters, types
 from mcp.client.stdio import get_default_environment
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from mesh.breaker import CircuitBreaker, Outcome
 from mesh.config import BreakerSettings
@@ -67,6 +69,11 @@ CALLS = Counter(
     "refused, too_large, timeout, unavailable).",
     ["server", "tool", "outcome"],
 )
+UP = Gauge(
+    "aimesh_agent_mcp_server_up",
+    "1 while the agent holds a connection to the mounted MCP server, else 0.",
+    ["server"],
+)
 LATENCY = Histogram(
     "aimesh_agent_mcp_call_seconds",
     "Duration of calls of mounted MCP servers' tools, by server.",
@@ -92,11 +99,22 @@ class Listed:
 
 
 class Mount:
-    """One MCP server: its connection, its tools, its breaker and its call slots."""
+    """One MCP server: its connection, its tools, its breaker and its call slots. Its
+    state is reported as `aimesh_agent_mcp_server_up{server}` and, given `health`, as
+    the health service name `<health_prefix>.mcp-<name>` (SERVING while connected): a
+    detail for operators, not readiness, as the agent serves without it."""
 
-    def __init__(self, settings: McpServerSettings, breaker: BreakerSettings) -> None:
+    def __init__(
+        self,
+        settings: McpServerSettings,
+        breaker: BreakerSettings,
+        health: HealthServicer | None = None,
+        health_prefix: str = "agent",
+    ) -> None:
         self.settings = settings
         self.name = settings.name
+        self._health = health
+        self.health_name = f"{health_prefix}.mcp-{settings.name}"
         self.breaker = CircuitBreaker(f"mcp:{settings.name}", breaker)
         self._slots = asyncio.Semaphore(settings.max_concurrency)
         self._client: Client | None = None
@@ -130,6 +148,7 @@ class Mount:
                 async with self._connection() as client:
                     self._client, self.problem, delay_s = client, "", RETRY_FIRST_S
                     self._tried.set()
+                    await self._report(up=True)
                     log.info("mcp server connected", extra={"server": self.name})
                     await self._broken.wait()
                     self.problem = "the connection broke"
@@ -138,10 +157,17 @@ class Mount:
                 log.warning("mcp server unreachable: %s", self.problem, extra={"server": self.name})
             finally:
                 self._client, self._listed = None, None
-                self._tried.set()
                 self._broken.clear()
+            await self._report(up=False)
+            self._tried.set()
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, RETRY_LAST_S)
+
+    async def _report(self, up: bool) -> None:
+        UP.labels(self.name).set(1 if up else 0)
+        if self._health is not None:
+            status = health_pb2.HealthCheckResponse
+            await self._health.set(self.health_name, status.SERVING if up else status.NOT_SERVING)
 
     @asynccontextmanager
     async def _connection(self) -> AsyncIterator[Client]:

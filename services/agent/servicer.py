@@ -491,7 +491,10 @@ def serve_agent(server: MeshServer, settings: AgentSettings) -> AgentServicer:
     store = open_run_store(settings.run_store, server.settings.cache_dir, settings.run_retention_s)
     health = StoreHealth("run_store", health=server.health, service=server.name)
     runs = Runs(store, settings.max_live_runs, settings.attach_poll_s, settings.lease_s, health)
-    mounts = [Mount(mcp, server.settings.client.breaker) for mcp in settings.mcp_servers]
+    mounts = [
+        Mount(mcp, server.settings.client.breaker, server.health, server.name)
+        for mcp in settings.mcp_servers
+    ]
     servicer = AgentServicer(server, settings, runs, mounts)
 
     async def keep_up() -> None:

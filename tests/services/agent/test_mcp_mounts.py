@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
+from grpc_health.v1 import health_pb2
+from grpc_health.v1._async import HealthServicer
 
 from mesh.config import BreakerSettings
 from services.agent import loop
@@ -31,9 +33,16 @@ FAULTS = [sys.executable, "-m", "tests.services.agent.mcp_faults_server"]
 CONNECT_S = 60
 
 
+async def health_of(health: HealthServicer, mount: Mount) -> int:
+    request = health_pb2.HealthCheckRequest(service=mount.health_name)
+    return (await health.Check(request, None)).status
+
+
 @asynccontextmanager
-async def mounted(*servers: McpServerSettings) -> AsyncIterator[list[Mount]]:
-    mounts = [Mount(server, BreakerSettings()) for server in servers]
+async def mounted(
+    *servers: McpServerSettings, health: HealthServicer | None = None
+) -> AsyncIterator[list[Mount]]:
+    mounts = [Mount(server, BreakerSettings(), health) for server in servers]
     for mount in mounts:
         mount.start()
     try:
@@ -52,10 +61,12 @@ async def test_the_agent_answers_through_a_third_party_mcp_server():
     """mcp-server-time, from the package index, mounted over stdio: its tools join the
     tools service's, the model's call of one runs there, and the answer is made from
     its result."""
-    async with mounted(time_server()) as mounts:
+    health = HealthServicer()
+    async with mounted(time_server(), health=health) as mounts:
         tools = MountedTools(FakeTools({"calculator": (False, "4", {"value": 4})}), mounts)
         listed = await tools.list(CONNECT_S)
         assert {"calculator", "time__get_current_time", "time__convert_time"} <= set(listed.tools)
+        assert await health_of(health, mounts[0]) == health_pb2.HealthCheckResponse.SERVING
         schema = listed.tools["time__convert_time"].input_schema
         assert schema["required"] == ["source_timezone", "time", "target_timezone"]
         convert = {"source_timezone": "UTC", "time": "12:00", "target_timezone": "Asia/Tokyo"}
@@ -143,10 +154,12 @@ async def test_faults_cost_the_call_or_a_note_never_the_run():
 async def test_a_server_that_never_starts_is_a_note_and_the_other_tools_serve():
     never = McpServerSettings(name="never", command=["/nonexistent/mcp-server"])
     settings = AgentSettings(mcp_servers=[never])
-    async with mounted(never) as mounts:
+    health = HealthServicer()
+    async with mounted(never, health=health) as mounts:
         tools = MountedTools(FakeTools({"calculator": (False, "42", {"value": 42})}), mounts)
         generation = FakeGeneration([[("calculator", {"expression": "6*7"})]])
         events, state = await run(tools, generation, "What is 6*7?", 30, settings)
+        assert await health_of(health, mounts[0]) == health_pb2.HealthCheckResponse.NOT_SERVING
     assert [o.step.name for o in state.observations] == ["calculator"]
     (note,) = [n for n in state.notes if n.startswith("MCP server never unavailable")]
     assert "its tools unused" in note
