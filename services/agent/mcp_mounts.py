@@ -4,7 +4,9 @@ service's, each call with the mesh's contract around it.
 A mount keeps one connection to its server open in a task of its own (the official SDK's
 Client: Streamable HTTP with a bearer key, or a stdio child it starts), reconnecting
 with backoff when the connection breaks or cannot be made; a server that is down costs
-each run a note, never the run. Its tools are listed once per connection, as
+each run a note, never the run. Its tools are listed once per connection, and again
+after the server says they changed (notifications/tools/list_changed, or a
+subscriptions/listen event at 2026-07-28), as
 `<server>__<tool>`: OpenAI-style function names allow no `.` ([a-zA-Z0-9_-]{1,64}),
 which is why the separator is Claude Code's and not a dot. A tool is skipped, with a
 note, when that name does not fit or its input schema is not a valid JSON Schema; when
@@ -36,6 +38,7 @@ from grpc_health.v1._async import HealthServicer
 from mcp import Client, StdioServerParameters, types
 from mcp.client.stdio import get_default_environment
 from mcp.client.streamable_http import streamable_http_client
+from mcp.client.subscriptions import ListenNotSupportedError, SubscriptionLost
 from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 from prometheus_client import Counter, Gauge, Histogram
@@ -150,7 +153,12 @@ class Mount:
                     self._tried.set()
                     await self._report(up=True)
                     log.info("mcp server connected", extra={"server": self.name})
-                    await self._broken.wait()
+                    watching = asyncio.create_task(self._watch_for_changes(client))
+                    try:
+                        await self._broken.wait()
+                    finally:
+                        watching.cancel()
+                        await asyncio.gather(watching, return_exceptions=True)
                     self.problem = "the connection broke"
             except Exception as error:  # the SDK's transports raise many kinds (groups too)
                 self.problem = _quoted(f"{type(error).__name__}: {error}")
@@ -162,6 +170,18 @@ class Mount:
             self._tried.set()
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, RETRY_LAST_S)
+
+    async def _watch_for_changes(self, client: Client) -> None:
+        """At 2026-07-28, a subscription to the server's tools-changed events; earlier
+        revisions send notifications/tools/list_changed unasked (_on_message)."""
+        with contextlib.suppress(ListenNotSupportedError, SubscriptionLost, MCPError):
+            async with client.listen(tools_list_changed=True) as changes:
+                async for _ in changes:
+                    self._listed = None
+
+    async def _on_message(self, message: Any) -> None:
+        if isinstance(message, types.ToolListChangedNotification):
+            self._listed = None
 
     async def _report(self, up: bool) -> None:
         UP.labels(self.name).set(1 if up else 0)
@@ -188,7 +208,8 @@ class Mount:
                     args=settings.command[1:],
                     env={**get_default_environment(), **settings.env},
                 )
-            yield await stack.enter_async_context(Client(server))
+            client = Client(server, mode=settings.protocol, message_handler=self._on_message)
+            yield await stack.enter_async_context(client)
 
     async def tools(self, timeout_s: float) -> Listed:
         """The server's tools, listed once per connection; waits up to `timeout_s` for the

@@ -22,6 +22,9 @@ class McpServerSettings(BaseModel):
     command: list[str] = Field(default_factory=list)
     # Added to the agent's own environment for a stdio server.
     env: dict[str, str] = Field(default_factory=dict)
+    # The protocol revision: "auto" (2026-07-28 where the server speaks it, else the
+    # 2025-11-25 handshake), "legacy" (the handshake only) or a revision to insist on.
+    protocol: str = Field(default="auto", pattern=r"^(auto|legacy|\d{4}-\d{2}-\d{2})$")
     # The tools the agent may call, by the server's names; empty: every tool it lists.
     allowed_tools: list[str] = Field(default_factory=list)
     # One call's limit (the run's budget may cut it shorter), calls in flight at once,

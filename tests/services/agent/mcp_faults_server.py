@@ -1,17 +1,21 @@
 """A scripted MCP server (the official SDK's low-level Server, over stdio) for the agent's
-fault tests: tools that answer, hang, return 10 MB, fail, or kill their own process, and
-one whose input schema is invalid. Run as `python -m tests.services.agent.mcp_faults_server`."""
+fault tests: tools that answer, hang, return 10 MB, fail, or kill their own process, one
+whose input schema is invalid, and one that adds a tool and says the list changed (to
+listeners at 2026-07-28, as a notification earlier). Run as
+`python -m tests.services.agent.mcp_faults_server`."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from typing import Any
 
 import anyio
 from mcp import types
-from mcp.server.lowlevel import Server
+from mcp.server.lowlevel import NotificationOptions, Server
 from mcp.server.stdio import stdio_server
+from mcp.server.subscriptions import InMemorySubscriptionBus, ListenHandler, ToolsListChanged
 
 ECHO_SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
 NO_ARGUMENTS = {"type": "object", "properties": {}}
@@ -27,7 +31,9 @@ TOOLS = [
         input_schema={"type": "object", "properties": {"x": {"type": 7}}},
     ),
     types.Tool(name="not.a.function", description="A dotted name.", input_schema=NO_ARGUMENTS),
+    types.Tool(name="grow", description="Adds the tool `grown`.", input_schema=NO_ARGUMENTS),
 ]
+CHANGES = InMemorySubscriptionBus()
 
 
 async def list_tools(
@@ -48,14 +54,26 @@ async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.Call
         return types.CallToolResult(content=[types.TextContent(type="text", text=text)])
     if params.name == "die":
         os._exit(1)
+    if params.name == "grow":
+        TOOLS.append(types.Tool(name="grown", description="New.", input_schema=NO_ARGUMENTS))
+        await CHANGES.publish(ToolsListChanged())
+        with contextlib.suppress(Exception):  # no standing channel at 2026-07-28
+            await ctx.session.send_tool_list_changed()
+        return types.CallToolResult(content=[types.TextContent(type="text", text="grown")])
     text = "the tool could not do it"
     return types.CallToolResult(content=[types.TextContent(type="text", text=text)], is_error=True)
 
 
 async def main() -> None:
-    server: Server[Any] = Server("faults", on_list_tools=list_tools, on_call_tool=call_tool)
+    server: Server[Any] = Server(
+        "faults",
+        on_list_tools=list_tools,
+        on_call_tool=call_tool,
+        on_subscriptions_listen=ListenHandler(CHANGES),
+    )
+    options = server.create_initialization_options(NotificationOptions(tools_changed=True))
     async with stdio_server() as (read, write):
-        await server.run(read, write, server.create_initialization_options())
+        await server.run(read, write, options)
 
 
 if __name__ == "__main__":

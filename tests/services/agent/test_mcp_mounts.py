@@ -21,6 +21,7 @@ from services.agent import loop
 from services.agent.mcp_mounts import Mount, MountedTools
 from services.agent.planner import ToolStep
 from services.agent.settings import AgentSettings, McpServerSettings
+from tests.conftest import eventually
 from tests.services.agent.test_loop import FakeGeneration, FakeTools, answer, run
 from tests.services.gateway.test_mcp import mcp_gateway
 
@@ -149,6 +150,23 @@ async def test_faults_cost_the_call_or_a_note_never_the_run():
 
         again = await asyncio.wait_for(echoed(), CONNECT_S)
         assert again.endswith(": two") and again.split(":")[0] != first.text.split(":")[0]
+
+
+@pytest.mark.parametrize("protocol", ["auto", "legacy"])
+async def test_a_server_that_says_its_tools_changed_is_listed_again(protocol):
+    """At 2026-07-28 (auto, with this server) through subscriptions/listen; at
+    2025-11-25 (legacy) through notifications/tools/list_changed."""
+    faults = McpServerSettings(name="faults", command=FAULTS, protocol=protocol)
+    async with mounted(faults) as mounts:
+        tools = MountedTools(FakeTools({}), mounts)
+        assert "faults__grown" not in (await tools.list(CONNECT_S)).tools
+        grew = await tools.call(ToolStep("faults__grow", {}, "test"), 30)
+        assert grew.text == "grown"
+
+        async def listed_again() -> bool:
+            return "faults__grown" in (await tools.list(CONNECT_S)).tools
+
+        await eventually(listed_again, timeout_s=CONNECT_S, interval_s=0.1)
 
 
 async def test_a_server_that_never_starts_is_a_note_and_the_other_tools_serve():
