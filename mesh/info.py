@@ -30,6 +30,8 @@ class InfoServicer(info_pb2_grpc.InfoServiceServicer):
     def __init__(self, service: str, loaded: Callable[[], bool]) -> None:
         self.service = service
         self.models: list[info_pb2.ModelInfo] = []
+        # Kept up to date by their owners: each GetInfo answers their state then.
+        self.external_servers: list[info_pb2.ExternalServer] = []
         self._loaded = loaded
         self._version = _version()
 
@@ -37,7 +39,11 @@ class InfoServicer(info_pb2_grpc.InfoServiceServicer):
         self, request: info_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
     ) -> info_pb2.GetInfoResponse:
         return info_pb2.GetInfoResponse(
-            service=self.service, version=self._version, models=self.models, loaded=self._loaded()
+            service=self.service,
+            version=self._version,
+            models=self.models,
+            loaded=self._loaded(),
+            external_servers=self.external_servers,
         )
 
 

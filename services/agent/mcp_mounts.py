@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import jsonschema
 from grpc_health.v1 import health_pb2
@@ -43,6 +44,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 from prometheus_client import Counter, Gauge, Histogram
 
+from aimesh.mesh.v1 import info_pb2
 from mesh.breaker import CircuitBreaker, Outcome
 from mesh.config import BreakerSettings
 from services.agent import loop
@@ -103,9 +105,10 @@ class Listed:
 
 class Mount:
     """One MCP server: its connection, its tools, its breaker and its call slots. Its
-    state is reported as `aimesh_agent_mcp_server_up{server}` and, given `health`, as
-    the health service name `<health_prefix>.mcp-<name>` (SERVING while connected): a
-    detail for operators, not readiness, as the agent serves without it."""
+    state is reported as `aimesh_agent_mcp_server_up{server}`, in `info` (an entry for
+    the process's GetInfo) and, given `health`, as the health service name
+    `<health_prefix>.mcp-<name>` (SERVING while connected): a detail for operators, not
+    readiness, as the agent serves without it."""
 
     def __init__(
         self,
@@ -117,6 +120,12 @@ class Mount:
         self.settings = settings
         self.name = settings.name
         self._health = health
+        self.info = info_pb2.ExternalServer(
+            name=settings.name,
+            protocol="mcp",
+            address=_shown(settings),
+            problem="not connected yet",
+        )
         self.health_name = f"{health_prefix}.mcp-{settings.name}"
         self.breaker = CircuitBreaker(f"mcp:{settings.name}", breaker)
         self._slots = asyncio.Semaphore(settings.max_concurrency)
@@ -185,6 +194,7 @@ class Mount:
 
     async def _report(self, up: bool) -> None:
         UP.labels(self.name).set(1 if up else 0)
+        self.info.connected, self.info.problem = up, self.problem
         if self._health is not None:
             status = health_pb2.HealthCheckResponse
             await self._health.set(self.health_name, status.SERVING if up else status.NOT_SERVING)
@@ -321,6 +331,19 @@ class Mount:
         self.breaker.record(breaker, elapsed)
         CALLS.labels(self.name, tool, outcome).inc()
         LATENCY.labels(self.name).observe(elapsed)
+
+
+def _shown(settings: McpServerSettings) -> str:
+    """Where the server is, as GetInfo may show it to anyone: a URL without credentials
+    or query, a command's program without its arguments (either may hold a secret)."""
+    if settings.command:
+        return settings.command[0]
+    url = urlsplit(settings.url)
+    host = url.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    if url.port is not None:
+        netloc += f":{url.port}"
+    return urlunsplit((url.scheme, netloc, url.path, "", ""))
 
 
 def _unusable(server: str, tool: types.Tool) -> str:

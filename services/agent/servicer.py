@@ -495,6 +495,7 @@ def serve_agent(server: MeshServer, settings: AgentSettings) -> AgentServicer:
         Mount(mcp, server.settings.client.breaker, server.health, server.name)
         for mcp in settings.mcp_servers
     ]
+    server.info.external_servers.extend(mount.info for mount in mounts)
     servicer = AgentServicer(server, settings, runs, mounts)
 
     async def keep_up() -> None:

@@ -101,6 +101,8 @@ async def test_aimesh_tools_mount_over_streamable_http_with_a_key_file(tmp_path)
             assert "aimesh__calculator" in listed.tools
             step = ToolStep("aimesh__calculator", {"expression": "17 * 23"}, "test")
             observation = await tools.call(step, 30)
+            (mount,) = mounts
+            assert mount.info.connected and mount.info.address == f"{gateway.url}/mcp"
     assert not observation.is_error and observation.structured["value"] == 391
 
 
@@ -178,10 +180,26 @@ async def test_a_server_that_never_starts_is_a_note_and_the_other_tools_serve():
         generation = FakeGeneration([[("calculator", {"expression": "6*7"})]])
         events, state = await run(tools, generation, "What is 6*7?", 30, settings)
         assert await health_of(health, mounts[0]) == health_pb2.HealthCheckResponse.NOT_SERVING
+        info = mounts[0].info
+        assert not info.connected and info.problem and info.address == "/nonexistent/mcp-server"
     assert [o.step.name for o in state.observations] == ["calculator"]
     (note,) = [n for n in state.notes if n.startswith("MCP server never unavailable")]
     assert "its tools unused" in note
     assert answer(events) == "An answer."
+
+
+def test_getinfo_shows_where_a_server_is_without_what_may_be_secret():
+    url = "http://user:secret@127.0.0.1:9000/mcp?token=secret"
+    shown = Mount(McpServerSettings(name="crm", url=url), BreakerSettings()).info
+    assert (shown.name, shown.protocol, shown.address) == (
+        "crm",
+        "mcp",
+        "http://127.0.0.1:9000/mcp",
+    )
+    command = ["mcp-server", "--token", "secret"]
+    assert Mount(McpServerSettings(name="x", command=command), BreakerSettings()).info.address == (
+        "mcp-server"
+    )
 
 
 def test_a_server_needs_exactly_one_transport_and_a_unique_name():

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x61imesh/mesh/v1/info.proto\x12\x0e\x61imesh.mesh.v1\"\x10\n\x0eGetInfoRequest\"n\n\x0fGetInfoResponse\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12)\n\x06models\x18\x03 \x03(\x0b\x32\x19.aimesh.mesh.v1.ModelInfo\x12\x0e\n\x06loaded\x18\x04 \x01(\x08\"\xd0\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x06 \x01(\t\x12\x35\n\x06limits\x18\x07 \x03(\x0b\x32%.aimesh.mesh.v1.ModelInfo.LimitsEntry\x1a-\n\x0bLimitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32^\n\x0bInfoService\x12O\n\x07GetInfo\x12\x1e.aimesh.mesh.v1.GetInfoRequest\x1a\x1f.aimesh.mesh.v1.GetInfoResponse\"\x03\x90\x02\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x61imesh/mesh/v1/info.proto\x12\x0e\x61imesh.mesh.v1\"\x10\n\x0eGetInfoRequest\"\xa8\x01\n\x0fGetInfoResponse\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12)\n\x06models\x18\x03 \x03(\x0b\x32\x19.aimesh.mesh.v1.ModelInfo\x12\x0e\n\x06loaded\x18\x04 \x01(\x08\x12\x38\n\x10\x65xternal_servers\x18\x05 \x03(\x0b\x32\x1e.aimesh.mesh.v1.ExternalServer\"e\n\x0e\x45xternalServer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08protocol\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x11\n\tconnected\x18\x04 \x01(\x08\x12\x0f\n\x07problem\x18\x05 \x01(\t\"\xd0\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x06 \x01(\t\x12\x35\n\x06limits\x18\x07 \x03(\x0b\x32%.aimesh.mesh.v1.ModelInfo.LimitsEntry\x1a-\n\x0bLimitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32^\n\x0bInfoService\x12O\n\x07GetInfo\x12\x1e.aimesh.mesh.v1.GetInfoRequest\x1a\x1f.aimesh.mesh.v1.GetInfoResponse\"\x03\x90\x02\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,12 +37,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOSERVICE'].methods_by_name['GetInfo']._serialized_options = b'\220\002\001'
   _globals['_GETINFOREQUEST']._serialized_start=45
   _globals['_GETINFOREQUEST']._serialized_end=61
-  _globals['_GETINFORESPONSE']._serialized_start=63
-  _globals['_GETINFORESPONSE']._serialized_end=173
-  _globals['_MODELINFO']._serialized_start=176
-  _globals['_MODELINFO']._serialized_end=384
-  _globals['_MODELINFO_LIMITSENTRY']._serialized_start=339
-  _globals['_MODELINFO_LIMITSENTRY']._serialized_end=384
-  _globals['_INFOSERVICE']._serialized_start=386
-  _globals['_INFOSERVICE']._serialized_end=480
+  _globals['_GETINFORESPONSE']._serialized_start=64
+  _globals['_GETINFORESPONSE']._serialized_end=232
+  _globals['_EXTERNALSERVER']._serialized_start=234
+  _globals['_EXTERNALSERVER']._serialized_end=335
+  _globals['_MODELINFO']._serialized_start=338
+  _globals['_MODELINFO']._serialized_end=546
+  _globals['_MODELINFO_LIMITSENTRY']._serialized_start=501
+  _globals['_MODELINFO_LIMITSENTRY']._serialized_end=546
+  _globals['_INFOSERVICE']._serialized_start=548
+  _globals['_INFOSERVICE']._serialized_end=642
 # @@protoc_insertion_point(module_scope)

@@ -11,16 +11,32 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("service", "version", "models", "loaded")
+    __slots__ = ("service", "version", "models", "loaded", "external_servers")
     SERVICE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     LOADED_FIELD_NUMBER: _ClassVar[int]
+    EXTERNAL_SERVERS_FIELD_NUMBER: _ClassVar[int]
     service: str
     version: str
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     loaded: bool
-    def __init__(self, service: _Optional[str] = ..., version: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., loaded: _Optional[bool] = ...) -> None: ...
+    external_servers: _containers.RepeatedCompositeFieldContainer[ExternalServer]
+    def __init__(self, service: _Optional[str] = ..., version: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., loaded: _Optional[bool] = ..., external_servers: _Optional[_Iterable[_Union[ExternalServer, _Mapping]]] = ...) -> None: ...
+
+class ExternalServer(_message.Message):
+    __slots__ = ("name", "protocol", "address", "connected", "problem")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    protocol: str
+    address: str
+    connected: bool
+    problem: str
+    def __init__(self, name: _Optional[str] = ..., protocol: _Optional[str] = ..., address: _Optional[str] = ..., connected: _Optional[bool] = ..., problem: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "revision", "sha256", "dtype", "device", "engine", "limits")
