@@ -16,12 +16,17 @@ import pytest
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
+from aimesh.agent.v1 import agent_pb2
 from mesh.config import BreakerSettings
+from mesh.info import get_info
 from services.agent import loop
 from services.agent.mcp_mounts import Mount, MountedTools
 from services.agent.planner import ToolStep
 from services.agent.settings import AgentSettings, McpServerSettings
 from tests.conftest import eventually
+from tests.services.agent.conftest import FakeGeneration as ServiceGeneration
+from tests.services.agent.conftest import FakeTools as ServiceTools
+from tests.services.agent.conftest import final, run_all
 from tests.services.agent.test_loop import FakeGeneration, FakeTools, answer, run
 from tests.services.gateway.test_mcp import mcp_gateway
 
@@ -211,3 +216,31 @@ def test_a_server_needs_exactly_one_transport_and_a_unique_name():
         AgentSettings(mcp_servers=[time_server(), time_server()])
     with pytest.raises(ValueError):
         McpServerSettings(name="Has.Dots", command=["x"])
+
+
+async def test_the_agent_service_answers_through_a_mounted_server_and_getinfo_lists_it(
+    start_agent,
+):
+    """The whole agent service (scripted model and tools service on loopback gRPC) with
+    mcp-server-time mounted from its settings: the run calls it, and GetInfo says so."""
+    convert = {"source_timezone": "UTC", "time": "12:00", "target_timezone": "Asia/Tokyo"}
+    agent = await start_agent(
+        ServiceTools({}),
+        ServiceGeneration([[("time__convert_time", convert)]], answer="21:00 in Tokyo."),
+        mcp_servers=[time_server()],
+    )
+    target = f"127.0.0.1:{agent.server.port}"
+
+    async def connected() -> bool:
+        info = await get_info(target, timeout_s=10)
+        return info is not None and all(s.connected for s in info.external_servers)
+
+    await eventually(connected, timeout_s=CONNECT_S, interval_s=0.1)
+    (listed,) = (await get_info(target, timeout_s=10)).external_servers
+    assert (listed.name, listed.protocol, listed.address) == ("time", "mcp", TIME_SERVER)
+
+    events = await run_all(agent, "It is 12:00 in UTC. What time is it in Asia/Tokyo?")
+    (called,) = [e.tool_result for e in events if e.HasField("tool_result")]
+    assert called.name == "time__convert_time" and not called.is_error, called
+    ended = final(events)
+    assert ended.state == agent_pb2.RUN_STATE_ANSWERED, ended.notes
