@@ -18,6 +18,8 @@ from contextlib import asynccontextmanager
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from mcp import Client, StdioServerParameters, types
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
@@ -285,3 +287,91 @@ async def test_aimesh_mcp_serves_the_same_tools_over_stdio(mode):
             with pytest.raises(MCPError) as unknown:
                 await client.call_tool("no_such_tool", {})
             assert unknown.value.code == types.INVALID_PARAMS
+
+
+JSON_LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=30)
+    | st.sampled_from(["é" * 70_000, "\ud800", "calculator", "1+1", ""])
+)
+JSON_VALUES = st.recursive(
+    JSON_LEAVES,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner),
+    max_leaves=20,
+)
+METHODS = st.sampled_from(["tools/call", "tools/list", "ping", "initialize", "nope", ""])
+PARAMS = JSON_VALUES | st.fixed_dictionaries(
+    {"name": st.sampled_from(["calculator", "knowledge_search", "", "x" * 300]) | st.text()},
+    optional={"arguments": JSON_VALUES, "cursor": JSON_VALUES, "_meta": JSON_VALUES},
+)
+MESSAGES = st.fixed_dictionaries(
+    {"jsonrpc": st.sampled_from(["2.0", "1.0"]), "method": METHODS},
+    optional={"id": st.integers() | st.text(max_size=8) | st.none(), "params": PARAMS},
+)
+
+
+def _nested(depth: int) -> dict:
+    value: dict = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+ENVELOPE = {
+    "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+    "io.modelcontextprotocol/clientCapabilities": {},
+}
+
+
+def _modern(headers: dict[str, str], message: dict) -> dict[str, str]:
+    """The 2026-07-28 headers: the revision, and the method and tool name the body holds
+    (which the revision requires to match it); the body's params get the revision's
+    `_meta` envelope where they are an object, so that the message reaches a handler."""
+    if isinstance(message.get("params"), dict):
+        message["params"]["_meta"] = ENVELOPE
+    modern = {**headers, "mcp-protocol-version": "2026-07-28", "mcp-method": message["method"]}
+    params = message.get("params")
+    name = params.get("name") if isinstance(params, dict) else None
+    if isinstance(name, str) and name.isascii() and name.isprintable():
+        modern["mcp-name"] = name
+    return modern
+
+
+async def test_any_message_is_answered_without_a_server_error(tmp_path):
+    """Hypothesis' JSON-RPC messages of any shape (huge, non-ASCII, lone surrogates,
+    integers past 64 bits, nesting past what protobuf's Struct takes) at both revisions:
+    never a 5xx, and the endpoint serves on."""
+    headers = {**HEADERS, "authorization": "Bearer sk-tools"}
+    async with mcp_gateway(tmp_path) as gateway, httpx.AsyncClient(timeout=60) as http:
+        url = f"{gateway.url}/mcp"
+        deep = {**_call("calculator"), "params": {"name": "calculator", "arguments": _nested(300)}}
+        for message in (INITIALIZE, deep):
+            for sent in (headers, _modern(headers, message)):
+                reply = await http.post(url, json=message, headers=sent)
+                assert reply.status_code < 500, reply.text
+        # A 2025-11-25 session for the messages sent at that revision.
+        opened = await http.post(url, json=INITIALIZE, headers=headers)
+        legacy = {
+            **headers,
+            "mcp-session-id": opened.headers["mcp-session-id"],
+            "mcp-protocol-version": "2025-11-25",
+        }
+
+        @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(message=MESSAGES, modern=st.booleans())
+        def fuzzed(message: dict, modern: bool) -> None:
+            body = json.dumps(message, ensure_ascii=False).encode("utf-8", "surrogatepass")
+            sent = _modern(headers, message) if modern else legacy
+            reply = asyncio.run_coroutine_threadsafe(
+                http.post(url, content=body, headers=sent), loop
+            ).result(timeout=60)
+            assert reply.status_code < 500, (message, reply.text)
+
+        loop = asyncio.get_running_loop()
+        await asyncio.to_thread(fuzzed)
+        async with mcp_client(gateway, "2026-07-28") as client:
+            result = await client.call_tool("calculator", {"expression": "2+2"})
+        assert result.structured_content["value"] == 4
