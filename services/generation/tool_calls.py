@@ -156,6 +156,11 @@ def _loaded(text: str) -> Any:
         return None
 
 
+def _parameters(tool: generation_pb2.ToolDefinition) -> Any:
+    """The tool's arguments schema, parsed (checked before); any object when it has none."""
+    return _loaded(tool.parameters) if tool.parameters else {"type": "object"}
+
+
 def _depth(value: Any) -> int:
     """How deep a parsed JSON value nests, walked without recursion."""
     deepest, stack = 0, [(value, 1)]
@@ -218,7 +223,7 @@ def _call_schemas(
     for i, tool in enumerate(tools):
         if function and tool.name != function:
             continue
-        parameters = _loaded(tool.parameters) if tool.parameters else {"type": "object"}
+        parameters = _parameters(tool)
         arguments = _rehomed(parameters, f"tool{i}_", defs)
         calls.append(_closed({"name": {"const": tool.name}, "arguments": arguments}))
     return calls
@@ -253,16 +258,12 @@ def native_grammar(
     lines.append("call: " + " | ".join(f"call{i}" for i, _ in callable_))
     for i, tool in callable_:
         head = _literal(f'{_CALL_OPEN}{tool.name}", "{form.arguments_key}": ')
-        arguments = _loaded(tool.parameters) if tool.parameters else {"type": "object"}
+        arguments = _parameters(tool)
         lines.append(f'call{i}: {head} arguments{i} "}}"')
         lines.append(f"arguments{i}: %json {json.dumps({**arguments, 'x-guidance': JSON_FORMAT})}")
     if mode == Mode.MODE_AUTO:
-        if answer is not None:
-            answer_defs: dict[str, Any] = {}
-            shaped = _rehomed(answer, "answer_", answer_defs)
-            if answer_defs:
-                shaped = {**shaped, "$defs": answer_defs}
-            lines.append(f"answer: %json {json.dumps({**shaped, 'x-guidance': JSON_FORMAT})}")
+        if answer is not None:  # its own root, like each call's arguments
+            lines.append(f"answer: %json {json.dumps({**answer, 'x-guidance': JSON_FORMAT})}")
         else:
             # Hermes's calls begin with the tag; a line break after it is not needed for
             # text to read as a call.
@@ -316,7 +317,7 @@ def _instruction(tools: Sequence[generation_pb2.ToolDefinition], mode: int, func
         {
             "name": tool.name,
             "description": tool.description,
-            "parameters": _loaded(tool.parameters) if tool.parameters else {"type": "object"},
+            "parameters": _parameters(tool),
         }
         for tool in tools
     ]
@@ -484,7 +485,7 @@ def plan(
 
 def _openai_tool(tool: generation_pb2.ToolDefinition) -> dict[str, Any]:
     """A tool as OpenAI's request gives it, the shape templates read."""
-    parameters = _loaded(tool.parameters) if tool.parameters else {"type": "object"}
+    parameters = _parameters(tool)
     function = {"name": tool.name, "description": tool.description, "parameters": parameters}
     return {"type": "function", "function": function}
 
