@@ -47,6 +47,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from aimesh.mesh.v1 import info_pb2
 from mesh.breaker import CircuitBreaker, Outcome
 from mesh.config import BreakerSettings
+from mesh.errors import clipped
 from services.agent import loop
 from services.agent.planner import Observation, Tool, ToolStep
 from services.agent.settings import McpServerSettings
@@ -61,7 +62,7 @@ MAX_PAGES = 20
 MAX_TOOLS = 256
 # Reconnection backoff, doubling from the first to the last.
 RETRY_FIRST_S, RETRY_LAST_S = 0.5, 30.0
-# A note quotes at most this much of a server's own words.
+# A note quotes at most this many bytes of a server's own words.
 MAX_QUOTED = 200
 # JSON-RPC errors that say the call was wrong, not the server: the model reads them.
 REFUSALS = frozenset(
@@ -86,10 +87,6 @@ LATENCY = Histogram(
 )
 
 log = logging.getLogger(__name__)
-
-
-def _quoted(text: str) -> str:
-    return text if len(text) <= MAX_QUOTED else text[:MAX_QUOTED] + "..."
 
 
 @dataclass(frozen=True)
@@ -120,11 +117,9 @@ class Mount:
         self.settings = settings
         self.name = settings.name
         self._health = health
+        self.problem = "not connected yet"
         self.info = info_pb2.ExternalServer(
-            name=settings.name,
-            protocol="mcp",
-            address=_shown(settings),
-            problem="not connected yet",
+            name=settings.name, protocol="mcp", address=_shown(settings), problem=self.problem
         )
         self.health_name = f"{health_prefix}.mcp-{settings.name}"
         self.breaker = CircuitBreaker(f"mcp:{settings.name}", breaker)
@@ -136,11 +131,6 @@ class Mount:
         self._tried = asyncio.Event()
         self._broken = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.problem = "not connected yet"
-
-    @property
-    def connected(self) -> bool:
-        return self._client is not None
 
     def start(self) -> asyncio.Task[None]:
         self._task = asyncio.create_task(self._keep_connected(), name=f"mcp-{self.name}")
@@ -170,7 +160,7 @@ class Mount:
                         await asyncio.gather(watching, return_exceptions=True)
                     self.problem = "the connection broke"
             except Exception as error:  # the SDK's transports raise many kinds (groups too)
-                self.problem = _quoted(f"{type(error).__name__}: {error}")
+                self.problem = clipped(f"{type(error).__name__}: {error}", MAX_QUOTED)
                 log.warning("mcp server unreachable: %s", self.problem, extra={"server": self.name})
             finally:
                 self._client, self._listed = None, None
@@ -238,10 +228,10 @@ class Mount:
         except TimeoutError:
             raise loop.Unavailable("DEADLINE_EXCEEDED", "tools/list took too long") from None
         except MCPError as error:
-            raise loop.Unavailable("REFUSED", _quoted(error.message)) from None
+            raise loop.Unavailable("REFUSED", clipped(error.message, MAX_QUOTED)) from None
         except Exception as error:
             self._broken.set()
-            raise loop.Unavailable("UNAVAILABLE", _quoted(str(error))) from None
+            raise loop.Unavailable("UNAVAILABLE", clipped(str(error), MAX_QUOTED)) from None
         self._listed = listed
         return listed
 
@@ -263,9 +253,8 @@ class Mount:
                 continue
             problem = _unusable(self.name, tool)
             if problem:
-                notes.append(
-                    f"MCP server {self.name}: skipped tool {_quoted(tool.name)}: {problem}"
-                )
+                skipped = clipped(tool.name, MAX_QUOTED)
+                notes.append(f"MCP server {self.name}: skipped tool {skipped}: {problem}")
                 continue
             name = f"{self.name}{SEPARATOR}{tool.name}"
             tools[name] = Tool(name, tool.description or tool.title or "", dict(tool.input_schema))
@@ -299,20 +288,18 @@ class Mount:
         except MCPError as error:
             if error.code in REFUSALS:  # the call's own fault: its arguments, say
                 self._record(tool, "refused", Outcome.IGNORED, started)
-                why = _quoted(error.message)
+                why = clipped(error.message, MAX_QUOTED)
                 return Observation(step, True, f"the server refused the call: {why}")
             if error.code == types.CONNECTION_CLOSED:
                 self._broken.set()
             self._record(tool, "unavailable", Outcome.FAILURE, started)
-            why = _quoted(error.message)
+            why = clipped(error.message, MAX_QUOTED)
             raise loop.Unavailable("UNAVAILABLE", f"MCP server {self.name}: {why}") from None
         except Exception as error:
             self._broken.set()
             self._record(tool, "unavailable", Outcome.FAILURE, started)
-            raise loop.Unavailable(
-                "UNAVAILABLE",
-                f"MCP server {self.name}: {_quoted(str(error) or type(error).__name__)}",
-            ) from None
+            why = clipped(str(error) or type(error).__name__, MAX_QUOTED)
+            raise loop.Unavailable("UNAVAILABLE", f"MCP server {self.name}: {why}") from None
         text = "\n".join(block.text for block in result.content if block.type == "text")
         structured = result.structured_content or {}
         size = len(text.encode()) + len(json.dumps(structured).encode())
@@ -357,7 +344,7 @@ def _unusable(server: str, tool: types.Tool) -> str:
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as error:
-        return f"its input schema is invalid: {_quoted(error.message)}"
+        return f"its input schema is invalid: {clipped(error.message, MAX_QUOTED)}"
     return ""
 
 
