@@ -43,6 +43,9 @@ SCOPES = {
     "/v1/images/generations": "images",
 }
 PRINCIPAL = "aimesh.principal"
+# The request's whole body, for an endpoint that must look at it before its framework
+# reads it (MCP's method decides the scope a key needs).
+BODY = "aimesh.body"
 # The status counted for a request whose client left before its body was complete
 # (nginx's "client closed request").
 CLIENT_GONE = 499
@@ -137,7 +140,7 @@ class Front:
             try:
                 if path not in PUBLIC:
                     scope[PRINCIPAL] = _authorize(self.keys, path, headers)
-                receive = await read_body(headers, receive, self.body)
+                scope[BODY], receive = await read_body(headers, receive, self.body)
                 await self.app(scope, receive, observed)
             except ClientGone:
                 status = CLIENT_GONE

@@ -31,7 +31,7 @@ from starlette.types import Message, Receive, Scope, Send
 from aimesh.tools.v1 import tools_pb2_grpc
 from mesh import caller, request_id
 from services.gateway.errors import ApiError
-from services.gateway.front import PRINCIPAL, missing_scope
+from services.gateway.front import BODY, PRINCIPAL, missing_scope
 from services.gateway.keys import Principal
 from services.gateway.mcp_server import Metadata, ToolsOverMcp
 
@@ -65,6 +65,16 @@ def _methods(body: bytes) -> Iterable[str]:
     messages = message if isinstance(message, list) else [message]
     methods = (m.get("method") for m in messages if isinstance(m, dict))
     return [method for method in methods if isinstance(method, str)]
+
+
+def _authorize(scope: Scope) -> None:
+    """Refuses a method the key's scopes do not cover (403, as the Front refuses a path),
+    before the SDK reads the body, from the body the Front read whole."""
+    principal: Principal = scope[PRINCIPAL]
+    for method in _methods(scope[BODY]):
+        needed = SCOPES.get(method)
+        if needed is not None and needed not in principal.scopes:
+            raise missing_scope(method, needed)
 
 
 class McpEndpoint:
@@ -121,7 +131,7 @@ class McpEndpoint:
                 404, "no such MCP session for this key", type="not_found_error", code="no_session"
             )
         if scope["method"] == "POST":
-            receive = await self._authorized(scope, receive)
+            _authorize(scope)
         if scope["method"] == "DELETE":
             self._owners.pop(session, None)
         await self._running.wait()
@@ -140,29 +150,3 @@ class McpEndpoint:
         self._owners.move_to_end(session)
         while len(self._owners) > MAX_OWNED_SESSIONS:
             self._owners.popitem(last=False)
-
-    async def _authorized(self, scope: Scope, receive: Receive) -> Receive:
-        """Refuses a method the key's scopes do not cover (403, as the Front refuses a
-        path), before the SDK parses the body; the body, which the Front read whole,
-        is replayed to it."""
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
-        principal: Principal = scope[PRINCIPAL]
-        for method in _methods(body):
-            needed = SCOPES.get(method)
-            if needed is not None and needed not in principal.scopes:
-                raise missing_scope(method, needed)
-        replayed = False
-
-        async def replay() -> dict[str, Any]:
-            nonlocal replayed
-            if replayed:
-                return await receive()  # the disconnect, when it comes
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        return replay

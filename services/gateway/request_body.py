@@ -97,10 +97,12 @@ def declared_length(headers: Mapping[str, str]) -> int | None:
     return int(value) if value.isascii() and value.isdigit() else None
 
 
-async def read_body(headers: Mapping[str, str], receive: Receive, limits: BodyLimits) -> Receive:
+async def read_body(
+    headers: Mapping[str, str], receive: Receive, limits: BodyLimits
+) -> tuple[bytes, Receive]:
     """Reads the whole body within `limits` (or raises BodyRefused, or ClientGone) and
-    returns a receive that gives it in one message, then passes through to `receive` (for
-    the disconnect a response listens for)."""
+    returns it, with a receive that gives it in one message, then passes through to
+    `receive` (for the disconnect a response listens for)."""
     declared = declared_length(headers)
     if declared is not None and declared > limits.max_bytes:
         # A client that asked to be told to go on (Expect: 100-continue) sends nothing
@@ -124,7 +126,8 @@ async def read_body(headers: Mapping[str, str], receive: Receive, limits: BodyLi
                     break
     except TimeoutError:
         raise too_slow(limits) from None
-    body: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+    whole = b"".join(chunks)
+    body: Message | None = {"type": "http.request", "body": whole, "more_body": False}
 
     async def replay() -> Message:
         nonlocal body
@@ -133,4 +136,4 @@ async def read_body(headers: Mapping[str, str], receive: Receive, limits: BodyLi
         message, body = body, None
         return message
 
-    return replay
+    return whole, replay
