@@ -15,14 +15,13 @@ from typing import Annotated, Any
 import typer
 from mcp.server.stdio import stdio_server
 
-from aimesh.tools.v1 import tools_pb2, tools_pb2_grpc
+from aimesh.tools.v1 import tools_pb2_grpc
 from mesh.client import create_channel
 from mesh.config import MeshSettings
 from mesh.registry import discover
-from services.gateway.mcp_server import Metadata, ToolsOverMcp
+from services.gateway.mcp_server import TOOLS, Metadata, ToolsOverMcp
 
 KEY_VARIABLE = "AIMESH_API_KEY"
-TOOLS = tools_pb2.DESCRIPTOR.services_by_name["ToolsService"]
 
 
 def mcp(

@@ -25,6 +25,7 @@ from mcp.shared.exceptions import MCPError
 from aimesh.tools.v1 import tools_pb2, tools_pb2_grpc
 from mesh.errors import field_violations
 
+TOOLS = tools_pb2.DESCRIPTOR.services_by_name["ToolsService"]
 # Codes the tools service answers for the caller's mistakes: the MCP client's to fix.
 _CALLERS_MISTAKES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
 # What a transport says of a request: the metadata its ToolsService call carries (the

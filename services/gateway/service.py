@@ -17,7 +17,7 @@ from aimesh.diffusion.v1 import diffusion_pb2_grpc
 from aimesh.llm.v1 import generation_pb2_grpc
 from aimesh.rerank.v1 import rerank_pb2_grpc
 from aimesh.retrieval.v1 import embedder_pb2_grpc
-from aimesh.tools.v1 import tools_pb2, tools_pb2_grpc
+from aimesh.tools.v1 import tools_pb2_grpc
 from mesh.metering import Meter, warn_unenforced
 from mesh.server import MeshServer
 from services.gateway.admission import Slots
@@ -29,13 +29,13 @@ from services.gateway.http_server import HttpServer
 from services.gateway.images import DIFFUSION, Images
 from services.gateway.keys import KeyStore, OpenAccess
 from services.gateway.mcp_http import McpEndpoint
+from services.gateway.mcp_server import TOOLS
 from services.gateway.request_body import BodyLimits
 from services.gateway.rerank import RERANK, Rerank
 from services.gateway.settings import GatewayOptions
 from services.gateway.shared import Shared
 
 log = logging.getLogger(__name__)
-TOOLS = tools_pb2.DESCRIPTOR.services_by_name["ToolsService"]
 
 
 async def setup(server: MeshServer) -> HttpServer:
